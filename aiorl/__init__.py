@@ -1,0 +1,32 @@
+"""aiorl: an asyncio-native actor runtime for distributed RL and LLM post-training."""
+
+from aiorl.errors import (
+    AiorlError,
+    AuthenticationError,
+    PeerLostError,
+    PlacementError,
+    ProtocolError,
+    QueueEmpty,
+    QueueFull,
+    RegistryUnavailable,
+    RemoteError,
+    WorkerInitError,
+)
+from aiorl.names import WorkerAddress, WorkerInfo
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AiorlError",
+    "AuthenticationError",
+    "PeerLostError",
+    "PlacementError",
+    "ProtocolError",
+    "QueueEmpty",
+    "QueueFull",
+    "RegistryUnavailable",
+    "RemoteError",
+    "WorkerAddress",
+    "WorkerInfo",
+    "WorkerInitError",
+]

@@ -1,0 +1,57 @@
+"""Placement: which process of a worker group runs on which node and resource.
+
+Pure logic over a static :class:`ClusterSpec`; nothing here starts processes or
+imports torch, zmq or omegaconf, so the node agent can import it cheaply and
+``aiorl plan`` can check a config on any machine. See ``docs/placement.md``.
+
+Typical use::
+
+    spec = ClusterSpec(num_nodes=2, accelerators_per_node=8)
+    cp = ComponentPlacement({"cluster": {"component_placement": {"actor": "0-15"}}}, spec)
+    cp.get_world_size("actor")          # 16
+    cp.get_placement("actor")[9]        # node 1, visible accelerator "1"
+
+    PackedPlacementStrategy(0, 7, num_hardware_per_process=2).get_placement(spec)
+"""
+
+from __future__ import annotations
+
+from aiorl.errors import PlacementError
+from aiorl.placement._component import ComponentPlacement
+from aiorl.placement._ranks import format_ranks, parse_rank_config
+from aiorl.placement._render import render_placements, render_plan
+from aiorl.placement._spec import (
+    RESERVED_GROUP_LABELS,
+    ClusterSpec,
+    EnvConfig,
+    NodeGroup,
+)
+from aiorl.placement._strategies import (
+    FlexiblePlacementStrategy,
+    NodePlacementStrategy,
+    PackedPlacementStrategy,
+    Placement,
+    PlacementStrategy,
+    RankStringPlacementStrategy,
+    default_placement_strategy,
+)
+
+__all__ = [
+    "RESERVED_GROUP_LABELS",
+    "ClusterSpec",
+    "ComponentPlacement",
+    "EnvConfig",
+    "FlexiblePlacementStrategy",
+    "NodeGroup",
+    "NodePlacementStrategy",
+    "PackedPlacementStrategy",
+    "Placement",
+    "PlacementError",
+    "PlacementStrategy",
+    "RankStringPlacementStrategy",
+    "default_placement_strategy",
+    "format_ranks",
+    "parse_rank_config",
+    "render_placements",
+    "render_plan",
+]

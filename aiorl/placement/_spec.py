@@ -1,0 +1,548 @@
+"""Static cluster description: :class:`ClusterSpec`, :class:`NodeGroup`, :class:`EnvConfig`.
+
+A :class:`ClusterSpec` says how many nodes there are, how many accelerators each
+has, and which node groups are declared. It starts nothing; placement is computed
+from it alone, so plans can be checked on a laptop (``aiorl plan``) and the live
+``Cluster`` hands the same object to the strategies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiorl.errors import PlacementError
+from aiorl.placement._ranks import format_ranks, parse_rank_config
+
+__all__ = [
+    "ACCELERATOR",
+    "NODE",
+    "RESERVED_GROUP_LABELS",
+    "ClusterSpec",
+    "EnvConfig",
+    "NodeGroup",
+    "to_plain",
+]
+
+#: ``Placement.hardware_type`` of a process placed on accelerators.
+ACCELERATOR = "accelerator"
+#: ``Placement.hardware_type`` of a process placed on a whole node.
+NODE = "node"
+#: Labels the scheduler defines itself; users may not declare groups with them.
+RESERVED_GROUP_LABELS = ("cluster", "node")
+
+
+def to_plain(obj: Any) -> Any:
+    """Turn mappings and sequences (e.g. omegaconf ``DictConfig``/``ListConfig``) into
+    plain ``dict``/``list``, recursively.
+
+    Done by duck typing instead of ``OmegaConf.to_container`` so that this module never
+    imports omegaconf: the node agent imports placement and must start fast. Reading
+    values through the ``Mapping`` interface resolves omegaconf interpolations.
+    """
+    if isinstance(obj, Mapping):
+        return {k: to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
+        return [to_plain(v) for v in obj]
+    return obj
+
+
+def _check_keys(cfg: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
+    # Unknown keys are nearly always typos ("node_rank" for "node_ranks"); silently
+    # ignoring them would place processes somewhere the user did not ask for.
+    unknown = sorted(str(k) for k in cfg if k not in allowed)
+    if unknown:
+        raise PlacementError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; expected {', '.join(allowed)}"
+        )
+
+
+def _ranks(text: Any, where: str, available: Sequence[int] | int | None = None) -> list[int]:
+    """``parse_rank_config`` with ``where`` prefixed to any error message."""
+    try:
+        return parse_rank_config(text, available)
+    except PlacementError as exc:
+        raise PlacementError(f"{where}: {exc}") from None
+
+
+@dataclass
+class EnvConfig:
+    """Environment for processes on some nodes of a node group.
+
+    Attributes:
+        node_ranks: global node ranks this entry applies to (a subset of the group's).
+        env_vars: variables set in every process the group places on those nodes.
+        python_interpreter_path: the interpreter to run there, if not the default
+            (kept for the runtime; placement only carries it).
+    """
+
+    node_ranks: list[int]
+    env_vars: dict[str, str] = field(default_factory=dict)
+    python_interpreter_path: str | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], where: str = "env_configs entry") -> EnvConfig:
+        """Build from ``{node_ranks, env_vars, python_interpreter_path}``.
+
+        ``env_vars`` is either a mapping ``{KEY: value}`` or a list of such mappings
+        (RLinf writes a list of one-key mappings). Values become strings; a key given
+        twice in one entry is an error.
+        """
+        cfg = to_plain(cfg)
+        if not isinstance(cfg, dict):
+            raise PlacementError(f"{where}: expected a mapping, got {cfg!r}")
+        _check_keys(cfg, ("node_ranks", "env_vars", "python_interpreter_path"), where)
+        if "node_ranks" not in cfg:
+            raise PlacementError(f"{where}: missing node_ranks")
+        node_ranks = _ranks(cfg["node_ranks"], f"{where} node_ranks")
+        raw = cfg.get("env_vars") or {}
+        items: list[tuple[Any, Any]] = []
+        if isinstance(raw, dict):
+            items.extend(raw.items())
+        elif isinstance(raw, list):
+            for entry in raw:
+                if not isinstance(entry, dict):
+                    raise PlacementError(
+                        f"{where}: env_vars entries must be mappings like {{KEY: value}}, "
+                        f"got {entry!r}"
+                    )
+                items.extend(entry.items())
+        else:
+            raise PlacementError(
+                f"{where}: env_vars must be a mapping or a list of mappings, got {raw!r}"
+            )
+        env: dict[str, str] = {}
+        for key, value in items:
+            if not isinstance(key, str) or not key or "=" in key:
+                raise PlacementError(f"{where}: {key!r} is not a valid environment variable name")
+            if value is None:
+                raise PlacementError(f"{where}: environment variable {key} has no value")
+            if key in env:
+                raise PlacementError(f"{where}: environment variable {key} is set twice")
+            env[key] = str(value)
+        interpreter = cfg.get("python_interpreter_path")
+        return cls(
+            node_ranks=node_ranks,
+            env_vars=env,
+            python_interpreter_path=None if interpreter is None else str(interpreter),
+        )
+
+
+@dataclass
+class NodeGroup:
+    """A labelled set of nodes and the kind of resource they offer.
+
+    What a *resource* of the group is (the unit that placement strings count):
+
+    1. ``hardware_type`` set: that hardware (e.g. robots), ``hardware_per_node[n]``
+       units on node ``n``;
+    2. else, when ``per_node`` is false and the group's nodes have accelerators: the
+       accelerators;
+    3. else: the nodes themselves, one resource per node.
+
+    Resources are numbered from 0 within the group: nodes in ascending rank order,
+    and within a node by local index. The reserved group ``node`` is a ``per_node``
+    group over every node; ``cluster`` is an ordinary group over every node.
+
+    Attributes:
+        label: the name used in ``component_placement`` (no ``,`` or ``:``).
+        node_ranks: global node ranks in the group, ascending. A rank string such as
+            ``"0-3"`` is accepted and parsed.
+        hardware_type: the custom hardware type, or ``None`` for accelerators/nodes.
+        hardware_per_node: units of ``hardware_type`` on each node of the group.
+        hardware_configs: per node, the config entry of each unit, in unit order, when
+            the group was declared in RLinf's ``configs`` form (empty otherwise).
+        env_configs: environment per subset of the group's nodes; entries may not
+            overlap. Dicts are accepted and converted.
+        per_node: count nodes as the resources even when accelerators exist.
+    """
+
+    label: str
+    node_ranks: list[int]
+    hardware_type: str | None = None
+    hardware_per_node: dict[int, int] = field(default_factory=dict)
+    hardware_configs: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    env_configs: list[EnvConfig] = field(default_factory=list)
+    per_node: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.label, str) or not self.label.strip():
+            raise PlacementError(f"node group label {self.label!r} must be a non-empty string")
+        self.label = self.label.strip()
+        # ',' joins several labels in one node_group value and ':' separates ranks, so a
+        # label holding either could never be referred to unambiguously.
+        if any(c in self.label for c in ",: \t"):
+            raise PlacementError(
+                f"node group label {self.label!r} may not contain ',', ':' or whitespace"
+            )
+        where = f"node group {self.label!r}"
+        self.node_ranks = _ranks(self.node_ranks, f"{where} node_ranks")
+        members = set(self.node_ranks)
+        if self.hardware_type is not None:
+            if not isinstance(self.hardware_type, str) or not self.hardware_type.strip():
+                raise PlacementError(f"{where}: hardware type must be a non-empty string")
+            if self.hardware_type.strip().lower() in (ACCELERATOR, NODE):
+                # These two names are what Placement.hardware_type reports for the
+                # built-in kinds; a custom type with the same name would be ambiguous.
+                raise PlacementError(
+                    f"{where}: hardware type {self.hardware_type!r} is reserved; omit "
+                    "'hardware' to place on accelerators or nodes"
+                )
+            counts = {int(n): int(c) for n, c in dict(self.hardware_per_node).items()}
+            for n, c in counts.items():
+                if n not in members:
+                    raise PlacementError(
+                        f"{where}: hardware declared on node {n}, which is not in the "
+                        f"group's node_ranks {format_ranks(self.node_ranks)}"
+                    )
+                if c < 0:
+                    raise PlacementError(f"{where}: negative hardware count {c} on node {n}")
+            self.hardware_per_node = {n: counts.get(n, 0) for n in self.node_ranks}
+            if sum(self.hardware_per_node.values()) == 0:
+                raise PlacementError(f"{where}: hardware {self.hardware_type!r} has no units")
+        elif self.hardware_per_node or self.hardware_configs:
+            raise PlacementError(f"{where}: hardware units given without a hardware type")
+        envs = [
+            e if isinstance(e, EnvConfig) else EnvConfig.from_config(e, f"{where} env_configs")
+            for e in self.env_configs
+        ]
+        covered: dict[int, int] = {}
+        for i, env in enumerate(envs):
+            for n in env.node_ranks:
+                if n not in members:
+                    raise PlacementError(
+                        f"{where}: env_configs entry {i} names node {n}, which is not in the "
+                        f"group's node_ranks {format_ranks(self.node_ranks)}"
+                    )
+                if n in covered:
+                    raise PlacementError(
+                        f"{where}: env_configs entries {covered[n]} and {i} both cover node {n}; "
+                        "entries must not overlap"
+                    )
+                covered[n] = i
+        self.env_configs = envs
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> NodeGroup:
+        """Build from one ``cluster.node_groups`` entry.
+
+        Shape: ``{label, node_ranks, hardware?, env_configs?}`` where ``hardware`` is
+        ``{type, count}`` (``count`` units on every node of the group) or RLinf's
+        ``{type, configs: [{node_rank, ...}, ...]}`` (each entry is one unit on its node).
+        """
+        cfg = to_plain(cfg)
+        if not isinstance(cfg, dict):
+            raise PlacementError(f"node_groups entries must be mappings, got {cfg!r}")
+        label = cfg.get("label")
+        where = f"node group {label!r}"
+        if label is None:
+            raise PlacementError(f"node group {cfg!r}: missing label")
+        # YAML reads an unquoted `label: 4090` as an int; the label is still meant as text.
+        label = str(label)
+        _check_keys(cfg, ("label", "node_ranks", "hardware", "env_configs"), where)
+        if "node_ranks" not in cfg:
+            raise PlacementError(f"{where}: missing node_ranks")
+        node_ranks = _ranks(cfg["node_ranks"], f"{where} node_ranks")
+        hw_type: str | None = None
+        per_node: dict[int, int] = {}
+        configs: dict[int, list[dict[str, Any]]] = {}
+        hardware = cfg.get("hardware")
+        if hardware is not None:
+            if not isinstance(hardware, dict):
+                raise PlacementError(f"{where}: hardware must be a mapping, got {hardware!r}")
+            _check_keys(hardware, ("type", "count", "configs"), f"{where} hardware")
+            if not hardware.get("type"):
+                raise PlacementError(f"{where}: hardware needs a type")
+            hw_type = str(hardware["type"])
+            has_count = hardware.get("count") is not None
+            has_configs = hardware.get("configs") is not None
+            if has_count == has_configs:
+                raise PlacementError(
+                    f"{where}: hardware needs exactly one of 'count' (units per node) "
+                    "or 'configs' (one entry per unit, each with a node_rank)"
+                )
+            if has_count:
+                count = hardware["count"]
+                if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                    raise PlacementError(
+                        f"{where}: hardware count must be a positive integer, got {count!r}"
+                    )
+                per_node = {n: count for n in node_ranks}
+            else:
+                units = hardware["configs"]
+                if not isinstance(units, list) or not units:
+                    raise PlacementError(f"{where}: hardware configs must be a non-empty list")
+                for i, unit in enumerate(units):
+                    if not isinstance(unit, dict) or "node_rank" not in unit:
+                        raise PlacementError(
+                            f"{where}: hardware configs entry {i} needs a node_rank"
+                        )
+                    n = unit["node_rank"]
+                    if isinstance(n, bool) or not isinstance(n, int):
+                        raise PlacementError(
+                            f"{where}: hardware configs entry {i}: node_rank must be an "
+                            f"integer, got {n!r}"
+                        )
+                    per_node[n] = per_node.get(n, 0) + 1
+                    configs.setdefault(n, []).append(unit)
+        return cls(
+            label=label,
+            node_ranks=node_ranks,
+            hardware_type=hw_type,
+            hardware_per_node=per_node,
+            hardware_configs=configs,
+            env_configs=list(cfg.get("env_configs") or []),
+        )
+
+    @property
+    def reserved(self) -> bool:
+        """Whether this is one of the scheduler's own groups (``cluster``, ``node``)."""
+        return self.label in RESERVED_GROUP_LABELS
+
+    def resource_kind(self, spec: ClusterSpec) -> str:
+        """The kind of resource: ``hardware_type``, ``"accelerator"`` or ``"node"``."""
+        if self.hardware_type is not None:
+            return self.hardware_type
+        if not self.per_node and any(spec.accelerators_on(n) for n in self.node_ranks):
+            return ACCELERATOR
+        return NODE
+
+    def resources(self, spec: ClusterSpec) -> list[tuple[int, int]]:
+        """The group's resources as ``(node_rank, local_index)``, in resource-rank order.
+
+        The position in the returned list is the resource rank that placement strings
+        use for this group. A node resource has local index 0.
+        """
+        kind = self.resource_kind(spec)
+        out: list[tuple[int, int]] = []
+        for n in self.node_ranks:
+            if kind == NODE:
+                count = 1
+            elif kind == ACCELERATOR:
+                count = spec.accelerators_on(n)
+            else:
+                count = self.hardware_per_node.get(n, 0)
+            out.extend((n, i) for i in range(count))
+        return out
+
+    def env_for(self, node_rank: int) -> dict[str, str]:
+        """The environment variables this group sets on ``node_rank`` (a new dict)."""
+        for env in self.env_configs:
+            if node_rank in env.node_ranks:
+                return dict(env.env_vars)
+        return {}
+
+    def python_interpreter_for(self, node_rank: int) -> str | None:
+        """The interpreter configured for ``node_rank``, or ``None`` for the default."""
+        for env in self.env_configs:
+            if node_rank in env.node_ranks:
+                return env.python_interpreter_path
+        return None
+
+
+class ClusterSpec:
+    """A static description of a cluster: nodes, accelerators and node groups.
+
+    Args:
+        num_nodes: number of nodes, ranked ``0..num_nodes-1``.
+        accelerators_per_node: accelerators on every node (an int), or one count per
+            node (a list of ``num_nodes`` ints).
+        node_groups: user node groups, as :class:`NodeGroup` objects or
+            ``cluster.node_groups`` dicts. Labels must be unique and not reserved;
+            their nodes must exist.
+        accelerator_type: the accelerator family, e.g. ``"cuda"``; informational.
+
+    The reserved groups are always available through :meth:`get_node_group`:
+    ``cluster`` (every node; accelerators, or nodes when there are none) and ``node``
+    (every node; one resource per node).
+
+    Raises:
+        PlacementError: any of the above is violated.
+    """
+
+    def __init__(
+        self,
+        num_nodes: int,
+        accelerators_per_node: int | Sequence[int] = 0,
+        node_groups: Sequence[NodeGroup | Mapping[str, Any]] | None = None,
+        accelerator_type: str = "cuda",
+    ) -> None:
+        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+            raise PlacementError(f"num_nodes must be a positive integer, got {num_nodes!r}")
+        self.num_nodes = num_nodes
+        if isinstance(accelerators_per_node, bool):
+            raise PlacementError("accelerators_per_node must be an int or a list of ints")
+        if isinstance(accelerators_per_node, int):
+            per_node = [accelerators_per_node] * num_nodes
+        else:
+            per_node = [int(a) for a in accelerators_per_node]
+            if len(per_node) != num_nodes:
+                raise PlacementError(
+                    f"accelerators_per_node lists {len(per_node)} nodes, but num_nodes is "
+                    f"{num_nodes}"
+                )
+        if any(a < 0 for a in per_node):
+            raise PlacementError(f"accelerators_per_node must be >= 0, got {per_node}")
+        self._accelerators = per_node
+        self.accelerator_type = accelerator_type
+        self._groups: dict[str, NodeGroup] = {}
+        for g in node_groups or ():
+            group = g if isinstance(g, NodeGroup) else NodeGroup.from_config(g)
+            if group.label in RESERVED_GROUP_LABELS:
+                raise PlacementError(
+                    f"node group label {group.label!r} is reserved (reserved labels: "
+                    f"{', '.join(RESERVED_GROUP_LABELS)}); choose another label"
+                )
+            if group.label in self._groups:
+                raise PlacementError(f"node group label {group.label!r} is declared twice")
+            for n in group.node_ranks:
+                if n >= num_nodes:
+                    raise PlacementError(
+                        f"node group {group.label!r}: node rank {n} is out of range; the "
+                        f"cluster has {num_nodes} node(s) (0-{num_nodes - 1})"
+                    )
+            self._groups[group.label] = group
+
+    # -- construction from config ------------------------------------------------------
+
+    @classmethod
+    def from_config(
+        cls,
+        cluster_cfg: Mapping[str, Any] | None,
+        accelerators_per_node: int | Sequence[int] | None = None,
+        *,
+        num_nodes: int | None = None,
+        accelerator_type: str | None = None,
+    ) -> ClusterSpec:
+        """Build from a ``cluster:`` section (dict or omegaconf ``DictConfig``).
+
+        Args:
+            cluster_cfg: the ``cluster:`` section itself, or a whole config holding it
+                under a top-level ``cluster`` key. Reads ``num_nodes`` (default 1),
+                ``node_groups``, and, when the arguments below are ``None``,
+                ``accelerators_per_node`` (default 0) and ``accelerator_type``
+                (default ``"cuda"``). ``component_placement`` is ignored here.
+            accelerators_per_node: overrides the config's value.
+            num_nodes: overrides the config's ``num_nodes``.
+            accelerator_type: overrides the config's value.
+        """
+        cfg = cluster_section(cluster_cfg)
+        if num_nodes is None:
+            num_nodes = cfg.get("num_nodes", 1)
+        if accelerators_per_node is None:
+            accelerators_per_node = cfg.get("accelerators_per_node", 0)
+        if accelerator_type is None:
+            accelerator_type = str(cfg.get("accelerator_type", "cuda"))
+        groups = cfg.get("node_groups") or []
+        if not isinstance(groups, list):
+            raise PlacementError(f"cluster.node_groups must be a list, got {groups!r}")
+        return cls(
+            num_nodes=num_nodes,
+            accelerators_per_node=accelerators_per_node,
+            node_groups=groups,
+            accelerator_type=accelerator_type,
+        )
+
+    def with_node_groups(self, node_groups: Sequence[NodeGroup | Mapping[str, Any]]) -> ClusterSpec:
+        """A copy of this spec with ``node_groups`` replacing its user node groups."""
+        return ClusterSpec(
+            self.num_nodes, list(self._accelerators), node_groups, self.accelerator_type
+        )
+
+    # -- queries -----------------------------------------------------------------------
+
+    @property
+    def accelerators_per_node(self) -> list[int]:
+        """Accelerator count of each node, indexed by node rank (a copy)."""
+        return list(self._accelerators)
+
+    @property
+    def num_accelerators(self) -> int:
+        """Total accelerators in the cluster."""
+        return sum(self._accelerators)
+
+    def accelerators_on(self, node_rank: int) -> int:
+        """Number of accelerators on ``node_rank``."""
+        if not 0 <= node_rank < self.num_nodes:
+            raise PlacementError(
+                f"node rank {node_rank} is out of range; the cluster has {self.num_nodes} "
+                f"node(s) (0-{self.num_nodes - 1})"
+            )
+        return self._accelerators[node_rank]
+
+    @property
+    def node_groups(self) -> list[NodeGroup]:
+        """The user-declared node groups, in declaration order (reserved ones excluded)."""
+        return list(self._groups.values())
+
+    @property
+    def node_group_labels(self) -> list[str]:
+        """Every label :meth:`get_node_group` accepts: reserved first, then user groups."""
+        return [*RESERVED_GROUP_LABELS, *self._groups]
+
+    def get_node_group(self, label: str) -> NodeGroup:
+        """The node group called ``label``, including the reserved ``cluster`` and ``node``.
+
+        Raises:
+            PlacementError: no such group; the message lists the known labels.
+        """
+        label = str(label).strip()
+        if label in self._groups:
+            return self._groups[label]
+        everyone = list(range(self.num_nodes))
+        if label == "cluster":
+            return NodeGroup(label="cluster", node_ranks=everyone)
+        if label == "node":
+            return NodeGroup(label="node", node_ranks=everyone, per_node=True)
+        raise PlacementError(
+            f"unknown node group {label!r}; known node groups: {', '.join(self.node_group_labels)}"
+        )
+
+    def describe(self) -> str:
+        """One line such as ``2 nodes, 8 cuda accelerators per node (16 in all)``."""
+        nodes = f"{self.num_nodes} node{'s' if self.num_nodes != 1 else ''}"
+        accs = self._accelerators
+        if len(set(accs)) == 1:
+            acc = f"{accs[0]} {self.accelerator_type} accelerator{'s' if accs[0] != 1 else ''} per node"
+        else:
+            acc = f"{self.accelerator_type} accelerators per node {accs}"
+        return f"{nodes}, {acc} ({self.num_accelerators} in all)"
+
+    def __repr__(self) -> str:
+        return (
+            f"ClusterSpec(num_nodes={self.num_nodes}, accelerators_per_node="
+            f"{self._accelerators}, node_groups={self.node_groups!r}, "
+            f"accelerator_type={self.accelerator_type!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ClusterSpec):
+            return NotImplemented
+        return (
+            self.num_nodes == other.num_nodes
+            and self._accelerators == other._accelerators
+            and self.accelerator_type == other.accelerator_type
+            and self._groups == other._groups
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable groups; equality is by value
+
+
+def cluster_section(cfg: Any) -> dict[str, Any]:
+    """Return the ``cluster:`` section of ``cfg`` as a plain dict.
+
+    ``cfg`` is the section itself or a whole config with a top-level ``cluster`` key
+    (a cluster section never has a key of that name, so the two cannot be confused).
+    ``None`` gives ``{}``.
+    """
+    if cfg is None:
+        return {}
+    if not isinstance(cfg, Mapping):
+        raise PlacementError(f"expected a cluster config mapping, got {type(cfg).__name__}")
+    inner = cfg.get("cluster")
+    if isinstance(inner, Mapping):
+        cfg = inner
+    plain = to_plain(cfg)
+    assert isinstance(plain, dict)
+    return plain

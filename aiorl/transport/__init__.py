@@ -1,0 +1,12 @@
+"""The wire layer: message envelopes, serialization, sockets and the asyncio endpoint.
+
+Data flows one way: the actor layer (``aiorl.actors``) calls an :class:`Endpoint`,
+which frames messages with :mod:`aiorl.transport.wire` and moves them over ZMQ
+sockets made by :mod:`aiorl.transport.sockets` (the one place sockets are created).
+"""
+
+from aiorl.transport.endpoint import Endpoint, Incoming
+from aiorl.transport.serialization import dumps, loads
+from aiorl.transport.wire import PROTOCOL_VERSION, Kind
+
+__all__ = ["PROTOCOL_VERSION", "Endpoint", "Incoming", "Kind", "dumps", "loads"]

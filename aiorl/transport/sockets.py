@@ -1,0 +1,78 @@
+"""The one place where aiorl creates ZMQ sockets.
+
+Every socket of the runtime (registry, node agents, workers, drivers) is made by
+:func:`make_socket`, so that socket options (and authentication, when it is
+switched on for a cluster) apply everywhere at once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket as _socket
+import threading
+
+import zmq
+
+__all__ = ["bind_random_port", "get_context", "local_ip", "make_socket"]
+
+_ctx_lock = threading.Lock()
+_ctx_pid: int | None = None
+_ctx: zmq.Context | None = None
+
+
+def get_context() -> zmq.Context:
+    """The process's ZMQ context, created anew after a fork (contexts do not survive fork)."""
+    global _ctx, _ctx_pid
+    with _ctx_lock:
+        if _ctx is None or _ctx_pid != os.getpid():
+            _ctx = zmq.Context(io_threads=1)
+            _ctx.setsockopt(zmq.LINGER, 200)
+            _ctx_pid = os.getpid()
+        return _ctx
+
+
+def make_socket(kind: int, *, identity: bytes | None = None) -> zmq.Socket:
+    """Create a socket of ZMQ type ``kind`` with the runtime's standard options.
+
+    Unlimited high-water marks: flow control is done by the protocols above
+    (credits in channels, request/reply in calls), and a dropped or blocked
+    control message would be worse than memory held for a moment.
+    """
+    sock = get_context().socket(kind)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 200)
+    if kind == zmq.ROUTER:
+        # Raise EHOSTUNREACH instead of silently dropping a reply to a vanished peer,
+        # and let a reconnecting peer with the same identity take its place.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    if kind == zmq.DEALER:
+        # Detect dead TCP peers even when no request is in flight.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    if identity is not None:
+        sock.setsockopt(zmq.ROUTING_ID, identity)
+    return sock
+
+
+def bind_random_port(sock: zmq.Socket, host: str, port: int = 0) -> str:
+    """Bind ``sock`` on ``host`` (port 0 = any free port) and return its ``tcp://`` address."""
+    if port:
+        sock.bind(f"tcp://{host}:{port}")
+        return f"tcp://{host}:{port}"
+    chosen = sock.bind_to_random_port(f"tcp://{host}", min_port=20000, max_port=60000)
+    return f"tcp://{host}:{chosen}"
+
+
+def local_ip() -> str:
+    """This host's address as other hosts see it: ``AIORL_NODE_IP``, else the hostname's."""
+    override = os.environ.get("AIORL_NODE_IP")
+    if override:
+        return override
+    try:
+        return _socket.gethostbyname(_socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

@@ -1,0 +1,78 @@
+"""Message envelopes.
+
+A message is a list of ZMQ frames. The first frame is a msgpack array, the
+*header*::
+
+    [PROTOCOL_VERSION, kind, request_id, op, meta]
+
+``kind`` says what the message is (a request, a reply, an error reply, a one-way
+message or a pushed event), ``request_id`` pairs replies with requests (0 for
+messages that expect none), ``op`` names the operation and ``meta`` is a small
+msgpack value. The remaining frames are the payload: a pickle and its
+out-of-band buffers (see :mod:`aiorl.transport.serialization`), or raw bytes.
+
+Nothing here unpickles: headers are msgpack, which cannot execute code.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+import msgpack
+
+from aiorl.errors import ProtocolError
+
+__all__ = ["PROTOCOL_VERSION", "Header", "Kind", "decode_header", "encode_header"]
+
+PROTOCOL_VERSION = 1
+
+#: Headers larger than this are rejected before they are parsed.
+MAX_HEADER_BYTES = 1 << 20
+
+
+class Kind(enum.IntEnum):
+    REQUEST = 1  #: expects a REPLY or ERROR with the same request id
+    REPLY = 2
+    ERROR = 3  #: meta is {"type", "message", "traceback", ...}; payload may hold the pickled exception
+    ONEWAY = 4  #: no reply
+    EVENT = 5  #: pushed by a server to a client that subscribed
+
+
+_KINDS = frozenset(int(k) for k in Kind)
+
+
+class Header(NamedTuple):
+    kind: int  # a Kind value; plain int on the hot path (IntEnum lookups cost ~1 us each)
+    request_id: int
+    op: str
+    meta: Any
+
+
+_packb = msgpack.Packer(use_bin_type=True).pack
+
+
+def encode_header(kind: int, request_id: int, op: str, meta: Any = None) -> bytes:
+    return _packb((PROTOCOL_VERSION, kind, request_id, op, meta))
+
+
+def decode_header(frame: bytes | memoryview) -> Header:
+    """Parse a header frame, raising :class:`ProtocolError` on anything malformed."""
+    if len(frame) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(frame)} bytes exceeds the {MAX_HEADER_BYTES} limit")
+    try:
+        fields = msgpack.unpackb(frame, raw=False, strict_map_key=False, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"undecodable header: {exc}") from None
+    if not isinstance(fields, list) or len(fields) != 5:
+        raise ProtocolError("header must be a 5-element msgpack array")
+    version, kind, request_id, op, meta = fields
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})"
+        )
+    if kind not in _KINDS:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    if not isinstance(request_id, int) or not isinstance(op, str):
+        raise ProtocolError("header request id must be an int and op a string")
+    return Header(kind, request_id, op, meta)
