@@ -1,5 +1,14 @@
 """aiorl: an asyncio-native actor runtime for distributed RL and LLM post-training."""
 
+from aiorl.actors import (
+    AsyncChannelWork,
+    AsyncCollWork,
+    AsyncFuncWork,
+    AsyncWork,
+    Worker,
+    WorkerGroup,
+)
+from aiorl.cluster import Cluster
 from aiorl.errors import (
     AiorlError,
     AuthenticationError,
@@ -18,6 +27,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AiorlError",
+    "AsyncChannelWork",
+    "AsyncCollWork",
+    "AsyncFuncWork",
+    "AsyncWork",
+    "Cluster",
+    "Worker",
+    "WorkerGroup",
     "AuthenticationError",
     "PeerLostError",
     "PlacementError",

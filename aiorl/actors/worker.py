@@ -1,0 +1,121 @@
+"""``aiorl.Worker``: the base class of every remote actor.
+
+Subclass it, then ``MyWorker.create_group(*args).launch(cluster, name="g")``.
+In the worker process, ``async def`` methods run concurrently on the worker's
+event loop; plain methods run one at a time, in arrival order, on the worker's
+method thread, so they may block (and may call ``.wait()`` on aiorl works).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from aiorl.names import WorkerAddress, WorkerInfo
+
+if TYPE_CHECKING:
+    from aiorl.actors.group import WorkerGroupBuilder
+    from aiorl.actors.runtime import Runtime
+
+__all__ = ["Worker", "WorkerContext"]
+
+
+class WorkerContext:
+    """What a worker process knows about itself; set before the user's ``__init__`` runs."""
+
+    def __init__(self, runtime: Runtime, info: WorkerInfo) -> None:
+        self.runtime = runtime
+        self.info = info
+        self.logger = logging.getLogger(f"aiorl.worker.{info.name}")
+
+
+_context: WorkerContext | None = None
+
+
+def _set_context(ctx: WorkerContext | None) -> None:
+    global _context
+    _context = ctx
+
+
+class Worker:
+    """Base class of aiorl workers. See the module docstring."""
+
+    _aiorl_ctx: WorkerContext | None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Worker:
+        self = super().__new__(cls)
+        # Set here, not in __init__, so the context exists even before (or without)
+        # the subclass calling super().__init__().
+        self._aiorl_ctx = _context
+        return self
+
+    def __init__(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def worker_info(self) -> WorkerInfo:
+        return self._ctx().info
+
+    @property
+    def worker_address(self) -> WorkerAddress:
+        return self._ctx().info.address
+
+    @property
+    def worker_name(self) -> str:
+        return self._ctx().info.name
+
+    @property
+    def rank(self) -> int:
+        return self._ctx().info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._ctx().info.group_world_size
+
+    @property
+    def worker_group_name(self) -> str:
+        return self._ctx().info.address.root_group_name
+
+    def _ctx(self) -> WorkerContext:
+        if self._aiorl_ctx is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is not running as an aiorl worker; create it with "
+                f"{type(self).__name__}.create_group(...).launch(cluster)"
+            )
+        return self._aiorl_ctx
+
+    @property
+    def _runtime(self) -> Runtime:
+        return self._ctx().runtime
+
+    # ------------------------------------------------------------------ logging
+    def _log(self, level: int, msg: str, *args: Any) -> None:
+        ctx = self._aiorl_ctx
+        logger = ctx.logger if ctx is not None else logging.getLogger(f"aiorl.worker.{os.getpid()}")
+        logger.log(level, msg, *args, stacklevel=3)
+
+    def log_debug(self, msg: str, *args: Any) -> None:
+        self._log(logging.DEBUG, msg, *args)
+
+    def log_info(self, msg: str, *args: Any) -> None:
+        self._log(logging.INFO, msg, *args)
+
+    def log_warning(self, msg: str, *args: Any) -> None:
+        self._log(logging.WARNING, msg, *args)
+
+    def log_error(self, msg: str, *args: Any) -> None:
+        self._log(logging.ERROR, msg, *args)
+
+    # ------------------------------------------------------------------ groups
+    @classmethod
+    def create_group(cls, *args: Any, **kwargs: Any) -> WorkerGroupBuilder:
+        """Describe a group of this worker class, built with ``cls(*args, **kwargs)`` on each rank.
+
+        Raises :class:`ValueError` if a public method of the class would be
+        hidden by a :class:`~aiorl.WorkerGroup` attribute of the same name.
+        """
+        from aiorl.actors.group import WorkerGroupBuilder
+
+        return WorkerGroupBuilder(cls, args, kwargs)

@@ -1,0 +1,163 @@
+"""What runs inside a worker process, from fork to exit.
+
+1. Start a uvloop loop, bind the worker's endpoint, connect to the registry.
+2. Load the worker class (shipped by value or by reference) and build the
+   instance on the method thread, so a slow or blocking ``__init__`` leaves the
+   loop free.
+3. Tell the registry ``ready`` (or ``failed`` with the traceback).
+4. Serve ``call`` requests until SIGTERM.
+
+Calls to ``async def`` methods become tasks on the loop; calls to plain
+methods go, in arrival order, to the single method thread. Exceptions go back
+as :class:`~aiorl.errors.RemoteError` with this worker's name and rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from aiorl.actors import worker as worker_mod
+from aiorl.actors.runtime import Runtime, set_current_runtime
+from aiorl.names import WorkerAddress, WorkerInfo
+from aiorl.registry.client import RegistryClient
+from aiorl.transport import serialization
+from aiorl.transport.endpoint import Endpoint, Incoming, error_meta
+
+__all__ = ["WorkerServer", "run"]
+
+log = logging.getLogger("aiorl.worker")
+
+
+class WorkerServer:
+    """Serves ``call`` requests on an instance."""
+
+    def __init__(self, runtime: Runtime, info: WorkerInfo, method_thread: concurrent.futures.Executor):
+        self.runtime = runtime
+        self.info = info
+        self.instance: Any = None
+        self.method_thread = method_thread
+        self._methods: dict[str, tuple[Any, bool]] = {}
+        runtime.endpoint.handle("call", self._on_call)
+
+    def _lookup(self, name: str) -> tuple[Any, bool]:
+        entry = self._methods.get(name)
+        if entry is None:
+            if not isinstance(name, str) or name.startswith("_"):
+                raise AttributeError(f"{name!r} is private and cannot be called remotely")
+            fn = getattr(self.instance, name, None)
+            if fn is None or not callable(fn):
+                raise AttributeError(f"{type(self.instance).__name__} has no method {name!r}")
+            entry = (fn, inspect.iscoroutinefunction(fn))
+            self._methods[name] = entry
+        return entry
+
+    def _on_call(self, msg: Incoming) -> None:
+        try:
+            fn, is_async = self._lookup(msg.meta)
+            args, kwargs = serialization.loads(msg.frames) if msg.frames else ((), {})
+        except BaseException as exc:  # noqa: BLE001 - goes back to the caller
+            self._reply_error(msg, exc)
+            return
+        if is_async:
+            task = self.runtime.loop.create_task(fn(*args, **kwargs))
+            task.add_done_callback(lambda t: self._reply_from(msg, t))
+        else:
+            cf = self.method_thread.submit(fn, *args, **kwargs)
+            cf.add_done_callback(lambda f: self.runtime.loop.call_soon_threadsafe(self._reply_from, msg, f))
+
+    def _reply_from(self, msg: Incoming, fut: Any) -> None:
+        if fut.cancelled():
+            self._reply_error(msg, asyncio.CancelledError(f"{msg.meta} was cancelled in the worker"))
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self._reply_error(msg, exc)
+            return
+        result = fut.result()
+        try:
+            frames = [] if result is None else serialization.dumps(result)
+        except Exception as ser_exc:
+            self._reply_error(msg, ser_exc)
+            return
+        msg.reply(None, frames)
+
+    def _reply_error(self, msg: Incoming, exc: BaseException) -> None:
+        msg.reply_error(exc, error="RemoteError", worker=self.info.name, rank=self.info.rank)
+
+
+def _configure_logging(name: str, level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, force=True,
+        format=f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _load_class(spec: dict[str, Any]) -> tuple[type, tuple[Any, ...], dict[str, Any]]:
+    for p in spec.get("sys_path", []):
+        if p not in sys.path:
+            sys.path.append(p)
+    import cloudpickle
+
+    return cloudpickle.loads(spec["payload"])
+
+
+async def _main(spec: dict[str, Any]) -> int:
+    loop = asyncio.get_running_loop()
+    group, rank = spec["group"], int(spec["rank"])
+    name = f"{group}:{rank}"
+    _configure_logging(name, spec.get("log_level", "INFO"))
+    node = spec["node"]
+    endpoint = Endpoint(name, host=node["ip"])
+    registry = RegistryClient(endpoint, spec["registry"])
+    runtime = Runtime(loop, endpoint, registry, name)
+    set_current_runtime(runtime)
+    info = WorkerInfo(
+        address=WorkerAddress(group, [rank]),
+        rank=rank,
+        group_world_size=int(spec["world_size"]),
+        node_rank=int(node["node_rank"]),
+        node_ip=node["ip"],
+        endpoint=endpoint.address,
+        pid=os.getpid(),
+        accelerator_type=node.get("accelerator_type", "cpu"),
+        available_accelerators=[int(a) for a in spec.get("visible_accelerators", []) if str(a).isdigit()],
+        hardware_ranks=list(spec.get("hardware_ranks", [])),
+        node_id=node["node_id"],
+        hostname=node.get("hostname", ""),
+    )
+    method_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"aiorl-{name}")
+    server = WorkerServer(runtime, info, method_thread)
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    worker_mod._set_context(worker_mod.WorkerContext(runtime, info))
+
+    def construct() -> Any:
+        cls, args, kwargs = _load_class(spec)
+        return cls(*args, **kwargs)
+
+    try:
+        server.instance = await loop.run_in_executor(method_thread, construct)
+    except BaseException as exc:  # noqa: BLE001 - reported as WorkerInitError to the owner
+        log.error("initialisation failed", exc_info=exc)
+        meta, _ = error_meta(exc, worker=name, rank=rank)
+        await registry.request("worker_state", {"info": info.to_wire(), "state": "failed", "detail": meta})
+        return 1
+    await registry.request("worker_state", {"info": info.to_wire(), "state": "ready"})
+    await stop.wait()
+    method_thread.shutdown(wait=False, cancel_futures=True)
+    endpoint.close()
+    return 0
+
+
+def run(spec: dict[str, Any]) -> int:
+    """Entry point in a freshly forked worker process; returns the exit code."""
+    import uvloop
+
+    return uvloop.run(_main(spec))

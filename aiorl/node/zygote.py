@@ -1,0 +1,184 @@
+"""The zygote: a warm process that forks worker processes on request.
+
+Importing torch costs about a second of CPU; forking a process that already
+imported it costs about 15 ms. The node agent starts one zygote, which imports
+torch, zmq and the worker runtime once and then forks a child per worker.
+
+Rules that keep this safe:
+
+* The zygote stays single-threaded and never creates a ZMQ context or touches
+  CUDA: a fork copies only the calling thread, so locks held by other threads
+  (or a CUDA context) would be broken in the child.
+* Every child calls ``setsid()`` (its own process group, so the agent can kill
+  it and anything it started with one ``killpg``) and sets
+  ``PR_SET_PDEATHSIG=SIGKILL`` so it dies with the zygote; the zygote does the
+  same toward the agent. Killing the agent therefore kills every worker.
+
+The agent and the zygote talk over a socketpair with length-prefixed pickles:
+both are processes of the same node agent, so nothing crosses a trust boundary.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import selectors
+import signal
+import socket
+import struct
+import sys
+import traceback
+from typing import Any
+
+__all__ = ["read_message", "set_parent_death_signal", "write_message"]
+
+_LEN = struct.Struct("!I")
+PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent thread exits (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the stdin/heartbeat watches still end orphans
+
+
+def write_message(sock: socket.socket, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=5)
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def read_message(sock: socket.socket) -> Any:
+    head = _recv_exact(sock, _LEN.size)
+    if head is None:
+        return None
+    (n,) = _LEN.unpack(head)
+    body = _recv_exact(sock, n)
+    if body is None:
+        return None
+    return pickle.loads(body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _preload() -> None:
+    # What every worker needs, imported once here instead of once per worker.
+    import cloudpickle  # noqa: F401
+    import msgpack  # noqa: F401
+    import torch  # noqa: F401
+    import uvloop  # noqa: F401
+    import zmq  # noqa: F401
+
+    import aiorl.actors.worker_process  # noqa: F401
+
+
+def _child(spec: dict[str, Any], channel: socket.socket, parent_pid: int) -> None:
+    """Runs in the forked child: detach, redirect output, become the worker."""
+    code = 1
+    try:
+        os.setsid()
+        set_parent_death_signal(signal.SIGKILL)
+        if os.getppid() != parent_pid:  # the zygote died between fork and prctl
+            os._exit(1)
+        channel.close()
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        log_fd = os.open(spec["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        sys.stdout = os.fdopen(1, "w", buffering=1)
+        sys.stderr = os.fdopen(2, "w", buffering=1)
+        os.environ.update(spec.get("env", {}))
+        from aiorl.actors import worker_process
+
+        code = worker_process.run(spec)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve(channel: socket.socket, parent_pid: int) -> None:
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        return
+    _preload()
+    write_message(channel, ("ready", os.getpid()))
+
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    os.set_blocking(wake_r, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler must exist for the wakeup fd
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    sel = selectors.DefaultSelector()
+    sel.register(channel, selectors.EVENT_READ, "channel")
+    sel.register(wake_r, selectors.EVENT_READ, "signal")
+    my_pid = os.getpid()
+    while True:
+        for key, _ in sel.select():
+            if key.data == "signal":
+                try:
+                    os.read(wake_r, 4096)
+                except BlockingIOError:
+                    pass
+                _reap(channel)
+                continue
+            msg = read_message(channel)
+            if msg is None:
+                return  # the agent is gone; PDEATHSIG takes our children with us
+            op, spawn_id, spec = msg
+            if op != "spawn":
+                continue
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                write_message(channel, ("spawn_failed", spawn_id, repr(exc)))
+                continue
+            if pid == 0:
+                _child(spec, channel, my_pid)
+            write_message(channel, ("spawned", spawn_id, pid))
+
+
+def _reap(channel: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        write_message(channel, ("exited", pid, status))
+
+
+def main() -> None:
+    fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
+    channel = socket.socket(fileno=fd)
+    try:
+        serve(channel, parent_pid)
+    except (KeyboardInterrupt, SystemExit, BrokenPipeError):
+        pass
+
+
+if __name__ == "__main__":
+    main()
