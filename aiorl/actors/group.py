@@ -307,6 +307,7 @@ class WorkerGroup(Generic[W]):
                 "MASTER_ADDR": master_node["ip"], "MASTER_PORT": str(port_reply["port"]),
                 "AIORL_WORKER_NAME": f"{self._name}:{p.rank}",
                 "AIORL_REGISTRY": self._cluster.registry_address,
+                "AIORL_DRIVER_ID": self._cluster.driver_id,
                 **p.env, **extra_env,
             }
             if p.visible_accelerators:

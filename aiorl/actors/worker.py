@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiorl.names import WorkerAddress, WorkerInfo
 
 if TYPE_CHECKING:
+    from aiorl.actors.async_work import AsyncWork
     from aiorl.actors.group import WorkerGroupBuilder
     from aiorl.actors.runtime import Runtime
 
@@ -107,6 +109,49 @@ class Worker:
 
     def log_error(self, msg: str, *args: Any) -> None:
         self._log(logging.ERROR, msg, *args)
+
+    # ------------------------------------------------------------------ point-to-point
+    # Implemented in aiorl.actors.p2p; see API.md section 4 and docs/ordering.md.
+    def send(self, obj: Any, dst_group_name: str, dst_rank: int | Sequence[int]) -> AsyncWork[None]:
+        """Send ``obj`` (any picklable object, tensors, containers of tensors) to a worker."""
+        return self._p2p().send(obj, dst_group_name, dst_rank)
+
+    def recv(self, src_group_name: str, src_rank: int | Sequence[int]) -> AsyncWork[Any]:
+        """Receive the next object sent to this worker by ``src_group_name:src_rank``."""
+        return self._p2p().recv(src_group_name, src_rank)
+
+    def send_tensor(self, tensor: Any, dst_group_name: str, dst_rank: int | Sequence[int]) -> AsyncWork[None]:
+        """Send one tensor into a receiver's preallocated buffer, with no metadata exchange."""
+        return self._p2p().send_tensor(tensor, dst_group_name, dst_rank)
+
+    def recv_tensor(self, tensor: Any, src_group_name: str, src_rank: int | Sequence[int]) -> AsyncWork[Any]:
+        """Fill the preallocated ``tensor`` with the next ``send_tensor`` from the source."""
+        return self._p2p().recv_tensor(tensor, src_group_name, src_rank)
+
+    def _p2p(self) -> Any:
+        from aiorl.actors.p2p import get_p2p
+
+        return get_p2p(self._runtime)
+
+    # ------------------------------------------------------------------ channels
+    # Implemented in aiorl.channels; see API.md section 5.
+    def create_channel(
+        self,
+        name: str,
+        group_affinity: str | None = None,
+        group_rank_affinity: int | None = None,
+        maxsize: int = 0,
+    ) -> Any:
+        """Create (or connect to, if it exists) the channel ``name``, hosted near the affine worker."""
+        from aiorl.channels import create_channel_from_worker
+
+        return create_channel_from_worker(self, name, group_affinity, group_rank_affinity, maxsize)
+
+    def connect_channel(self, name: str) -> Any:
+        """Connect to the existing channel ``name``."""
+        from aiorl.channels import connect_channel_from_worker
+
+        return connect_channel_from_worker(self, name)
 
     # ------------------------------------------------------------------ groups
     @classmethod

@@ -33,7 +33,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
