@@ -21,6 +21,7 @@ from aiorl.errors import (
     RemoteError,
     WorkerInitError,
 )
+from aiorl import placement
 from aiorl.names import WorkerAddress, WorkerInfo
 
 __version__ = "0.1.0"

@@ -93,7 +93,8 @@ class AsyncWork(Generic[T]):
 
     # ---------------------------------------------------------------- consuming
     def done(self) -> bool:
-        return self._fut.done()
+        cf = self._cf
+        return self._fut.done() or (cf is not None and cf.done())
 
     def wait(self, timeout: float | None = None) -> T:
         """Block until done and return the result (or raise the work's exception).
@@ -128,6 +129,9 @@ class AsyncWork(Generic[T]):
         """Cancel locally (see the module docstring). False if already done."""
         if self._fut.done():
             return False
+        cf = self._cf
+        if cf is not None:
+            cf.cancel()  # visible to other threads now, before the loop gets to it
         self._call_on_loop(self._fut.cancel)
         return True
 

@@ -1,0 +1,92 @@
+"""The ``aiorl`` command: ``status``, ``plan`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+__all__ = ["format_table", "main"]
+
+
+def format_table(headers: list[str], rows: list[list[Any]]) -> str:
+    """Render rows as an aligned plain-text table with a header rule."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
+    rule = "  ".join("-" * w for w in widths)
+    body = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join([line, rule, *body])
+
+
+def _status(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from aiorl.errors import RegistryUnavailable
+    from aiorl.registry.client import RegistryClient
+    from aiorl.transport.endpoint import Endpoint
+
+    address = args.registry or os.environ.get("AIORL_REGISTRY")
+    if not address:
+        print("error: no registry address (use --registry or set AIORL_REGISTRY)", file=sys.stderr)
+        return 2
+
+    async def fetch() -> dict[str, Any]:
+        endpoint = Endpoint("aiorl-status")
+        try:
+            return await RegistryClient(endpoint, address).request("status", timeout=args.timeout)
+        finally:
+            endpoint.close()
+
+    try:
+        status = uvloop.run(fetch())
+    except RegistryUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"registry {address}  up {status['uptime']:.0f} s")
+    print()
+    print("NODES")
+    print(format_table(
+        ["rank", "ip", "hostname", "cpus", "accelerators", "hardware", "node id"],
+        [[n["node_rank"], n["ip"], n["hostname"], n["cpus"],
+          f"{n['num_accelerators']} ({n['accelerator_type']})",
+          ",".join(f"{k}={v}" for k, v in (n.get("hardware") or {}).items()) or "-", n["node_id"]]
+         for n in status["nodes"]]))
+    print()
+    print("GROUPS")
+    print(format_table(
+        ["group", "class", "ready", "owner"],
+        [[g["name"], g["worker_class"], f"{g['ready']}/{g['world_size']}", g["owner"]]
+         for g in status["groups"]]))
+    print()
+    print("WORKERS")
+    print(format_table(
+        ["worker", "state", "node", "pid", "endpoint"],
+        [[w["name"], w["state"], w["info"].get("node_rank", "-"), w["info"].get("pid", "-"),
+          w["info"].get("endpoint", "-")] for w in status["workers"]]))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from aiorl.cli import plan
+
+    parser = argparse.ArgumentParser(prog="aiorl", description="aiorl command-line tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    st = sub.add_parser("status", help="show nodes, groups and workers of a running cluster")
+    st.add_argument("--registry", default=None, help="registry address (default: $AIORL_REGISTRY)")
+    st.add_argument("--timeout", type=float, default=5.0)
+    st.set_defaults(func=_status)
+    plan.add_parser(sub)
+    try:
+        from aiorl.cli import demo
+    except ImportError:
+        demo = None  # type: ignore[assignment]
+    if demo is not None:
+        demo.add_parser(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

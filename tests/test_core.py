@@ -1,0 +1,319 @@
+"""The core runtime with real processes: groups, calls, errors, failures, attach mode."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+import aiorl
+from tests.conftest import aiorl_processes
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Echo(aiorl.Worker):
+    """Defined in the test module: shipped to the workers by value."""
+
+    def __init__(self, factor: int = 1) -> None:
+        super().__init__()
+        self.factor = factor
+        self.calls: list[int] = []
+
+    def scale(self, x: int) -> tuple[int, int]:
+        return self.rank, x * self.factor
+
+    async def name(self) -> str:
+        return self.worker_name
+
+    def env(self) -> dict[str, str]:
+        keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_LOCAL_RANK",
+                "NODE_LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"]
+        return {k: os.environ[k] for k in keys if k in os.environ}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def record(self, i: int) -> None:
+        self.calls.append(i)
+
+    def recorded(self) -> list[int]:
+        return self.calls
+
+    def fail(self, message: str) -> None:
+        raise KeyError(message)
+
+    async def afail(self) -> None:
+        raise ZeroDivisionError("async boom")
+
+    async def sleep(self, seconds: float) -> str:
+        await asyncio.sleep(seconds)
+        return "slept"
+
+    def block(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "blocked"
+
+    def _private(self) -> None:
+        pass
+
+
+class BadInit(aiorl.Worker):
+    def __init__(self) -> None:
+        super().__init__()
+        raise RuntimeError("cannot start: missing model file")
+
+    def f(self) -> None:
+        pass
+
+
+def test_rank_ordered_results_sync_and_async(cluster):
+    group = Echo.create_group(3).launch(
+        cluster, aiorl.placement.NodePlacementStrategy([0, 0, 0, 0]), name="ordered")
+    try:
+        assert group.scale(2).wait(60) == [(r, 6) for r in range(4)]
+        assert group.name().wait(10) == [f"ordered:{r}" for r in range(4)]
+
+        async def from_coroutine():
+            return await group.scale(1)
+
+        assert asyncio.run(from_coroutine()) == [(r, 3) for r in range(4)]
+    finally:
+        group.close()
+
+
+def test_execute_on_then_all_again(cluster):
+    group = Echo.create_group().launch(
+        cluster, aiorl.placement.NodePlacementStrategy([0] * 4), name="subset")
+    try:
+        assert group.execute_on(0, 3).scale(5).wait(60) == [(0, 5), (3, 5)]
+        assert len(group.scale(1).wait(10)) == 4  # the next call goes to all ranks
+        with pytest.raises(IndexError):
+            group.execute_on(4)
+    finally:
+        group.close()
+
+
+def test_remote_errors_carry_rank_type_and_traceback(cluster):
+    group = Echo.create_group().launch(cluster, name="errors")
+    try:
+        with pytest.raises(aiorl.RemoteError) as info:
+            group.fail("no such key").wait(60)
+        err = info.value
+        assert err.rank == 0 and err.worker_name == "errors:0"
+        assert err.exc_type.endswith("KeyError")
+        assert "in fail" in err.remote_traceback and "no such key" in str(err)
+        with pytest.raises(aiorl.RemoteError, match="ZeroDivisionError"):
+            group.afail().wait(10)
+        # The worker survives its method's exception.
+        assert group.scale(1).wait(10) == [(0, 1)]
+        with pytest.raises(AttributeError, match="private"):
+            group._private()
+        with pytest.raises(AttributeError, match="no method"):
+            group.missing()
+    finally:
+        group.close()
+
+
+def test_init_failure_is_worker_init_error(cluster):
+    group = BadInit.create_group().launch(cluster, name="badinit")
+    try:
+        with pytest.raises(aiorl.WorkerInitError) as info:
+            group.f().wait(60)
+        assert "missing model file" in str(info.value)
+        assert "RuntimeError" in info.value.exc_type
+    finally:
+        group.close()
+
+
+def test_two_groups_side_by_side_and_duplicate_name(cluster):
+    a = Echo.create_group(2).launch(cluster, name="side_a")
+    b = Echo.create_group(3).launch(cluster, name="side_b")
+    try:
+        assert a.scale(1).wait(60) == [(0, 2)]
+        assert b.scale(1).wait(60) == [(0, 3)]
+        with pytest.raises(aiorl.RemoteError, match="already exists"):
+            Echo.create_group().launch(cluster, name="side_a")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_sixteen_workers_on_one_node(cluster):
+    group = Echo.create_group().launch(
+        cluster, aiorl.placement.NodePlacementStrategy([0] * 16), name="sixteen")
+    try:
+        envs = group.env().wait(90)
+        assert [int(e["RANK"]) for e in envs] == list(range(16))
+        assert {e["WORLD_SIZE"] for e in envs} == {"16"}
+        assert len({e["MASTER_PORT"] for e in envs}) == 1
+        assert len(set(group.pid().wait(10))) == 16
+    finally:
+        group.close()
+
+
+def test_plain_methods_run_in_order_async_concurrently(cluster):
+    group = Echo.create_group().launch(cluster, name="ordering")
+    try:
+        works = [group.record(i) for i in range(200)]
+        for w in works:
+            w.wait(60)
+        assert group.recorded().wait(10) == [list(range(200))]
+        start = time.monotonic()
+        sleeps = [group.sleep(0.5) for _ in range(5)]
+        assert [w.wait(10) for w in sleeps] == [["slept"]] * 5
+        assert time.monotonic() - start < 2.0  # concurrent, not 2.5 s in sequence
+    finally:
+        group.close()
+
+
+def test_calls_before_ready_are_queued_and_then_chain(cluster):
+    group = Echo.create_group(7).launch(cluster, name="early")
+    try:
+        work = group.scale(1)  # sent before the worker exists
+        chained = work.then(lambda results: results[0][1] + 1)
+        assert chained.wait(60) == 8
+        assert work.get_next_work() is chained
+        assert work.get_last_work() is chained
+    finally:
+        group.close()
+
+
+def test_sigkill_worker_fails_pending_and_later_calls(cluster):
+    group = Echo.create_group().launch(cluster, name="victim")
+    try:
+        (pid,) = group.pid().wait(60)
+        pending = group.block(30)
+        time.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(aiorl.PeerLostError) as info:
+            pending.wait(10)
+        assert time.monotonic() - start < 5
+        assert "SIGKILL" in str(info.value) and "victim:0" in str(info.value)
+        with pytest.raises(aiorl.PeerLostError):
+            group.scale(1).wait(5)
+    finally:
+        group.close()
+
+
+def test_wait_timeout_cancels_locally(cluster):
+    group = Echo.create_group().launch(cluster, name="timeouts")
+    try:
+        group.scale(1).wait(60)
+        work = group.sleep(5)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            work.wait(0.2)
+        assert time.monotonic() - start < 1
+        assert work.done()
+    finally:
+        group.close()
+
+
+def test_from_group_name_attaches(cluster):
+    group = Echo.create_group(4).launch(cluster, name="named")
+    try:
+        group.scale(1).wait(60)
+        again = aiorl.WorkerGroup.from_group_name(cluster, Echo, "named")
+        assert again.scale(2).wait(10) == [(0, 8)]
+        with pytest.raises(aiorl.RemoteError, match="no worker group"):
+            aiorl.WorkerGroup.from_group_name(cluster, Echo, "nonexistent")
+    finally:
+        group.close()
+
+
+def test_method_name_clash_is_rejected():
+    class Clashing(aiorl.Worker):
+        def execute_on(self) -> None:
+            pass
+
+    with pytest.raises(ValueError, match="execute_on"):
+        Clashing.create_group()
+
+
+def _children(pid: int) -> set[int]:
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def test_close_leaves_no_process_behind():
+    before = {p.pid for p in aiorl_processes()}
+    with aiorl.Cluster(num_nodes=2) as c:
+        group = Echo.create_group().launch(
+            c, aiorl.placement.NodePlacementStrategy([0, 1]), name="cleanup")
+        pids = group.pid().wait(60)
+        spawned = {p.pid for p in aiorl_processes()} - before
+        assert set(pids) <= spawned
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and ({p.pid for p in aiorl_processes()} - before):
+        time.sleep(0.1)
+    assert not ({p.pid for p in aiorl_processes()} - before)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+
+
+def test_sigkill_node_agent_kills_its_workers():
+    with aiorl.Cluster(num_nodes=1) as c:
+        group = Echo.create_group().launch(c, aiorl.placement.NodePlacementStrategy([0, 0]), name="orphans")
+        pids = group.pid().wait(60)
+        agent_pid = c.nodes[0]["pid"]
+        os.kill(agent_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+            time.sleep(0.05)
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+        assert not alive, f"workers {alive} outlived their node agent"
+        with pytest.raises(aiorl.PeerLostError):
+            group.scale(1).wait(10)
+
+
+@pytest.fixture
+def separate_cluster_processes():
+    """A registry and two node agents started as independent programs (attach mode)."""
+    procs: list[subprocess.Popen[bytes]] = []
+    registry = subprocess.Popen(
+        [sys.executable, "-m", "aiorl.registry.service", "--host", "127.0.0.1", "--port", "0",
+         "--print-address", "--log-level", "WARNING"], stdout=subprocess.PIPE)
+    procs.append(registry)
+    try:
+        address = registry.stdout.readline().decode().strip().split("=", 1)[1]
+        for rank in (0, 1):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "aiorl.node.agent", "--registry", address,
+                 "--node-rank", str(rank), "--accelerators", "2", "--log-level", "WARNING"]))
+        yield address
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGTERM)
+        for p in reversed(procs):
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        registry.stdout.close()
+
+
+def test_attach_mode_two_nodes(separate_cluster_processes):
+    with aiorl.Cluster(registry=separate_cluster_processes, num_nodes=2) as c:
+        assert c.num_nodes == 2 and c.num_accelerators == 4
+        group = Echo.create_group().launch(c, name="attached")  # one per accelerator
+        infos = group.env().wait(60)
+        assert [e["CUDA_VISIBLE_DEVICES"] for e in infos] == ["0", "1", "0", "1"]
+        assert group.name().wait(10) == [f"attached:{r}" for r in range(4)]
+        out = subprocess.run([sys.executable, "-m", "aiorl.cli.main", "status", "--registry",
+                              separate_cluster_processes], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert "attached" in out.stdout and "4/4" in out.stdout
+    # Closing an attached driver tears down its groups but leaves the cluster up.
+    with aiorl.Cluster(registry=separate_cluster_processes, num_nodes=2) as c:
+        status = c.runtime.run_sync(c.runtime.registry.request("status"))
+        assert all(w["state"] == "dead" for w in status["workers"] if w["name"].startswith("attached"))
