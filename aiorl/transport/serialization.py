@@ -13,6 +13,7 @@ classes defined in ``__main__``, closures) is retried with cloudpickle.
 
 from __future__ import annotations
 
+import collections
 import copyreg
 import io
 import pickle
@@ -53,16 +54,36 @@ def _reduce_tensor(t: Any) -> Any:
     return _rebuild_tensor, (t.dtype, tuple(t.shape), pickle.PickleBuffer(flat.numpy()))
 
 
+def _tensor_table() -> dict[type, Any]:
+    torch = sys.modules.get("torch")  # no tensors can exist unless torch was imported
+    return {torch.Tensor: _reduce_tensor} if torch is not None else {}
+
+
+_table_cache: dict[bool, dict[type, Any]] = {}
+
+
 def _dispatch_table() -> dict[type, Any]:
-    table = dict(copyreg.dispatch_table)
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        table[torch.Tensor] = _reduce_tensor
+    # Cached per "torch imported yet?"; rebuilt never otherwise (copyreg rarely changes
+    # after start-up, and a stale entry would only cost speed, not correctness).
+    key = "torch" in sys.modules
+    table = _table_cache.get(key)
+    if table is None:
+        table = _table_cache[key] = {**copyreg.dispatch_table, **_tensor_table()}
     return table
 
 
 class _Pickler(pickle.Pickler):
-    pass
+    def __init__(self, file: Any, **kwargs: Any) -> None:
+        # The C pickler reads dispatch_table once, in __init__: set it first.
+        self.dispatch_table = _dispatch_table()
+        super().__init__(file, **kwargs)
+
+
+class _CloudPickler(cloudpickle.CloudPickler):
+    def __init__(self, file: Any, **kwargs: Any) -> None:
+        self.dispatch_table = collections.ChainMap(
+            _tensor_table(), cloudpickle.CloudPickler.dispatch_table)
+        super().__init__(file, **kwargs)
 
 
 def dumps(obj: Any, oob_threshold: int = OOB_THRESHOLD) -> list[Any]:
@@ -81,13 +102,12 @@ def dumps(obj: Any, oob_threshold: int = OOB_THRESHOLD) -> list[Any]:
 
     stream = io.BytesIO()
     pickler = _Pickler(stream, protocol=5, buffer_callback=keep_large)
-    pickler.dispatch_table = _dispatch_table()
     try:
         pickler.dump(obj)
     except Exception:
         buffers.clear()
         stream = io.BytesIO()
-        cp = cloudpickle.CloudPickler(stream, protocol=5, buffer_callback=keep_large)
+        cp = _CloudPickler(stream, protocol=5, buffer_callback=keep_large)
         try:
             cp.dump(obj)
         except Exception as exc:

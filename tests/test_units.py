@@ -1,0 +1,140 @@
+"""Pure units: names, the wire format, serialization, AsyncWork, and the public surface."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+import aiorl
+from aiorl.actors.async_work import AsyncWork
+from aiorl.transport import serialization, wire
+from aiorl.transport.endpoint import Endpoint
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_public_surface_is_pinned():
+    assert sorted(aiorl.__all__) == sorted([
+        "AiorlError", "AsyncChannelWork", "AsyncCollWork", "AsyncFuncWork", "AsyncWork",
+        "AuthenticationError", "Channel", "Cluster", "MappingThread", "PeerLostError",
+        "PlacementError", "PollResult", "PollingWorker", "ProtocolError", "QueueEmpty", "QueueFull",
+        "RegistryUnavailable", "RemoteError", "Worker", "WorkerAddress", "WorkerGroup", "WorkerInfo",
+        "WorkerInitError",
+    ])
+    for name in aiorl.__all__:
+        assert hasattr(aiorl, name), name
+
+
+def test_error_tree():
+    for name in ["RemoteError", "PeerLostError", "WorkerInitError", "PlacementError", "QueueFull",
+                 "QueueEmpty", "RegistryUnavailable", "AuthenticationError", "ProtocolError"]:
+        assert issubclass(getattr(aiorl, name), aiorl.AiorlError)
+    assert issubclass(aiorl.PlacementError, ValueError)
+    assert issubclass(aiorl.WorkerInitError, aiorl.RemoteError)
+
+
+def test_worker_address():
+    a = aiorl.WorkerAddress("g", [0, 1])
+    assert a.get_name() == "g:0:1" and a.rank == 1 and a.rank_path == [0, 1]
+    assert aiorl.WorkerAddress.from_name("g:0:1") == a
+    assert aiorl.WorkerAddress("g").get_name() == "g" and aiorl.WorkerAddress("g").rank == 0
+    assert a.get_parent_address() == aiorl.WorkerAddress("g", [0])
+    assert aiorl.WorkerAddress("g").get_parent_address() is None
+    assert a.get_child_address(3).get_name() == "g:0:1:3"
+    assert aiorl.WorkerAddress("g", 2) < aiorl.WorkerAddress("g", 10)
+    assert len({aiorl.WorkerAddress("g", 1), aiorl.WorkerAddress.from_name("g:1")}) == 1
+    for bad in ["", "a:b"]:
+        with pytest.raises(ValueError):
+            aiorl.WorkerAddress(bad)
+    with pytest.raises(ValueError):
+        aiorl.WorkerAddress.from_name("g:x")
+
+
+@pytest.mark.parametrize("frame", [
+    b"", b"\xff\xff", msgpack.packb([1, 2]), msgpack.packb({"a": 1}),
+    msgpack.packb([99, 1, 0, "op", None]), msgpack.packb([1, 42, 0, "op", None]),
+    msgpack.packb([1, 1, "x", "op", None]), msgpack.packb([1, 1, 0, 7, None]),
+])
+def test_malformed_headers_raise_protocol_error(frame):
+    with pytest.raises(aiorl.ProtocolError):
+        wire.decode_header(frame)
+
+
+def test_header_round_trip():
+    h = wire.decode_header(wire.encode_header(wire.Kind.REQUEST, 7, "call", {"x": [1, 2]}))
+    assert (h.kind, h.request_id, h.op, h.meta) == (wire.Kind.REQUEST, 7, "call", {"x": [1, 2]})
+
+
+def test_serialization_zero_copy_tensors_and_fallback():
+    big = torch.arange(1 << 16, dtype=torch.float32)
+    obj = {"t": big, "small": torch.ones(3, dtype=torch.bfloat16), "f": lambda x: x * 2}
+    frames = serialization.dumps(obj)
+    assert len(frames) == 2  # the large tensor travels out of band, the small one inline
+    back = serialization.loads([bytes(f) for f in frames])
+    assert torch.equal(back["t"], big) and back["small"].dtype == torch.bfloat16
+    assert back["f"](2) == 4
+    with pytest.raises(serialization.SerializationError, match="lock"):
+        serialization.dumps(threading.Lock())
+
+
+def test_endpoint_survives_garbage_and_serves_afterwards():
+    async def main():
+        server = Endpoint("server")
+        server.handle("echo", lambda m: m.reply(m.meta))
+        client = Endpoint("client")
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.connect(server.address)
+        for junk in ([b"\x00"], [b"not msgpack", b"x"], [msgpack.packb([1, 1, 5, "nope", None])],
+                     [msgpack.packb([1, 9, 5, "echo", None])], [b""] * 5):
+            raw.send_multipart(junk)
+        with pytest.raises(aiorl.ProtocolError, match="does not serve"):
+            await client.request(server.address, "missing", timeout=5)
+        meta, _ = await client.request(server.address, "echo", {"ok": 1}, timeout=5)
+        assert meta == {"ok": 1}
+        raw.close(0)
+        client.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_async_work_chain_and_thread_wait():
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        first: AsyncWork[int] = AsyncWork(loop)
+        inner: AsyncWork[int] = AsyncWork(loop)
+        chained = first.then(lambda v: inner).then(lambda v, k: v * k, 10)
+        loop.call_soon_threadsafe(first._set_result, 1)
+        assert not chained.done()
+        loop.call_soon_threadsafe(inner._set_result, 4)
+        assert chained.wait(5) == 40
+        assert first.get_last_work() is chained
+        failing: AsyncWork[int] = AsyncWork(loop)
+        after = failing.then(lambda v: v + 1)
+        loop.call_soon_threadsafe(failing._set_exception, KeyError("x"))
+        with pytest.raises(KeyError):
+            after.wait(5)
+        never: AsyncWork[int] = AsyncWork(loop)
+        with pytest.raises(TimeoutError):
+            never.wait(0.05)
+        assert never.done()
+
+        async def on_loop():
+            w: AsyncWork[int] = AsyncWork(loop)
+            with pytest.raises(RuntimeError, match="event loop"):
+                w.wait()
+            loop.call_soon(w._set_result, 3)
+            return await w
+
+        assert asyncio.run_coroutine_threadsafe(on_loop(), loop).result(5) == 3
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+        loop.close()
