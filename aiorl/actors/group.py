@@ -198,7 +198,7 @@ class WorkerGroup(Generic[W]):
         if runtime.on_loop_thread():
             self._dispatch(work, method, list(ranks), frames, False)
         else:
-            runtime.loop.call_soon_threadsafe(self._dispatch, work, method, list(ranks), frames, True)
+            runtime.call_soon(self._dispatch, work, method, list(ranks), frames, True)
         return work
 
     def _dispatch(self, work: AsyncWork[list[Any]], method: str, ranks: list[int],

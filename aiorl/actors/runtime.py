@@ -13,6 +13,7 @@ reported dead, every pending request to it fails with
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -49,6 +50,9 @@ class Runtime:
         self.registry = registry
         self.name = name
         self.thread: threading.Thread | None = None
+        self._submissions: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = (
+            collections.deque())
+        self._wake_pending = False
         self._peer_watch: dict[str, asyncio.Future[dict[str, Any]]] = {}  # name -> info when ready
         self._peer_address: dict[str, str] = {}
 
@@ -98,11 +102,31 @@ class Runtime:
             raise TimeoutError(f"operation did not finish within {timeout} s") from None
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop: now when on the loop thread, else as soon as it can."""
+        """Run ``fn(*args)`` on the loop: now when on the loop thread, else as soon as it can.
+
+        Calls from other threads run in the order they were made. They are
+        batched: only the first call of a batch wakes the loop (a wake-up costs
+        tens of microseconds here; 1,000 calls in flight would pay it 1,000 times).
+        """
         if self.on_loop_thread():
             fn(*args)
-        else:
-            self.loop.call_soon_threadsafe(fn, *args)
+            return
+        self._submissions.append((fn, args))
+        if not self._wake_pending:
+            self._wake_pending = True
+            self.loop.call_soon_threadsafe(self._run_submissions)
+
+    def _run_submissions(self) -> None:
+        # Clear the flag before draining: a submission racing with the drain either
+        # lands in this drain or schedules a new one; none is stranded.
+        self._wake_pending = False
+        queue = self._submissions
+        while queue:
+            fn, args = queue.popleft()
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("callback submitted to the aiorl loop failed")
 
     # ------------------------------------------------------------------ peers
     async def resolve_worker(self, name: str, timeout: float = 60.0) -> dict[str, Any]:

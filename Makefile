@@ -1,0 +1,24 @@
+# Every setup path installs the CPU torch wheel first: a looser torch requirement
+# resolved on a machine without torch would pull gigabytes of CUDA packages.
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: setup demo test bench lint
+
+setup:
+	$(PYTHON) -m pip install -q torch==$(TORCH_VERSION)
+	$(PYTHON) -m pip install -q -e ".[test]"
+
+demo: setup
+	$(PYTHON) -m aiorl.cli.main demo --steps 20
+
+test: setup
+	$(PYTHON) -m pytest -q
+
+bench: setup
+	$(PYTHON) benchmarks/bench_calls.py
+	$(PYTHON) benchmarks/bench_p2p.py
+	$(PYTHON) benchmarks/bench_channels.py
+
+lint:
+	ruff check aiorl tests benchmarks examples

@@ -1,0 +1,217 @@
+"""Reusable shared-memory segments for bulk data between processes of one node.
+
+A *segment* is an anonymous ``memfd`` (no name in ``/dev/shm``), sized, backed
+by ``fallocate`` (so running out of memory is an error at creation, never a
+``SIGBUS`` on first touch) and mapped with ``MAP_POPULATE`` (page tables built
+once, so reuse costs no page faults; a fresh segment costs ~3x a memcpy here,
+which is why segments are pooled and reused).
+
+The sender owns its segments. A receiver on the same node opens one through
+``/proc/<sender pid>/fd/<fd>``, which needs only the ordinary same-user
+``/proc`` access (``PTRACE_MODE_READ``, which Yama does not restrict), and keeps
+its own mapping. Because nothing is named, nothing can leak: the memory goes
+away when the last process holding the fd or a mapping closes or dies, even on
+``SIGKILL``.
+
+:class:`SegmentPool` (sender side) hands out free segments of a size class and
+takes them back when the receiver acknowledges that it no longer reads them;
+:class:`SegmentMap` (receiver side) caches the receiver's mappings.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "ALIGN",
+    "Segment",
+    "SegmentMap",
+    "SegmentPool",
+    "ShmUnavailable",
+    "copy_into",
+    "open_segment",
+    "probe_segment",
+]
+
+#: Offsets of buffers inside a segment are multiples of this (cache line; any dtype fits).
+ALIGN = 64
+#: Smallest segment; sizes go up in powers of two from here so segments are reusable.
+MIN_SEGMENT = 1 << 20
+#: Free segments kept per pool beyond which released ones are closed instead of kept.
+MAX_FREE_BYTES = 1 << 30
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class ShmUnavailable(OSError):
+    """Shared memory could not be created or opened (no memfd, no memory, no /proc access)."""
+
+
+def _size_class(nbytes: int) -> int:
+    size = MIN_SEGMENT
+    while size < nbytes:
+        size <<= 1
+    return size
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+@dataclass(eq=False)
+class Segment:
+    """One sender-owned segment: its fd (kept open so receivers can open it), mapping, id."""
+
+    seg_id: int
+    fd: int
+    size: int
+    mm: mmap.mmap
+    announced: bool = False  # the receiver was told where to find it
+    arr: Any = None  # a cached numpy view of the whole mapping (set by the user of the pool)
+
+    def close(self) -> None:
+        self.arr = None
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a view is still exported; the mapping goes when the last view does
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+def _create(size: int, seg_id: int) -> Segment:
+    try:
+        fd = os.memfd_create(f"aiorl-p2p-{seg_id}", os.MFD_CLOEXEC)
+    except (AttributeError, OSError) as exc:
+        raise ShmUnavailable(f"memfd_create failed: {exc}") from exc
+    try:
+        os.ftruncate(fd, size)
+        # Reserve the pages now: a tmpfs/shmem write past available memory would
+        # otherwise be a SIGBUS in the middle of a copy.
+        os.posix_fallocate(fd, 0, size)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        os.close(fd)
+        raise ShmUnavailable(f"cannot allocate a {size}-byte shared segment: {exc}") from exc
+    return Segment(seg_id, fd, size, mm)
+
+
+class SegmentPool:
+    """The sender's segments toward one receiver: acquire a free one, release it on ack."""
+
+    def __init__(self, first_id: int = 1) -> None:
+        self._next_id = first_id
+        self.segments: dict[int, Segment] = {}
+        self._free: dict[int, list[Segment]] = {}  # size class -> free segments
+        self.free_bytes = 0
+        self.closed = False
+
+    def acquire(self, nbytes: int) -> Segment:
+        """A free segment of at least ``nbytes`` (reused when possible). Raises ShmUnavailable."""
+        if self.closed:
+            raise ShmUnavailable("segment pool is closed")
+        size = _size_class(nbytes)
+        free = self._free.get(size)
+        if free:
+            seg = free.pop()
+            self.free_bytes -= seg.size
+            return seg
+        seg = _create(size, self._next_id)
+        self._next_id += 1
+        self.segments[seg.seg_id] = seg
+        return seg
+
+    def release(self, seg_id: int) -> Segment | None:
+        """Take segment ``seg_id`` back. Returns the segment if it was closed (too many free)."""
+        seg = self.segments.get(seg_id)
+        if seg is None:
+            return None
+        if self.free_bytes + seg.size > MAX_FREE_BYTES:
+            del self.segments[seg_id]
+            seg.close()
+            return seg
+        self._free.setdefault(seg.size, []).append(seg)
+        self.free_bytes += seg.size
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+        for seg in self.segments.values():
+            seg.close()
+        self.segments.clear()
+        self._free.clear()
+        self.free_bytes = 0
+
+
+def open_segment(pid: int, fd: int, size: int) -> mmap.mmap:
+    """Map the segment that process ``pid`` holds as ``fd`` (read-write, shared)."""
+    try:
+        local = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+    except OSError as exc:
+        raise ShmUnavailable(f"cannot open shared segment fd {fd} of process {pid}: {exc}") from exc
+    try:
+        return mmap.mmap(local, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        raise ShmUnavailable(f"cannot map shared segment fd {fd} of process {pid}: {exc}") from exc
+    finally:
+        os.close(local)
+
+
+def probe_segment() -> Segment:
+    """A tiny segment whose only use is to check that a peer can open our segments."""
+    seg = _create(mmap.PAGESIZE, 0)
+    seg.mm[:8] = b"aiorl-p2"
+    return seg
+
+
+def check_probe(pid: int, fd: int, size: int) -> bool:
+    """True when this process can map the probe segment ``fd`` of ``pid`` and read it back."""
+    try:
+        mm = open_segment(pid, fd, size)
+    except ShmUnavailable:
+        return False
+    try:
+        return mm[:8] == b"aiorl-p2"
+    finally:
+        mm.close()
+
+
+class SegmentMap:
+    """A receiver's mappings of one sender's segments, by segment id."""
+
+    def __init__(self) -> None:
+        self.maps: dict[int, mmap.mmap] = {}
+
+    def open(self, seg_id: int, pid: int, fd: int, size: int) -> mmap.mmap:
+        mm = open_segment(pid, fd, size)
+        self.maps[seg_id] = mm
+        return mm
+
+    def get(self, seg_id: int) -> mmap.mmap:
+        return self.maps[seg_id]
+
+    def drop(self, seg_id: int) -> None:
+        # Not closed explicitly: arrays handed to the user may still view it; the
+        # mapping is unmapped when the last of them is gone.
+        self.maps.pop(seg_id, None)
+
+    def clear(self) -> None:
+        self.maps.clear()
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """Copy the bytes of buffer ``src`` into the writable buffer ``dst`` (same length).
+
+    numpy's single-threaded copy measured faster here than torch's 2-thread copy
+    (9-10 ms against 16 ms for 64 MB on 2 cores).
+    """
+    import numpy as np
+
+    d = np.frombuffer(dst, dtype=np.uint8) if not isinstance(dst, np.ndarray) else dst
+    s = np.frombuffer(src, dtype=np.uint8) if not isinstance(src, np.ndarray) else src
+    np.copyto(d, s)

@@ -1,0 +1,236 @@
+"""Call latency, throughput and launch time: aiorl side by side with Ray and raw pyzmq.
+
+Run: ``python benchmarks/bench_calls.py [--reps 5]``. Prints a table of medians
+and writes ``benchmarks/results/calls.json``. Ray columns appear when ``ray`` is
+installed (``pip install -e .[bench]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+import aiorl
+
+SEQ_CALLS = 2000
+IN_FLIGHT = 1000
+
+
+class Bench(aiorl.Worker):
+    def noop(self) -> None:
+        return None
+
+    async def anoop(self) -> None:
+        return None
+
+
+def median_of(reps: int, fn: Callable[[], float]) -> float:
+    return statistics.median(fn() for _ in range(reps))
+
+
+# --------------------------------------------------------------------------- aiorl
+def bench_aiorl(reps: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+
+    def cluster_ready() -> float:
+        t = time.perf_counter()
+        c = aiorl.Cluster()
+        dt = time.perf_counter() - t
+        c.close()
+        return dt
+
+    out["cluster_ready_s"] = median_of(reps, cluster_ready)
+    with aiorl.Cluster() as c:
+        g = Bench.create_group().launch(c, name="bench")
+        g.noop().wait(60)
+
+        def seq(method: str) -> Callable[[], float]:
+            def run() -> float:
+                call = getattr(g, method)
+                t = time.perf_counter()
+                for _ in range(SEQ_CALLS):
+                    call().wait()
+                return (time.perf_counter() - t) / SEQ_CALLS * 1e6
+            return run
+
+        out["seq_sync_method_us"] = median_of(reps, seq("noop"))
+        out["seq_async_method_us"] = median_of(reps, seq("anoop"))
+
+        def seq_from_coroutine() -> float:
+            async def main() -> float:
+                t = time.perf_counter()
+                for _ in range(SEQ_CALLS):
+                    await g.anoop()
+                return (time.perf_counter() - t) / SEQ_CALLS * 1e6
+            return asyncio.run(main())
+
+        out["seq_async_from_coroutine_us"] = median_of(reps, seq_from_coroutine)
+
+        def in_flight() -> float:
+            t = time.perf_counter()
+            works = [g.anoop() for _ in range(IN_FLIGHT)]
+            for w in works:
+                w.wait()
+            return IN_FLIGHT / (time.perf_counter() - t)
+
+        out["in_flight_calls_per_s"] = median_of(reps, in_flight)
+        g.close()
+
+        counter = iter(range(10**6))
+
+        def launch8() -> float:
+            t = time.perf_counter()
+            grp = Bench.create_group().launch(
+                c, aiorl.placement.NodePlacementStrategy([0] * 8), name=f"launch{next(counter)}")
+            grp.noop().wait(120)
+            dt = time.perf_counter() - t
+            grp.close()
+            return dt
+
+        launch8()  # the first launch also waits for the zygote to finish importing torch
+        out["launch_8_workers_s"] = median_of(reps, launch8)
+    return out
+
+
+# --------------------------------------------------------------------------- ray
+def bench_ray(reps: int) -> dict[str, float] | None:
+    try:
+        import ray
+    except ImportError:
+        return None
+    out: dict[str, float] = {}
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        @ray.remote
+        class RayBench:
+            def __init__(self) -> None:
+                import torch  # noqa: F401  (aiorl workers have torch imported too)
+
+            def noop(self) -> None:
+                return None
+
+        a = RayBench.remote()
+        ray.get(a.noop.remote())
+
+        def seq() -> float:
+            t = time.perf_counter()
+            for _ in range(SEQ_CALLS // 2):
+                ray.get(a.noop.remote())
+            return (time.perf_counter() - t) / (SEQ_CALLS // 2) * 1e6
+
+        out["seq_sync_method_us"] = median_of(reps, seq)
+
+        def in_flight() -> float:
+            t = time.perf_counter()
+            ray.get([a.noop.remote() for _ in range(IN_FLIGHT)])
+            return IN_FLIGHT / (time.perf_counter() - t)
+
+        out["in_flight_calls_per_s"] = median_of(reps, in_flight)
+
+        def launch8() -> float:
+            t = time.perf_counter()
+            actors = [RayBench.remote() for _ in range(8)]
+            ray.get([x.noop.remote() for x in actors])
+            dt = time.perf_counter() - t
+            for x in actors:
+                ray.kill(x)
+            return dt
+
+        out["launch_8_workers_s"] = median_of(max(1, reps // 2), launch8)
+    finally:
+        ray.shutdown()
+    return out
+
+
+# --------------------------------------------------------------------------- raw pyzmq floor
+def _zmq_server(q: Any) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    q.put(s.bind_to_random_port("tcp://127.0.0.1"))
+    while True:
+        s.send_multipart(s.recv_multipart())
+
+
+def bench_pyzmq(reps: int) -> dict[str, float]:
+    q: Any = mp.get_context("spawn").Queue()
+    proc = mp.get_context("spawn").Process(target=_zmq_server, args=(q,), daemon=True)
+    proc.start()
+    port = q.get()
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(f"tcp://127.0.0.1:{port}")
+    s.send(b"x")
+    s.recv()
+
+    def seq() -> float:
+        t = time.perf_counter()
+        for _ in range(SEQ_CALLS):
+            s.send(b"x")
+            s.recv()
+        return (time.perf_counter() - t) / SEQ_CALLS * 1e6
+
+    def in_flight() -> float:
+        t = time.perf_counter()
+        for _ in range(IN_FLIGHT):
+            s.send(b"x")
+        for _ in range(IN_FLIGHT):
+            s.recv()
+        return IN_FLIGHT / (time.perf_counter() - t)
+
+    out = {"seq_sync_method_us": median_of(reps, seq), "in_flight_calls_per_s": median_of(reps, in_flight)}
+    s.close(0)
+    proc.kill()
+    proc.join()
+    return out
+
+
+ROWS = [
+    ("seq_sync_method_us", "sequential call, plain method (µs)"),
+    ("seq_async_method_us", "sequential call, async method (µs)"),
+    ("seq_async_from_coroutine_us", "sequential await from a coroutine (µs)"),
+    ("in_flight_calls_per_s", f"{IN_FLIGHT} calls in flight (calls/s)"),
+    ("launch_8_workers_s", "launch 8 torch workers to first answer (s)"),
+    ("cluster_ready_s", "embedded cluster ready (s)"),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-ray", action="store_true")
+    args = parser.parse_args()
+    results = {"aiorl": bench_aiorl(args.reps), "pyzmq": bench_pyzmq(args.reps)}
+    ray_res = None if args.no_ray else bench_ray(args.reps)
+    if ray_res is not None:
+        results["ray"] = ray_res
+    cols = ["aiorl", "ray", "pyzmq (floor)"]
+    keys = ["aiorl", "ray", "pyzmq"]
+    print(f"\n{'metric':<44}" + "".join(f"{c:>16}" for c in cols) + f"{'vs ray':>10}")
+    for key, label in ROWS:
+        vals = [results.get(k, {}).get(key) for k in keys]
+        cells = "".join(f"{v:>16.4g}" if v is not None else f"{'-':>16}" for v in vals)
+        ratio = ""
+        if vals[0] and vals[1]:
+            better = vals[1] / vals[0] if not key.endswith("per_s") else vals[0] / vals[1]
+            ratio = f"{better:>9.1f}x"
+        print(f"{label:<44}{cells}{ratio:>10}")
+    if ray_res is None and not args.no_ray:
+        print("\n(ray is not installed: pip install -e .[bench] for the Ray column)")
+    os.makedirs("benchmarks/results", exist_ok=True)
+    with open("benchmarks/results/calls.json", "w") as f:
+        json.dump({"results": results, "python": sys.version, "cpus": os.cpu_count()}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
