@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s [node {host}] %(levelname)s %(message)s")
-    log_dir = args.log_dir or os.path.join(tempfile.gettempdir(), "aiorl", f"node-{os.getpid()}")
+    log_dir = args.log_dir or os.path.join(tempfile.gettempdir(), f"aiorl-node-{os.getpid()}-logs")
     agent = NodeAgent(
         args.registry, host=host, node_rank=args.node_rank, accelerators=args.accelerators,
         hardware=_parse_kv(args.hardware, "--hardware", int), labels=_parse_kv(args.label, "--label"),
