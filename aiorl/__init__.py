@@ -8,6 +8,8 @@ from aiorl.actors import (
     Worker,
     WorkerGroup,
 )
+from aiorl.actors.mapping import MappingThread
+from aiorl.actors.polling import PollingWorker, PollResult
 from aiorl.cluster import Cluster
 from aiorl.errors import (
     AiorlError,
@@ -33,6 +35,9 @@ __all__ = [
     "AsyncFuncWork",
     "AsyncWork",
     "Cluster",
+    "MappingThread",
+    "PollResult",
+    "PollingWorker",
     "Worker",
     "WorkerGroup",
     "AuthenticationError",

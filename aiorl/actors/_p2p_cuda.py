@@ -40,7 +40,12 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
-    "CudaPair", "device_uuid", "ipc_open_copy", "ipc_reduce", "local_cuda_info", "record_event",
+    "CudaPair",
+    "device_uuid",
+    "ipc_open_copy",
+    "ipc_reduce",
+    "local_cuda_info",
+    "record_event",
     "reinterpret",
 ]
 
@@ -68,7 +73,8 @@ def device_uuid(index: int) -> str:
     if uuid is not None:
         return str(uuid)
     return "pci:{}:{}:{}".format(
-        getattr(props, "pci_domain_id", "?"), getattr(props, "pci_bus_id", "?"),
+        getattr(props, "pci_domain_id", "?"),
+        getattr(props, "pci_bus_id", "?"),
         getattr(props, "pci_device_id", "?"),
     )
 
@@ -111,7 +117,11 @@ class CudaPair:
         import torch.distributed as dist
 
         self.store = dist.TCPStore(
-            host, 0, 2, True, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+            host,
+            0,
+            2,
+            True,
+            timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
             wait_for_workers=False,
         )
         self.store_address = (host, int(self.store.port))
@@ -144,7 +154,9 @@ class CudaPair:
         return self.pg
 
     # ------------------------------------------------------------------ transfers
-    def submit(self, tensors: Sequence[Any], wait_event: Any, send: bool) -> concurrent.futures.Future:
+    def submit(
+        self, tensors: Sequence[Any], wait_event: Any, send: bool
+    ) -> concurrent.futures.Future:
         """Issue one NCCL send (rank 0) or receive (rank 1) per tensor, after ``wait_event``.
 
         Returns a future of ``(works, done_event)``; ``done_event`` completes when

@@ -67,6 +67,9 @@ class PollResult:
     batch_count: int = 0
 
 
+_Job = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
+
+
 class _PollThread:
     """One daemon thread running submitted functions in order.
 
@@ -76,8 +79,7 @@ class _PollThread:
     """
 
     def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None]
-        self._jobs = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -148,7 +150,8 @@ class _Sinks:
     so a monitoring problem never stops the poll loop.
     """
 
-    def __init__(self, config: Any, worker_name: str, group_name: str, logger: logging.Logger) -> None:
+    def __init__(self, config: Any, worker_name: str, group_name: str,
+                 logger: logging.Logger) -> None:
         self._log = logger
         self._prefix = worker_name
         self._wandb: Any = None
@@ -269,7 +272,7 @@ class PollingWorker(Worker):
         self._wake: asyncio.Event | None = None  # set while running or exiting
         self._idle: asyncio.Event | None = None  # set while no poll is in flight
         self._run_active = False
-        self._in_poll = False
+        self._inflight = 0  # polls started and not finished
         self._poll_thread: _PollThread | None = None
         self._stats_interval = DEFAULT_STATS_INTERVAL
         self._sinks: _Sinks | None = None
@@ -349,7 +352,8 @@ class PollingWorker(Worker):
             raise RuntimeError(f"{self._display_name()} is exiting; it cannot be configured")
         prev = self._configure_fut
         if prev is not None and not (prev.done() and (prev.cancelled() or prev.exception())):
-            raise RuntimeError(f"{self._display_name()} is already configured (configure() runs once)")
+            raise RuntimeError(
+                f"{self._display_name()} is already configured (configure() runs once)")
         level, interval = _common_settings(config)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._configure_fut = fut
@@ -374,6 +378,8 @@ class PollingWorker(Worker):
         self._sinks = _Sinks(config, self._display_name(), self._group_name(), self._logger())
         self._configured = True
         fut.set_result(None)
+        if self._exiting and not self._run_active:
+            self._release()  # exit() came while configuring: nothing will close the sinks later
         if self._running and not self._exiting:
             self._set_running_clock(True)
         self.log_debug("configured")
@@ -513,34 +519,65 @@ class PollingWorker(Worker):
                 self._wake.clear()
 
     async def _poll_once(self, poll_is_async: bool) -> PollResult | None:
-        assert self._idle is not None
-        self._in_poll = True
-        self._idle.clear()
-        try:
-            if poll_is_async:
-                return await self._poll()  # type: ignore[misc]
-            cf = self._get_poll_thread().submit(self._poll)
+        self._poll_begun()
+        if poll_is_async:
             try:
-                return await asyncio.wrap_future(cf)
-            except asyncio.CancelledError:
-                # The thread cannot be interrupted; still count what the poll did.
-                cf.add_done_callback(self._count_late)
-                raise
+                return await self._poll()  # type: ignore[misc]
+            finally:
+                self._poll_ended()
+        cf = self._get_poll_thread().submit(self._poll)
+        late = False
+        try:
+            return await asyncio.wrap_future(cf)
+        except asyncio.CancelledError:
+            if not cf.done():
+                # run() was cancelled mid-poll and a thread cannot be interrupted: the poll
+                # stays "in progress" (pause(wait=True) waits for it) and is counted when done.
+                late = True
+                cf.add_done_callback(self._late_poll_done)
+            raise
         finally:
-            self._in_poll = False
+            if not late:
+                self._poll_ended()
+
+    def _poll_begun(self) -> None:
+        assert self._idle is not None
+        self._inflight += 1
+        self._idle.clear()
+
+    def _poll_ended(self) -> None:
+        assert self._idle is not None
+        self._inflight -= 1
+        if self._inflight == 0:
             self._idle.set()
 
-    def _count_late(self, cf: concurrent.futures.Future[Any]) -> None:
-        if not cf.cancelled() and cf.exception() is None:
-            loop = self._loop
-            if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(self._account, cf.result())
+    def _late_poll_done(self, cf: concurrent.futures.Future[Any]) -> None:
+        """Done callback (poll thread) of a poll whose run() was cancelled."""
+
+        def finish() -> None:
+            try:
+                if cf.cancelled():
+                    return
+                exc = cf.exception()
+                if exc is not None:
+                    self._logger().error("_poll raised after run() was cancelled", exc_info=exc)
+                else:
+                    self._account(cf.result())
+            except Exception:
+                self._logger().error("_poll returned a bad result", exc_info=True)
+            finally:
+                self._poll_ended()
+
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(finish)
 
     def _account(self, result: PollResult | None) -> None:
         if result is None:
             result = PollResult()
         elif not isinstance(result, PollResult):
-            raise TypeError(f"_poll() must return aiorl.PollResult (or None), got {type(result).__name__}")
+            raise TypeError(
+                f"_poll() must return aiorl.PollResult (or None), got {type(result).__name__}")
         self._polls += 1
         self._samples += int(result.sample_count)
         self._batches += int(result.batch_count)
@@ -589,7 +626,7 @@ class PollingWorker(Worker):
             "configured": self.is_configured,
             "running": self.is_running,
             "exiting": self.is_exiting,
-            "in_poll": self._in_poll,
+            "in_poll": self._inflight > 0,
             "polls": self._polls,
             "samples": self._samples,
             "batches": self._batches,
@@ -633,7 +670,9 @@ class PollingWorker(Worker):
 
     def _logger(self) -> logging.Logger:
         ctx = self._aiorl_ctx
-        return ctx.logger if ctx is not None else logging.getLogger(f"aiorl.worker.{type(self).__name__}")
+        if ctx is not None:
+            return ctx.logger
+        return logging.getLogger(f"aiorl.worker.{type(self).__name__}")
 
 
 def _raise_if_failed(fut: asyncio.Future[None], name: str) -> None:

@@ -69,8 +69,18 @@ class WorkerServer:
             task = self.runtime.loop.create_task(fn(*args, **kwargs))
             task.add_done_callback(lambda t: self._reply_from(msg, t))
         else:
-            cf = self.method_thread.submit(fn, *args, **kwargs)
-            cf.add_done_callback(lambda f: self.runtime.loop.call_soon_threadsafe(self._reply_from, msg, f))
+            # The method thread serializes and sends the reply itself: one thread hop less.
+            self.method_thread.submit(self._run_plain, msg, fn, args, kwargs)
+
+    def _run_plain(self, msg: Incoming, fn: Any, args: Any, kwargs: Any) -> None:
+        """Runs on the method thread: call ``fn`` and answer from this thread."""
+        try:
+            result = fn(*args, **kwargs)
+            frames = [] if result is None else serialization.dumps(result)
+        except BaseException as exc:  # noqa: BLE001 - goes back to the caller
+            self._reply_error(msg, exc)
+            return
+        msg.reply(None, frames)
 
     def _reply_from(self, msg: Incoming, fut: Any) -> None:
         if fut.cancelled():
@@ -117,6 +127,7 @@ async def _main(spec: dict[str, Any]) -> int:
     endpoint = Endpoint(name, host=node["ip"])
     registry = RegistryClient(endpoint, spec["registry"])
     runtime = Runtime(loop, endpoint, registry, name)
+    from aiorl.actors.p2p import get_p2p; get_p2p(runtime)  # noqa: E702, I001 - p2p handlers first
     set_current_runtime(runtime)
     info = WorkerInfo(
         address=WorkerAddress(group, [rank]),

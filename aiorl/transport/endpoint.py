@@ -36,6 +36,7 @@ import asyncio
 import itertools
 import logging
 import os
+import threading
 import traceback
 import uuid
 from collections.abc import Callable, Sequence
@@ -184,9 +185,15 @@ def error_from_meta(meta: Any, frames: list[Any]) -> BaseException:
 
 
 class _Watched:
-    """A socket registered with the loop, drained completely after every wake-up."""
+    """A socket registered with the loop, drained completely after every wake-up.
 
-    __slots__ = ("sock", "on_message", "loop", "_scheduled", "closed")
+    The loop thread owns the socket. One exception: :meth:`send_from_thread` lets
+    another thread (a worker's method thread answering a call) send on it, under
+    ``lock``, which every socket operation takes; a mutex gives the full memory
+    barrier that libzmq requires when a socket changes threads.
+    """
+
+    __slots__ = ("sock", "on_message", "loop", "_scheduled", "closed", "lock")
 
     def __init__(
         self,
@@ -199,6 +206,7 @@ class _Watched:
         self.loop = loop
         self._scheduled = False
         self.closed = False
+        self.lock = threading.Lock()
         loop.add_reader(sock.FD, self.drain)
         self.schedule_drain()  # input may have queued before the reader existed
 
@@ -213,11 +221,13 @@ class _Watched:
 
     def drain(self) -> None:
         sock = self.sock
+        lock = self.lock
         for _ in range(_DRAIN_BATCH):
-            # Checking EVENTS is cheaper than provoking zmq.Again to learn the queue is empty.
-            if self.closed or not _raw_get(sock, _EVENTS) & _POLLIN:
-                return
-            frames = sock.recv_multipart(zmq.NOBLOCK)
+            with lock:
+                # Checking EVENTS is cheaper than provoking zmq.Again to learn the queue is empty.
+                if self.closed or not _raw_get(sock, _EVENTS) & _POLLIN:
+                    return
+                frames = sock.recv_multipart(zmq.NOBLOCK)
             try:
                 self.on_message(frames)
             except Exception:
@@ -225,20 +235,41 @@ class _Watched:
         # Batch used up and input may remain: continue after other callbacks ran.
         self.schedule_drain()
 
-    def after_send(self) -> None:
-        """A send may have consumed the FD's edge; look at EVENTS and drain if input waits."""
-        if not self.closed and _raw_get(self.sock, _EVENTS) & _POLLIN:
+    def send(self, parts: Sequence[Any]) -> None:
+        """Send from the loop thread, then re-check EVENTS (a send can consume the edge)."""
+        with self.lock:
+            if self.closed:
+                raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
+            try:
+                send_parts(self.sock, parts)
+            finally:
+                pending = _raw_get(self.sock, _EVENTS) & _POLLIN
+        if pending:
             self.schedule_drain()
 
+    def send_from_thread(self, parts: Sequence[Any]) -> None:
+        """Send from a thread other than the loop's. If the send consumed the edge of
+        waiting input, wake the loop to drain it, or that input would sit unnoticed."""
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                send_parts(self.sock, parts)
+            finally:
+                pending = _raw_get(self.sock, _EVENTS) & _POLLIN
+        if pending:
+            self.loop.call_soon_threadsafe(self.schedule_drain)
+
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self.loop.remove_reader(self.sock.FD)
-        except Exception:
-            pass
-        self.sock.close()
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                self.loop.remove_reader(self.sock.FD)
+            except Exception:
+                pass
+            self.sock.close()
 
 
 class _Peer:
@@ -277,6 +308,7 @@ class Endpoint:
         router = make_socket(zmq.ROUTER)
         self.address = bind_random_port(router, host, port)
         self._router = _Watched(router, self._on_router_message, self.loop)
+        self._loop_thread = threading.get_ident()  # built on its loop's thread (see Threads)
         self._handlers: dict[str, Handler] = {}
         self._event_handlers: dict[str, EventHandler] = {}
         self._peers: dict[str, _Peer] = {}
@@ -338,13 +370,14 @@ class Endpoint:
             return False
         head = encode_header(kind, request_id, op, meta)
         try:
-            send_parts(self._router.sock, [identity, head, *frames])
+            if threading.get_ident() == self._loop_thread:
+                self._router.send([identity, head, *frames])
+            else:
+                self._router.send_from_thread([identity, head, *frames])
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 return False  # the client went away; nothing is waiting for this any more
             raise
-        finally:
-            self._router.after_send()
         return True
 
     # ------------------------------------------------------------------ calling
@@ -385,11 +418,7 @@ class Endpoint:
     def _send_dealer(
         self, p: _Peer, kind: int, rid: int, op: str, meta: Any, frames: Sequence[Any]
     ) -> None:
-        head = encode_header(kind, rid, op, meta)
-        try:
-            send_parts(p.watched.sock, [head, *frames])
-        finally:
-            p.watched.after_send()
+        p.watched.send([encode_header(kind, rid, op, meta), *frames])
 
     def _peer(self, address: str) -> _Peer:
         p = self._peers.get(address)
