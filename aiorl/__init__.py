@@ -1,5 +1,6 @@
 """aiorl: an asyncio-native actor runtime for distributed RL and LLM post-training."""
 
+from aiorl import placement as placement  # the submodule, as aiorl.placement
 from aiorl.actors import (
     AsyncChannelWork,
     AsyncCollWork,
@@ -23,7 +24,6 @@ from aiorl.errors import (
     RemoteError,
     WorkerInitError,
 )
-from aiorl import placement
 from aiorl.names import WorkerAddress, WorkerInfo
 
 __version__ = "0.1.0"
