@@ -28,6 +28,7 @@ from typing import Any
 
 from aiorl.actors.runtime import Runtime, set_current_runtime
 from aiorl.errors import RegistryUnavailable
+from aiorl.transport import security
 
 __all__ = ["Cluster", "ClusterView", "current_cluster_view"]
 
@@ -57,6 +58,7 @@ class Cluster:
         registry: str | None = None,
         num_nodes: int | None = None,
         accelerators_per_node: int | None = None,
+        key_file: str | None = None,
         timeout: float = 60.0,
     ) -> None:
         self._cfg = _cluster_section(cluster_cfg)
@@ -70,12 +72,18 @@ class Cluster:
         self.embedded = not address
         if accelerators_per_node is None:
             accelerators_per_node = self._cfg.get("accelerators_per_node")
+        insecure = os.environ.get(security.ENV_INSECURE) == "1"
         try:
             if self.embedded:
+                # A fresh key pair per embedded cluster, handed to its processes by environment.
+                self.keys = None if insecure else security.ClusterKeys.generate()
                 self.session_dir = tempfile.mkdtemp(prefix="aiorl-session-")
                 address = self._start_embedded(int(wanted or 1), accelerators_per_node)
+            else:
+                self.keys = security.ClusterKeys.load(key_file) if key_file else (
+                    security.keys_from_environment())
             self.registry_address: str = str(address)
-            self.runtime = Runtime.start_in_thread(self.registry_address, "driver")
+            self.runtime = Runtime.start_in_thread(self.registry_address, "driver", keys=self.keys)
             set_current_runtime(self.runtime)
             _live_clusters.add(self)
             self.runtime.run_sync(self._attach(), timeout=timeout)
@@ -86,10 +94,12 @@ class Cluster:
 
     # ------------------------------------------------------------------ startup
     def _start_embedded(self, num_nodes: int, accelerators_per_node: int | None) -> str:
+        env = {**os.environ, **(self.keys.to_env() if self.keys else {})}
+        env.pop(security.ENV_KEY_FILE, None)
         registry = subprocess.Popen(
             [sys.executable, "-m", "aiorl.registry.service", "--host", "127.0.0.1", "--port", "0",
              "--print-address", "--log-level", "WARNING"],
-            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
         )
         self._children.append(registry)
         assert registry.stdout is not None
@@ -105,7 +115,7 @@ class Cluster:
             if accelerators_per_node is not None:
                 cmd += ["--accelerators", str(accelerators_per_node)]
             # stdin stays open as a pipe: when this process dies, the agent reads EOF and exits.
-            agent = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+            agent = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)
             self._children.append(agent)
         return address
 

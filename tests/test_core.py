@@ -276,20 +276,23 @@ def test_sigkill_node_agent_kills_its_workers():
 
 
 @pytest.fixture
-def separate_cluster_processes():
+def separate_cluster_processes(tmp_path):
     """A registry and two node agents started as independent programs (attach mode)."""
     procs: list[subprocess.Popen[bytes]] = []
+    key_file = str(tmp_path / "cluster.key")
     registry = subprocess.Popen(
         [sys.executable, "-m", "aiorl.registry.service", "--host", "127.0.0.1", "--port", "0",
-         "--print-address", "--log-level", "WARNING"], stdout=subprocess.PIPE)
+         "--print-address", "--log-level", "WARNING", "--key-file", key_file],
+        stdout=subprocess.PIPE)
     procs.append(registry)
     try:
         address = registry.stdout.readline().decode().strip().split("=", 1)[1]
         for rank in (0, 1):
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "aiorl.node.agent", "--registry", address,
-                 "--node-rank", str(rank), "--accelerators", "2", "--log-level", "WARNING"]))
-        yield address
+                 "--node-rank", str(rank), "--accelerators", "2", "--log-level", "WARNING",
+                 "--key-file", key_file]))
+        yield address, key_file
     finally:
         for p in reversed(procs):
             p.send_signal(signal.SIGTERM)
@@ -303,17 +306,19 @@ def separate_cluster_processes():
 
 
 def test_attach_mode_two_nodes(separate_cluster_processes):
-    with aiorl.Cluster(registry=separate_cluster_processes, num_nodes=2) as c:
+    address, key_file = separate_cluster_processes
+    with aiorl.Cluster(registry=address, num_nodes=2, key_file=key_file) as c:
         assert c.num_nodes == 2 and c.num_accelerators == 4
         group = Echo.create_group().launch(c, name="attached")  # one per accelerator
         infos = group.env().wait(60)
         assert [e["CUDA_VISIBLE_DEVICES"] for e in infos] == ["0", "1", "0", "1"]
         assert group.name().wait(10) == [f"attached:{r}" for r in range(4)]
-        out = subprocess.run([sys.executable, "-m", "aiorl.cli.main", "status", "--registry",
-                              separate_cluster_processes], capture_output=True, text=True, timeout=30)
+        out = subprocess.run([sys.executable, "-m", "aiorl.cli.main", "status", "--registry", address],
+                             capture_output=True, text=True, timeout=30,
+                             env={**os.environ, "AIORL_KEY_FILE": key_file})
         assert out.returncode == 0, out.stderr
         assert "attached" in out.stdout and "4/4" in out.stdout
     # Closing an attached driver tears down its groups but leaves the cluster up.
-    with aiorl.Cluster(registry=separate_cluster_processes, num_nodes=2) as c:
+    with aiorl.Cluster(registry=address, num_nodes=2, key_file=key_file) as c:
         status = c.runtime.run_sync(c.runtime.registry.request("status"))
         assert all(w["state"] == "dead" for w in status["workers"] if w["name"].startswith("attached"))

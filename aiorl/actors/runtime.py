@@ -58,7 +58,9 @@ class Runtime:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def start_in_thread(cls, registry_address: str, name: str, host: str = "127.0.0.1") -> Runtime:
+    def start_in_thread(
+        cls, registry_address: str, name: str, host: str = "127.0.0.1", keys: Any = None
+    ) -> Runtime:
         """Start a runtime on a new daemon I/O thread (the driver's)."""
         import uvloop
 
@@ -70,7 +72,7 @@ class Runtime:
 
             def setup() -> None:
                 try:
-                    endpoint = Endpoint(name, host=host, loop=loop)
+                    endpoint = Endpoint(name, host=host, loop=loop, keys=keys)
                     ready.set_result(cls(loop, endpoint, RegistryClient(endpoint, registry_address), name))
                 except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
                     ready.set_exception(exc)

@@ -38,6 +38,7 @@ from typing import Any
 
 from aiorl.node.zygote import read_message, set_parent_death_signal, write_message
 from aiorl.registry.client import RegistryClient
+from aiorl.transport import security
 from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.transport.sockets import local_ip
 
@@ -341,8 +342,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", default=None, help="where worker logs go")
     parser.add_argument("--exit-on-stdin-close", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--key-file", default=None,
+                        help="the cluster key file written by aiorl-registry (default: "
+                             "$AIORL_KEY_FILE or ~/.aiorl/cluster.key)")
+    parser.add_argument("--insecure", action="store_true", help="no authentication")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    if args.insecure:
+        os.environ[security.ENV_INSECURE] = "1"
+    elif args.key_file:
+        os.environ.update(security.ClusterKeys.load(args.key_file).to_env())
+    else:
+        keys = security.keys_from_environment()
+        if keys is None:
+            parser.error("no cluster key: pass --key-file (the file aiorl-registry wrote), set "
+                         "$AIORL_KEY_FILE, or run everything with --insecure")
+        # Into the environment, so the zygote and every worker it forks inherit them.
+        os.environ.update(keys.to_env())
     if not args.registry:
         parser.error("--registry (or $AIORL_REGISTRY) is required")
     if args.parent_pid is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -356,8 +357,8 @@ def _checked(fn: Any) -> Any:
     return run
 
 
-async def serve(host: str, port: int, *, expiry: float, ready_line: bool) -> None:
-    endpoint = Endpoint("registry", host=host, port=port)
+async def serve(host: str, port: int, *, expiry: float, ready_line: bool, keys: Any) -> None:
+    endpoint = Endpoint("registry", host=host, port=port, keys=keys)
     service = RegistryService(endpoint, expiry=expiry)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -379,13 +380,29 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds without heartbeats before a node or driver is declared dead")
     parser.add_argument("--print-address", action="store_true",
                         help="print AIORL_REGISTRY=<address> once listening")
+    parser.add_argument("--key-file", default=None,
+                        help="cluster key file (created if missing; default: $AIORL_KEY_FILE "
+                             "or ~/.aiorl/cluster.key)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="no authentication (only on a private, trusted network)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s [registry] %(levelname)s %(message)s", stream=sys.stderr)
     import uvloop
 
-    uvloop.run(serve(args.host, args.port, expiry=args.expiry, ready_line=args.print_address))
+    from aiorl.transport import security
+
+    if args.insecure:
+        os.environ[security.ENV_INSECURE] = "1"
+        keys = None
+    elif os.environ.get(security.ENV_PUBLIC) and not args.key_file:
+        keys = security.keys_from_environment()
+    else:
+        keys = security.load_or_create(
+            args.key_file or os.environ.get(security.ENV_KEY_FILE) or security.DEFAULT_KEY_FILE)
+    uvloop.run(serve(args.host, args.port, expiry=args.expiry, ready_line=args.print_address,
+                     keys=keys))
     return 0
 
 

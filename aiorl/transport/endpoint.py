@@ -46,7 +46,8 @@ import zmq
 
 from aiorl import errors
 from aiorl.errors import PeerLostError, ProtocolError
-from aiorl.transport import serialization
+from aiorl.transport import security, serialization
+from aiorl.transport.security import ClusterKeys
 from aiorl.transport.sockets import bind_random_port, make_socket
 from aiorl.transport.wire import Kind, decode_header, encode_header
 
@@ -83,6 +84,7 @@ def send_parts(sock: zmq.Socket, parts: Sequence[Any]) -> None:
 #: Messages handled per wake-up before yielding to other callbacks (fairness).
 _DRAIN_BATCH = 256
 
+_FROM_ENVIRONMENT = object()
 Reply = tuple[Any, list[Any]]  # (meta, payload frames)
 Handler = Callable[["Incoming"], None]
 EventHandler = Callable[[str, Any, list[Any]], None]
@@ -292,6 +294,8 @@ class Endpoint:
         host: interface to bind the ROUTER on.
         port: port to bind (0 = any free port).
         loop: the event loop that owns the endpoint (default: the running loop).
+        keys: the cluster's CURVE keys; by default those of the environment
+            (:func:`~aiorl.transport.security.keys_from_environment`); None = insecure.
     """
 
     def __init__(
@@ -301,11 +305,15 @@ class Endpoint:
         host: str = "127.0.0.1",
         port: int = 0,
         loop: asyncio.AbstractEventLoop | None = None,
+        keys: ClusterKeys | None | object = _FROM_ENVIRONMENT,
     ) -> None:
         self.name = name
+        self.keys: ClusterKeys | None = (
+            security.keys_from_environment() if keys is _FROM_ENVIRONMENT else keys  # type: ignore[assignment]
+        )
         self.loop = loop or asyncio.get_running_loop()
         self._identity = f"{name}/{os.getpid()}/{uuid.uuid4().hex[:8]}".encode()
-        router = make_socket(zmq.ROUTER)
+        router = make_socket(zmq.ROUTER, keys=self.keys)
         self.address = bind_random_port(router, host, port)
         self._router = _Watched(router, self._on_router_message, self.loop)
         self._loop_thread = threading.get_ident()  # built on its loop's thread (see Threads)
@@ -425,7 +433,7 @@ class Endpoint:
         if p is None:
             if self.closed:
                 raise PeerLostError(f"endpoint {self.name} is closed")
-            sock = make_socket(zmq.DEALER, identity=self._identity)
+            sock = make_socket(zmq.DEALER, identity=self._identity, keys=self.keys)
             sock.connect(address)
             p = _Peer(address, None)  # type: ignore[arg-type]
             p.watched = _Watched(sock, lambda frames, p=p: self._on_dealer_message(p, frames), self.loop)

@@ -13,6 +13,9 @@ import threading
 
 import zmq
 
+from aiorl.transport import security
+from aiorl.transport.security import ClusterKeys
+
 __all__ = ["bind_random_port", "get_context", "local_ip", "make_socket"]
 
 _ctx_lock = threading.Lock()
@@ -31,8 +34,13 @@ def get_context() -> zmq.Context:
         return _ctx
 
 
-def make_socket(kind: int, *, identity: bytes | None = None) -> zmq.Socket:
+def make_socket(
+    kind: int, *, identity: bytes | None = None, keys: ClusterKeys | None = None
+) -> zmq.Socket:
     """Create a socket of ZMQ type ``kind`` with the runtime's standard options.
+
+    With ``keys``, a ROUTER becomes a CURVE server admitting only holders of the
+    cluster key and a DEALER a CURVE client presenting it (see security.py).
 
     Unlimited high-water marks: flow control is done by the protocols above
     (credits in channels, request/reply in calls), and a dropped or blocked
@@ -55,6 +63,11 @@ def make_socket(kind: int, *, identity: bytes | None = None) -> zmq.Socket:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
     if identity is not None:
         sock.setsockopt(zmq.ROUTING_ID, identity)
+    if keys is not None:
+        if kind == zmq.ROUTER:
+            security.enable_server(sock, keys)
+        else:
+            security.enable_client(sock, keys)
     return sock
 
 
