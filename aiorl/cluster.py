@@ -66,6 +66,8 @@ class Cluster:
         self._children: list[subprocess.Popen[bytes]] = []
         self._nodes: list[dict[str, Any]] = []
         self._nodes_changed = threading.Condition()
+        #: Groups this driver launched and has not closed: name -> create_group request.
+        self.groups: dict[str, dict[str, Any]] = {}
         self.driver_id = f"driver-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         address = registry or os.environ.get("AIORL_REGISTRY") or self._cfg.get("registry")
         wanted = num_nodes if num_nodes is not None else self._cfg.get("num_nodes")
@@ -129,10 +131,16 @@ class Cluster:
         await reg.watch_nodes(self._on_nodes)
 
     async def _reregister(self) -> None:
-        await self.runtime.registry.request("register_driver", {
+        """The registry restarted: register again, restore our groups, renew our watches."""
+        reg = self.runtime.registry
+        await reg.request("register_driver", {
             "driver_id": self.driver_id, "pid": os.getpid(), "hostname": os.uname().nodename,
             "endpoint": self.runtime.endpoint.address,
         })
+        for meta in list(self.groups.values()):
+            await reg.request("create_group", {**meta, "restore": True})
+        await reg.resubscribe()
+        log.warning("re-registered with the restarted registry at %s", self.registry_address)
 
     def _on_nodes(self, nodes: list[dict[str, Any]]) -> None:
         with self._nodes_changed:
@@ -274,6 +282,7 @@ class ClusterView:
         self.driver_id = driver_id
         self._cfg: dict[str, Any] = {}
         self._nodes: list[dict[str, Any]] = []
+        self.groups: dict[str, dict[str, Any]] = {}
 
     async def refresh(self) -> None:
         """Fetch the live node list (call on the runtime loop before using ``spec``)."""

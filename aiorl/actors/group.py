@@ -92,10 +92,12 @@ class WorkerGroupBuilder(Generic[W]):
         placements = strategy.get_placement(spec)
         runtime = cluster.runtime
         payload = _ship_class(self.cls, self.args, self.kwargs)
-        runtime.run_sync(runtime.registry.request("create_group", {
+        request = {
             "group": name, "world_size": len(placements), "owner": cluster.driver_id,
             "worker_class": f"{self.cls.__module__}.{self.cls.__qualname__}",
-        }), timeout=30)
+        }
+        runtime.run_sync(runtime.registry.request("create_group", request), timeout=30)
+        cluster.groups[name] = request  # restored if the registry restarts
         group: WorkerGroup[W] = WorkerGroup(cluster, self.cls, name, len(placements))
         runtime.call_soon(
             lambda: runtime.loop.create_task(group._start(placements, payload, env or {}))
@@ -359,6 +361,7 @@ class WorkerGroup(Generic[W]):
             fn()
 
     async def _close(self) -> None:
+        self._cluster.groups.pop(self._name, None)
         try:
             await self._runtime.registry.request("close_group", {"group": self._name}, timeout=5)
         finally:

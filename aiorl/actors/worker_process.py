@@ -161,6 +161,9 @@ async def _main(spec: dict[str, Any]) -> int:
         await registry.request("worker_state", {"info": info.to_wire(), "state": "failed", "detail": meta})
         return 1
     await registry.request("worker_state", {"info": info.to_wire(), "state": "ready"})
+    # The agent keeps our info so it can report us again if the registry restarts.
+    endpoint.send_oneway(node["endpoint"], "worker_ready", {"info": info.to_wire()})
+    endpoint.handle("registry_restarted", lambda _m: loop.create_task(registry.resubscribe()))
     await stop.wait()
     method_thread.shutdown(wait=False, cancel_futures=True)
     endpoint.close()

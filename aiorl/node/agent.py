@@ -79,6 +79,7 @@ class _Child:
     pid: int
     log_path: str
     started: float
+    info: dict[str, Any] | None = None  # the worker's WorkerInfo once it reported ready
 
 
 class NodeAgent:
@@ -119,6 +120,7 @@ class NodeAgent:
         self.endpoint.handle("kill_group", self._on_kill_group)
         self.endpoint.handle("free_port", lambda m: m.reply({"port": _free_port(self.host)}))
         self.endpoint.handle("ping", lambda m: m.reply({"node_id": self.node_id}))
+        self.endpoint.handle("worker_ready", self._on_worker_ready)
         self._zygote_ready = loop.create_future()
         self._start_zygote()
         await self._register()
@@ -138,9 +140,29 @@ class NodeAgent:
             "endpoint": self.endpoint.address,
             "pid": os.getpid(),
         })
+        rejoined = self.node_rank >= 0
         self.node_rank = reply["node_rank"]
         self._heartbeat_interval = reply["heartbeat_interval"]
         log.info("joined %s as node rank %d", self.registry_address, self.node_rank)
+        if rejoined:
+            await self._replay_workers()
+
+    async def _replay_workers(self) -> None:
+        """After a registry restart: report our live workers again and tell them to re-watch."""
+        for child in list(self.children.values()):
+            if child.info is None:
+                continue
+            await self.registry.request("worker_state", {"info": child.info, "state": "ready"})
+            try:
+                self.endpoint.send_oneway(child.info["endpoint"], "registry_restarted")
+            except Exception:
+                log.debug("could not notify %s of the registry restart", child.name)
+
+    def _on_worker_ready(self, msg: Incoming) -> None:
+        info = msg.meta["info"]
+        for child in self.children.values():
+            if child.pid == info.get("pid"):
+                child.info = info
 
     def _start_zygote(self) -> None:
         ours, theirs = socket.socketpair()
@@ -221,6 +243,7 @@ class NodeAgent:
                     "ip": self.host,
                     "hostname": socket.gethostname(),
                     "accelerator_type": self.accelerator_type,
+                    "endpoint": self.endpoint.address,
                 },
                 log_path=os.path.join(self.log_dir, f"{name.replace(':', '_')}.log"),
             )

@@ -77,6 +77,23 @@ class RegistryClient:
         callback(reply["nodes"])
         return reply["nodes"]
 
+    async def resubscribe(self) -> None:
+        """Issue every watch again (the registry restarted and forgot its subscribers).
+
+        Callbacks see the new snapshot; a watched worker that vanished while the
+        registry was down is simply absent from it.
+        """
+        for name, callbacks in list(self._watch_callbacks.items()):
+            reply = await self.request("watch", {"name": name})
+            for wname, w in reply["workers"].items():
+                self.known[wname] = w
+                for cb in callbacks:
+                    cb(wname, w["state"], w["info"], w.get("detail") or {})
+        if self._node_callbacks:
+            reply = await self.request("watch", {"name": "@nodes"})
+            for cb in self._node_callbacks:
+                cb(reply["nodes"])
+
     def _on_worker_event(self, _peer: str, meta: Any, _frames: list[Any]) -> None:
         name = meta["name"]
         self.known[name] = meta

@@ -203,12 +203,15 @@ class RegistryService:
         meta = _require(msg.meta, "group", "world_size", "owner")
         name = meta["group"]
         existing = self.groups.get(name)
-        if existing is not None and not existing.closed:
+        if existing is not None and not existing.closed and existing.owner != meta["owner"]:
+            raise ValueError(f"a worker group named {name!r} already exists")
+        if existing is not None and existing.owner == meta["owner"] and not meta.get("restore"):
             raise ValueError(f"a worker group named {name!r} already exists")
         self.groups[name] = _Group(name, int(meta["world_size"]), meta["owner"],
                                    str(meta.get("worker_class", "")), time.time())
-        for wname in [w for w in self.workers if _root(w) == name]:
-            del self.workers[wname]  # leftovers of a closed group of the same name
+        for wname, w in list(self.workers.items()):
+            if _root(wname) == name and w.state in (DEAD, FAILED):
+                del self.workers[wname]  # leftovers of a closed group of the same name
         msg.reply(None)
 
     def _close_group(self, msg: Incoming) -> None:

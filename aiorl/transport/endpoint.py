@@ -37,6 +37,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import traceback
 import uuid
 from collections.abc import Callable, Sequence
@@ -88,6 +89,28 @@ _FROM_ENVIRONMENT = object()
 Reply = tuple[Any, list[Any]]  # (meta, payload frames)
 Handler = Callable[["Incoming"], None]
 EventHandler = Callable[[str, Any, list[Any]], None]
+
+
+class _DropLog:
+    """Warn about dropped messages at most once a second, with a count of the rest.
+
+    A flood of garbage must not become a flood of log lines (that would be a
+    denial of service of its own)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.suppressed = 0
+        self.next_at = 0.0
+
+    def __call__(self, what: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            self.suppressed += 1
+            return
+        more = f" (and {self.suppressed} more dropped messages)" if self.suppressed else ""
+        log.warning("%s: dropped " + what + more, self.name, *args)
+        self.suppressed = 0
+        self.next_at = now + 1.0
 
 
 class Incoming:
@@ -315,6 +338,7 @@ class Endpoint:
         self._identity = f"{name}/{os.getpid()}/{uuid.uuid4().hex[:8]}".encode()
         router = make_socket(zmq.ROUTER, keys=self.keys)
         self.address = bind_random_port(router, host, port)
+        self._dropped = _DropLog(name)
         self._router = _Watched(router, self._on_router_message, self.loop)
         self._loop_thread = threading.get_ident()  # built on its loop's thread (see Threads)
         self._handlers: dict[str, Handler] = {}
@@ -349,17 +373,17 @@ class Endpoint:
 
     def _on_router_message(self, frames: list[Any]) -> None:
         if len(frames) < 2:
-            log.warning("%s: dropped a message with %d frames (need identity and header)", self.name, len(frames))
+            self._dropped("a message with %d frames (need identity and header)", len(frames))
             return
         identity = frames[0]
         try:
             header = decode_header(frames[1])
         except ProtocolError as exc:
-            log.warning("%s: dropped a malformed message: %s", self.name, exc)
+            self._dropped("a malformed message: %s", exc)
             return
         msg = Incoming(self, identity, header.kind, header.request_id, header.op, header.meta, frames[2:])
         if header.kind not in (_REQUEST, _ONEWAY):
-            log.warning("%s: dropped a %s message sent to a server socket", self.name, Kind(header.kind).name)
+            self._dropped("a %s message sent to a server socket", Kind(header.kind).name)
             return
         handler = self._handlers.get(header.op)
         if handler is None:
@@ -447,7 +471,7 @@ class Endpoint:
         try:
             header = decode_header(frames[0])
         except (ProtocolError, IndexError) as exc:
-            log.warning("%s: dropped a malformed message from %s: %s", self.name, p.address, exc)
+            self._dropped("a malformed message from %s: %s", p.address, exc)
             return
         if header.kind == _EVENT:
             handler = self._event_handlers.get(header.op)

@@ -1,0 +1,274 @@
+"""Failure guarantees (docs/failures.md) and bad input, with real processes."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import msgpack
+import psutil
+import pytest
+import zmq
+
+import aiorl
+from aiorl.transport.security import ClusterKeys
+from aiorl.transport.wire import Kind, encode_header
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Node(aiorl.Worker):
+    def pid(self) -> int:
+        return os.getpid()
+
+    def echo(self, x: object) -> object:
+        return x
+
+    async def wait_long(self) -> None:
+        import asyncio
+
+        await asyncio.sleep(60)
+
+    async def call_peer_and_wait(self, peer: str) -> object:
+        """Call another worker's long method: fails when that worker dies."""
+        return await self._runtime.call_worker(peer, "wait_long")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ClusterProcesses:
+    """A registry and node agents started as separate programs, restartable."""
+
+    def __init__(self, tmp_path, nodes: int = 2) -> None:
+        self.key_file = str(tmp_path / "cluster.key")
+        ClusterKeys.generate().save(self.key_file)
+        self.port = _free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.registry = self._start_registry()
+        self.agents = [
+            subprocess.Popen([sys.executable, "-m", "aiorl.node.agent", "--registry", self.address,
+                              "--node-rank", str(r), "--log-level", "WARNING", "--key-file",
+                              self.key_file])
+            for r in range(nodes)
+        ]
+
+    def _start_registry(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "aiorl.registry.service", "--host", "127.0.0.1", "--port",
+             str(self.port), "--log-level", "WARNING", "--key-file", self.key_file, "--expiry", "2"])
+
+    def restart_registry(self) -> None:
+        self.registry.kill()
+        self.registry.wait()
+        self.registry = self._start_registry()
+
+    def close(self) -> None:
+        for p in [*self.agents, self.registry]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in [*self.agents, self.registry]:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def processes(tmp_path):
+    procs = ClusterProcesses(tmp_path)
+    try:
+        yield procs
+    finally:
+        procs.close()
+
+
+def _gone(pids: list[int], within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_worker_killed_fails_peers_pending_calls_within_2s(cluster):
+    group = Node.create_group().launch(cluster, aiorl.placement.NodePlacementStrategy([0, 0]),
+                                       name="peers")
+    try:
+        pids = group.pid().wait(60)
+        pending = group.execute_on(0).call_peer_and_wait("peers:1")
+        time.sleep(0.3)
+        os.kill(pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(aiorl.RemoteError, match="PeerLostError") as info:
+            pending.wait(10)
+        assert time.monotonic() - start < 2.0
+        assert "peers:1" in str(info.value) and "SIGKILL" in str(info.value)
+    finally:
+        group.close()
+
+
+def test_registry_restart_workers_keep_talking_and_lookups_return(processes):
+    with aiorl.Cluster(registry=processes.address, num_nodes=2, key_file=processes.key_file) as c:
+        group = Node.create_group().launch(c, aiorl.placement.NodePlacementStrategy([0, 1]),
+                                           name="survivors")
+        assert len(group.pid().wait(60)) == 2
+        processes.restart_registry()
+        # Running workers keep answering while the registry is away and after it returns.
+        assert group.echo(7).wait(10) == [7, 7]
+        deadline = time.monotonic() + 5
+        lookup = None
+        while time.monotonic() < deadline:
+            try:
+                lookup = c.runtime.run_sync(c.runtime.registry.request(
+                    "lookup", {"name": "survivors:1"}, timeout=1), timeout=2)
+                break
+            except (aiorl.RegistryUnavailable, aiorl.RemoteError, TimeoutError):
+                time.sleep(0.1)
+        assert lookup is not None and lookup["state"] == "ready", "lookup did not return within 5 s"
+        status = c.runtime.run_sync(c.runtime.registry.request("status"), timeout=5)
+        assert len(status["nodes"]) == 2
+        assert any(g["name"] == "survivors" for g in status["groups"])
+        # New work can be launched on the restarted registry.
+        more = Node.create_group().launch(c, aiorl.placement.NodePlacementStrategy([0, 1]),
+                                          name="after_restart")
+        assert len(more.echo(1).wait(60)) == 2
+        more.close()
+        group.close()
+
+
+def test_node_agent_killed_node_declared_dead_and_callers_fail_fast(processes):
+    with aiorl.Cluster(registry=processes.address, num_nodes=2, key_file=processes.key_file) as c:
+        group = Node.create_group().launch(c, aiorl.placement.NodePlacementStrategy([1]),
+                                           name="on_node1")
+        (pid,) = group.pid().wait(60)
+        processes.agents[1].kill()
+        start = time.monotonic()
+        assert _gone([pid], within=5), "the worker outlived its node agent"
+        while c.num_nodes != 1 and time.monotonic() - start < 5:
+            time.sleep(0.05)
+        assert c.num_nodes == 1, "node 1 was not declared dead within 5 s"
+        with pytest.raises(aiorl.PeerLostError):
+            group.echo(1).wait(5)
+
+
+DRIVER = textwrap.dedent("""
+    import os, sys, time, aiorl
+    sys.path.insert(0, {tests!r})
+    from test_failures import Node
+    c = aiorl.Cluster(registry={address!r}, num_nodes=2, key_file={key_file!r})
+    g = Node.create_group().launch(c, aiorl.placement.NodePlacementStrategy([0, 1]), name="orphaned")
+    print(*g.pid().wait(60), flush=True)
+    time.sleep(60)
+""")
+
+
+def test_driver_killed_in_attach_mode_tears_down_its_groups(processes):
+    script = DRIVER.format(tests=os.path.dirname(__file__), address=processes.address,
+                           key_file=processes.key_file)
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 2
+        driver.kill()
+        driver.wait()
+        assert _gone(pids, within=8), "workers of a dead driver were not torn down"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        driver.stdout.close()
+
+
+def _fuzz_messages(rng: random.Random, ops: list[str], n: int) -> list[list[bytes]]:
+    def junk_value(depth: int = 0) -> object:
+        kind = rng.randrange(8)
+        if kind == 0 or depth > 2:
+            return rng.randrange(-(2**40), 2**40)
+        if kind == 1:
+            return rng.randbytes(rng.randrange(20))
+        if kind == 2:
+            return "".join(chr(rng.randrange(32, 0x2FF)) for _ in range(rng.randrange(12)))
+        if kind == 3:
+            return [junk_value(depth + 1) for _ in range(rng.randrange(4))]
+        if kind == 4:
+            return {str(junk_value(depth + 1)): junk_value(depth + 1) for _ in range(rng.randrange(4))}
+        if kind == 5:
+            return None
+        if kind == 6:
+            return rng.random()
+        return {"name": "x:0", "group": "fuzz", "node_id": "n", "info": {"address": 5}}
+
+    messages = []
+    for i in range(n):
+        shape = rng.randrange(6)
+        if shape == 0:
+            frames = [rng.randbytes(rng.randrange(1, 64)) for _ in range(rng.randrange(1, 4))]
+        elif shape == 1:
+            frames = [msgpack.packb([1, rng.randrange(-3, 9), i, rng.choice(ops), junk_value()])]
+        elif shape == 2:
+            frames = [encode_header(Kind.REQUEST, i, rng.choice(ops), junk_value()),
+                      rng.randbytes(rng.randrange(64))]
+        elif shape == 3:
+            frames = [msgpack.packb([rng.randrange(3), 1, i, "x", None, "extra"])]
+        elif shape == 4:
+            frames = [encode_header(Kind.ONEWAY, 0, rng.choice(ops), junk_value())]
+        else:
+            frames = [msgpack.packb(junk_value())]
+        messages.append(frames)
+    return messages
+
+
+def test_fuzz_registry_agent_and_worker_keep_serving(cluster):
+    group = Node.create_group().launch(cluster, name="fuzzed")
+    try:
+        group.echo(0).wait(60)
+        rt = cluster.runtime
+        worker = rt.run_sync(rt.resolve_worker("fuzzed:0"))["endpoint"]
+        agent = cluster.nodes[0]["endpoint"]
+        targets = {
+            "registry": (cluster.registry_address, ["heartbeat", "lookup", "lookup_group", "watch",
+                                                    "status", "worker_state", "worker_exited",
+                                                    "nodes", "unwatch", "ping", "bogus"]),
+            "agent": (agent, ["free_port", "ping", "kill_group", "worker_ready", "bogus"]),
+            "worker": (worker, ["call", "registry_restarted", "bogus"]),
+        }
+        rng = random.Random(1234)
+        ctx = zmq.Context.instance()
+        keys: ClusterKeys = cluster.keys
+        for name, (address, ops) in targets.items():
+            sock = ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.sndhwm = 0
+            sock.curve_secretkey, sock.curve_publickey = keys.secret, keys.public
+            sock.curve_serverkey = keys.public
+            sock.connect(address)
+            for frames in _fuzz_messages(rng, ops, 10_000):
+                sock.send_multipart(frames)
+            # Oversized header: rejected without being parsed.
+            sock.send_multipart([b"\x93" + b"\x00" * (2 << 20)])
+            time.sleep(0.5)
+            sock.close(0)
+            # The target still answers correct requests.
+            if name == "registry":
+                assert rt.run_sync(rt.registry.request("ping", timeout=10), timeout=15)
+            elif name == "agent":
+                async def ping_agent() -> object:
+                    return (await rt.endpoint.request(agent, "ping", timeout=10))[0]
+
+                meta = rt.run_sync(ping_agent(), timeout=15)
+                assert meta["node_id"]
+        assert group.echo("still here").wait(30) == ["still here"]
+    finally:
+        group.close()
