@@ -77,8 +77,9 @@ class Cluster:
         insecure = os.environ.get(security.ENV_INSECURE) == "1"
         try:
             if self.embedded:
-                # A fresh key pair per embedded cluster, handed to its processes by environment.
-                self.keys = None if insecure else security.ClusterKeys.generate()
+                # A fresh secret per embedded cluster, handed to its processes by environment;
+                # PLAIN suffices: all of its traffic stays on loopback (see security.py).
+                self.keys = None if insecure else security.ClusterKeys.generate("plain")
                 self.session_dir = tempfile.mkdtemp(prefix="aiorl-session-")
                 address = self._start_embedded(int(wanted or 1), accelerators_per_node)
             else:

@@ -13,32 +13,41 @@ import aiorl
 _MARKERS = ("aiorl.node", "aiorl.registry", "aiorl-node", "aiorl-registry")
 
 
-def aiorl_processes(exclude: set[int] = frozenset()) -> list[psutil.Process]:  # type: ignore[assignment]
+def aiorl_processes() -> list[psutil.Process]:
     """Registry, node agent, zygote and worker processes (workers are our zygotes' children)."""
     found = []
     for p in psutil.process_iter(["pid", "cmdline", "ppid"]):
-        if p.info["pid"] in exclude or p.info["pid"] == os.getpid():
+        if p.info["pid"] == os.getpid():
             continue
         cmd = " ".join(p.info["cmdline"] or [])
-        if any(m in cmd for m in _MARKERS):
+        if any(m in cmd for m in _MARKERS):  # forked workers keep the zygote's command line
             found.append(p)
-    # Forked workers keep their zygote's command line ("-m aiorl.node.zygote").
     return found
 
 
-_preexisting: set[int] = set()
+_session_start = time.time()
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
-    _preexisting.update(p.pid for p in aiorl_processes())
+def _ours(p: psutil.Process) -> bool:
+    """Started by this test session: our descendant, or an orphan born after we started.
+
+    (Other sessions may run aiorl on the same machine; their processes are not ours.)"""
+    try:
+        if p.create_time() < _session_start:
+            return False
+        if p.ppid() == 1:
+            return True  # orphaned: whoever started it is gone, and it is newer than us
+        return any(a.pid == os.getpid() for a in p.parents())
+    except psutil.Error:
+        return False
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     deadline = time.monotonic() + 10
-    left = aiorl_processes(_preexisting)
+    left = [p for p in aiorl_processes() if _ours(p)]
     while left and time.monotonic() < deadline:
         time.sleep(0.2)
-        left = aiorl_processes(_preexisting)
+        left = [p for p in aiorl_processes() if _ours(p)]
     if left:
         lines = "\n".join(f"  pid {p.pid}: {' '.join(p.cmdline())}" for p in left if p.is_running())
         print(f"\nERROR: {len(left)} aiorl process(es) outlived the test session:\n{lines}")
