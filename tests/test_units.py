@@ -138,3 +138,35 @@ def test_async_work_chain_and_thread_wait():
         loop.call_soon_threadsafe(loop.stop)
         t.join(5)
         loop.close()
+
+
+def test_no_lost_wakeups_when_sender_closes_right_after_sending():
+    """The ZMQ FD is edge-triggered: messages queued behind one wake-up must all be drained."""
+
+    async def main() -> None:
+        server = Endpoint("sink", keys=None)
+        got: list[int] = []
+        done = asyncio.Event()
+
+        def on_msg(m) -> None:
+            got.append(m.meta)
+            if len(got) == 3000:
+                done.set()
+
+        server.handle("push", on_msg)
+        ctx = zmq.Context.instance()
+        for burst in range(3):
+            raw = ctx.socket(zmq.DEALER)
+            raw.linger = 5000  # deliver everything, then vanish
+            raw.connect(server.address)
+            for i in range(1000):
+                raw.send_multipart([wire.encode_header(wire.Kind.ONEWAY, 0, "push", burst * 1000 + i)])
+            raw.close()
+        await asyncio.wait_for(done.wait(), 10)
+        assert sorted(got) == list(range(3000))  # every message arrived
+        for burst in range(3):  # and each sender's messages in the order sent
+            mine = [g for g in got if g // 1000 == burst]
+            assert mine == sorted(mine)
+        server.close()
+
+    asyncio.run(main())
