@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -226,6 +227,10 @@ class Cluster:
                 for stream in (child.stdin, child.stdout):
                     if stream:
                         stream.close()
+        session_dir = getattr(self, "session_dir", None)
+        if session_dir and os.environ.get("AIORL_KEEP_LOGS") != "1":
+            # Worker logs live here; a clean close removes them (AIORL_KEEP_LOGS=1 keeps them).
+            shutil.rmtree(session_dir, ignore_errors=True)
 
     async def _close_owned_groups(self) -> None:
         status = await self.runtime.registry.request("status", timeout=5)

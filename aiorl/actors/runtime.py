@@ -169,6 +169,7 @@ class Runtime:
                 self.endpoint.mark_peer_lost(address, reason)
             if fut is not None and not fut.done():
                 fut.set_exception(PeerLostError(reason))
+                fut.exception()  # nobody may be waiting any more; callers still see it raised
             elif fut is not None:
                 failed = self.loop.create_future()
                 failed.set_exception(PeerLostError(reason))

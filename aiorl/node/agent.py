@@ -217,6 +217,8 @@ class NodeAgent:
         task = asyncio.get_running_loop().create_task(self._spawn(msg.meta, msg.frames))
 
         def answer(t: asyncio.Task[list[int]]) -> None:
+            if t.cancelled():
+                return  # the agent is shutting down; the caller learns it from the registry
             if t.exception() is not None:
                 msg.reply_error(t.exception())  # type: ignore[arg-type]
             else:

@@ -78,6 +78,13 @@ def _preload() -> None:
     import msgpack  # noqa: F401
     import torch  # noqa: F401
     import uvloop  # noqa: F401
+
+    try:
+        # The first optimizer a worker builds imports torch._dynamo (~1 s of CPU each time);
+        # paying it once here saves it in every worker that trains.
+        import torch._dynamo  # noqa: F401
+    except Exception:
+        pass
     import zmq  # noqa: F401
 
     import aiorl.actors.worker_process  # noqa: F401
