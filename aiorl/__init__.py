@@ -11,6 +11,7 @@ from aiorl.actors import (
 )
 from aiorl.actors.mapping import MappingThread
 from aiorl.actors.polling import PollingWorker, PollResult
+from aiorl.channels import Channel
 from aiorl.cluster import Cluster
 from aiorl.errors import (
     AiorlError,
@@ -41,6 +42,7 @@ __all__ = [
     "Worker",
     "WorkerGroup",
     "AuthenticationError",
+    "Channel",
     "PeerLostError",
     "PlacementError",
     "ProtocolError",

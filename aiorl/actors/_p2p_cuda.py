@@ -24,9 +24,12 @@ CUDA IPC
 Streams
     The caller's current stream may still be writing a tensor when it is sent
     (or reading a buffer when a receive is posted). The caller records a CUDA
-    event at call time; the pair thread makes its stream wait for that event
-    before issuing. Completion is a CUDA event recorded after the transfer and
-    synchronised by :class:`~aiorl.actors.async_work.AsyncCollWork`.
+    event at call time (the receiver also records one after allocating fresh
+    tensors on its current stream); the pair thread issues everything on the
+    pair's own side stream after waiting for that event, so transfers neither
+    queue behind nor block the default stream. Completion is a CUDA event
+    recorded on the side stream after the transfer, synchronised on a helper
+    thread by :class:`~aiorl.actors.async_work.AsyncCollWork`.
 """
 
 from __future__ import annotations
@@ -35,14 +38,12 @@ import concurrent.futures
 import datetime
 import logging
 import pickle
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
     "CudaPair",
     "device_uuid",
-    "ipc_open_copy",
     "ipc_reduce",
     "local_cuda_info",
     "record_event",
@@ -107,9 +108,9 @@ class CudaPair:
         self.store: Any = None
         self.store_address: tuple[str, int] | None = None
         self.pg: Any = None
+        self.stream: Any = None
         self.closed = False
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aiorl-p2p-cuda")
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ set-up
     def open_master_store(self, host: str) -> tuple[str, int]:
@@ -132,26 +133,35 @@ class CudaPair:
         self.store_address = (host, port)
 
     def _ensure_group(self) -> Any:
-        # Pair thread only.
+        # Pair thread only. Blocks until the other side joins (store rendezvous).
         if self.pg is not None:
             return self.pg
-        import torch
         import torch.distributed as dist
 
-        torch.cuda.set_device(self.device)
         timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
         if self.store is None:
-            assert self.store_address is not None
+            if self.store_address is None:
+                raise RuntimeError(f"no rendezvous address for NCCL pair {self.gid!r}")
             host, port = self.store_address
             self.store = dist.TCPStore(host, port, 2, False, timeout=timeout)
         prefix = dist.PrefixStore(self.gid, self.store)
+        opts = dist.ProcessGroupNCCL.Options()
         try:
-            opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            self.pg = dist.ProcessGroupNCCL(prefix, self.rank, 2, opts)
-        except TypeError:  # older signature without options
-            self.pg = dist.ProcessGroupNCCL(prefix, self.rank, 2)
+        except AttributeError:
+            pass  # older torch: the default timeout applies
+        self.pg = dist.ProcessGroupNCCL(prefix, self.rank, 2, opts)
         return self.pg
+
+    def _side_stream(self) -> Any:
+        """This pair's own stream (pair thread only), so transfers never sit in the default
+        stream's queue or make it wait."""
+        import torch
+
+        if self.stream is None:
+            torch.cuda.set_device(self.device)
+            self.stream = torch.cuda.Stream(self.device)
+        return self.stream
 
     # ------------------------------------------------------------------ transfers
     def submit(
@@ -160,7 +170,7 @@ class CudaPair:
         """Issue one NCCL send (rank 0) or receive (rank 1) per tensor, after ``wait_event``.
 
         Returns a future of ``(works, done_event)``; ``done_event`` completes when
-        every transfer of the call has.
+        every transfer of the call has. Tensors must stay referenced until then.
         """
         return self._thread.submit(self._issue, list(tensors), wait_event, send)
 
@@ -170,17 +180,48 @@ class CudaPair:
         if self.closed:
             raise RuntimeError(f"NCCL pair {self.gid} is closed")
         pg = self._ensure_group()
-        stream = torch.cuda.current_stream(self.device)
-        if wait_event is not None:
-            stream.wait_event(wait_event)
-        works = []
-        for t in tensors:
-            works.append(pg.send([t], 1, 0) if send else pg.recv([t], 0, 0))
-        for w in works:
-            w.wait()  # makes this thread's current stream wait for the NCCL stream
-        done = torch.cuda.Event()
-        done.record(stream)
+        stream = self._side_stream()
+        with torch.cuda.stream(stream):
+            if wait_event is not None:
+                stream.wait_event(wait_event)
+            # ProcessGroupNCCL orders its NCCL stream after the current (= our side) stream.
+            works = [pg.send([t], 1, 0) if send else pg.recv([t], 0, 0) for t in tensors]
+            for w in works:
+                w.wait()  # our side stream waits for the NCCL stream (no CPU block)
+            done = torch.cuda.Event()
+            done.record(stream)
         return works, done
+
+    def ipc_copy(
+        self, handles: bytes, targets: Sequence[Any], wait_event: Any, device: int
+    ) -> concurrent.futures.Future:
+        """Receiver: on the pair thread, open CUDA IPC ``handles`` and copy into ``targets``.
+
+        The future completes when the copies are done on the GPU (so the sender may
+        reuse its tensors as soon as it hears back).
+        """
+        return self._thread.submit(self._ipc_copy, handles, list(targets), wait_event, device)
+
+    def _ipc_copy(self, handles: bytes, targets: list[Any], wait_event: Any, device: int) -> None:
+        import torch
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        stream = self._side_stream()
+        with torch.cuda.stream(stream):
+            if wait_event is not None:
+                stream.wait_event(wait_event)
+            sources = []
+            for args, target in zip(pickle.loads(handles), targets, strict=True):
+                args = list(args)
+                args[6] = device  # the sender's index of this GPU may differ from ours
+                # Opening waits (on the current stream) for the sender's producing stream.
+                src = rebuild_cuda_tensor(*args)
+                target.copy_(reinterpret(src, target), non_blocking=True)
+                sources.append(src)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()
+        del sources  # releases the sender's blocks (torch's IPC reference counters)
 
     def run(self, fn: Any, *args: Any) -> concurrent.futures.Future:
         """Run ``fn(*args)`` on the pair thread, after everything submitted before it."""
@@ -217,29 +258,3 @@ def ipc_reduce(tensors: Sequence[Any]) -> bytes:
     from torch.multiprocessing.reductions import reduce_tensor
 
     return pickle.dumps([reduce_tensor(t.detach())[1] for t in tensors], protocol=5)
-
-
-def ipc_open_copy(handles: bytes, targets: Sequence[Any], device: int, wait_event: Any) -> None:
-    """Receiver, on its pair thread: open each handle on ``device``, copy into ``targets``, sync.
-
-    Returns only when the copies are complete on the GPU, so the sender may reuse
-    its tensors as soon as it hears back.
-    """
-    import torch
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    torch.cuda.set_device(device)
-    stream = torch.cuda.current_stream(device)
-    if wait_event is not None:
-        stream.wait_event(wait_event)
-    sources = []
-    for args, target in zip(pickle.loads(handles), targets, strict=True):
-        args = list(args)
-        args[6] = device  # the sender's index of this GPU may differ from ours
-        src = rebuild_cuda_tensor(*args)
-        target.copy_(reinterpret(src, target), non_blocking=True)
-        sources.append(src)
-    done = torch.cuda.Event()
-    done.record(stream)
-    done.synchronize()
-    del sources  # releases the sender's blocks (torch's IPC reference counters)

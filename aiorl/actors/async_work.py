@@ -110,9 +110,12 @@ class AsyncWork(Generic[T]):
                 "AsyncWork.wait() was called on the aiorl event loop's thread, where blocking "
                 "would stop the loop that delivers the result; use 'await work' in async code"
             )
+        cf = self._concurrent()
         try:
-            return self._concurrent().result(timeout)
+            return cf.result(timeout)
         except concurrent.futures.TimeoutError:
+            if cf.done():
+                raise  # the work's own result is a TimeoutError (on 3.11 the types are one)
             self.cancel()
             raise TimeoutError(f"AsyncWork not done within {timeout} s (cancelled)") from None
 

@@ -7,16 +7,20 @@ worker to worker over the runtime's ZMQ :class:`~aiorl.transport.endpoint.Endpoi
 ==========================  =================================================================
 payload                     path
 ==========================  =================================================================
-small object / tensor       inline: pickle (and raw tensor bytes) as frames of the one
-                            control message
-CPU bytes >= ``SHM_MIN``,   a pooled shared-memory segment (:mod:`aiorl.transport._shm`):
-peer on the same node       the sender copies in, the control message names the segment and
+small object / tensor       inline: pickle (or raw tensor bytes) as one frame; small messages
+                            sent to one peer in the same loop iteration are batched into one
+                            ZMQ message (one dispatch per batch on each side)
+``send_tensor`` >= 1 MiB,   the receiver pulls the bytes out of the sender's tensor with one
+peer on the same node       ``process_vm_readv`` copy, straight into the waiting
+                            ``recv_tensor`` buffer; the send completes when it says so
+other CPU bytes             a pooled shared-memory segment (:mod:`aiorl.transport._shm`):
+>= ``SHM_MIN``, same node   the sender copies in, the control message names the segment and
                             offsets; ``recv`` hands out tensors that *view* the segment (no
                             copy; the segment returns to the sender's pool when they are
                             garbage-collected), ``recv_tensor`` copies straight into the
                             caller's buffer and returns the segment at once
 CPU bytes, other node       ~1 MiB zero-copy frames of the control message (one huge frame
-(or no shared memory)       costs page faults in libzmq, see ``shared/PERF-NOTES.md``); the
+(or none of the above)      costs page faults in libzmq, see ``shared/PERF-NOTES.md``); the
                             send completes when ZMQ has released them
 CUDA, different GPUs        NCCL, one lazily created group per *ordered* pair
 CUDA, same physical GPU     CUDA IPC handles in the control message
@@ -40,6 +44,8 @@ from __future__ import annotations
 
 import asyncio
 import copyreg
+import ctypes
+import errno
 import io
 import itertools
 import logging
@@ -65,6 +71,7 @@ __all__ = ["P2P", "get_p2p"]
 log = logging.getLogger("aiorl.p2p")
 
 OP_DATA = "p2p.data"  # sender -> receiver, one-way: one message (control + inline payload)
+OP_BATCH = "p2p.batch"  # sender -> receiver, one-way: several small messages, in order
 OP_ACK = "p2p.ack"  # receiver -> sender, one-way: a shared segment is free again
 OP_DROP = "p2p.drop"  # sender -> receiver, one-way: forget a segment (the sender closed it)
 OP_HELLO = "p2p.hello"  # sender -> receiver, request: can you map my segments? your GPUs?
@@ -74,23 +81,31 @@ OP_DONE = "p2p.done"  # receiver -> sender, one-way: a CUDA IPC copy finished (o
 INBAND_MAX = 64 * 1024
 #: Messages whose out-of-band CPU bytes reach this go through shared memory on one node.
 SHM_MIN = 256 * 1024
+#: ``send_tensor`` payloads from this size are pulled by the receiver with one copy (CMA).
+#: ``AIORL_P2P_CMA=0`` turns that path off (shared memory is used instead).
+CMA_MIN = 1 << 20
+_CMA_ENABLED = os.environ.get("AIORL_P2P_CMA", "1") != "0"
 #: Bulk bytes travel as frames of at most this size when they go through ZMQ.
 CHUNK = 1 << 20
+#: Small messages sent in the same loop iteration travel together, up to this many ...
+BATCH_MAX_MSGS = 256
+#: ... or this many bytes (each message is one frame smaller than ``_TRACK_MIN``).
+BATCH_MAX_BYTES = 256 * 1024
 #: pyzmq copies frames smaller than this anyway, so only larger ones need a tracker.
 _TRACK_MIN = 64 * 1024
 #: How long one registry lookup of a peer waits before it is retried (it waits for ever).
 _RESOLVE_RETRY_S = 30.0
 
 K_OBJ, K_CPU, K_CUDA = 0, 1, 2  # message kinds: pickled object, one CPU tensor, one CUDA tensor
-_FRAMES, _SHM = 0, 1  # where CPU bytes travel
-_NCCL, _IPC = 0, 1  # how CUDA tensors travel
+_FRAMES, _SHM, _CMA = 0, 1, 2  # where CPU bytes travel
+_NCCL, _IPC, _NOTHING = 0, 1, 2  # how CUDA tensors travel (_NOTHING: all are empty)
 
 
 # =============================================================================== encoding
 class _Out:
     """An outgoing message, encoded on the caller's thread."""
 
-    __slots__ = ("kind", "head", "pickle", "bufs", "nbytes", "cuda", "event")
+    __slots__ = ("kind", "head", "pickle", "bufs", "nbytes", "cuda", "event", "raw")
 
     def __init__(
         self, kind: int, head: Any, pickle_frame: Any, bufs: list[memoryview], cuda: list[Any]
@@ -99,9 +114,10 @@ class _Out:
         self.head = head  # K_CPU/K_CUDA: [dtype, shape, requires_grad]
         self.pickle = pickle_frame
         self.bufs = bufs  # raw CPU bytes that travel out of band (shared memory or frames)
-        self.nbytes = sum(b.nbytes for b in bufs)
+        self.nbytes = sum(b.nbytes for b in bufs) if bufs else 0
         self.cuda = cuda  # CUDA tensors, in placeholder order
         self.event: Any = None  # CUDA event recorded on the caller's stream at call time
+        self.raw = False  # from send_tensor: the receiver most likely fills its own buffer
 
 
 _tls = threading.local()  # .enc_cuda while pickling, .dec_cuda while unpickling
@@ -140,12 +156,11 @@ def _byte_view(t: Any) -> Any:
     """The bytes of a contiguous CPU tensor as a flat uint8 numpy array (no copy)."""
     import torch
 
-    flat = t.detach()
-    if flat.is_conj():
-        flat = flat.resolve_conj()
-    if flat.is_neg():
-        flat = flat.resolve_neg()
-    flat = flat.reshape(-1)
+    flat = t.detach() if t.requires_grad else t
+    if flat.is_conj() or flat.is_neg():  # lazy conjugate/negative views: materialize
+        flat = flat.resolve_conj().resolve_neg()
+    if flat.dim() != 1:
+        flat = flat.view(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
     return flat.numpy()
@@ -231,36 +246,61 @@ def _picklers() -> tuple[type, type]:
     return _PICKLERS
 
 
+class _Encoder:
+    """A pickler kept per thread: building one costs more than pickling a small object."""
+
+    __slots__ = ("stream", "pickler", "bufs", "busy")
+
+    def __init__(self, pickler_cls: type) -> None:
+        self.stream = io.BytesIO()
+        self.bufs: list[memoryview] = []
+        self.busy = False
+        self.pickler = pickler_cls(self.stream, 5, buffer_callback=self._out_of_band)
+
+    def _out_of_band(self, pb: pickle.PickleBuffer) -> bool:
+        raw = pb.raw()
+        if raw.nbytes < INBAND_MAX:
+            return True  # serialize in band
+        self.bufs.append(raw)
+        return False
+
+    def dump(self, obj: Any) -> tuple[bytes, list[memoryview]]:
+        """The pickle of ``obj`` and its out-of-band buffers; the pickler is reset either way."""
+        self.bufs = []
+        try:
+            self.pickler.dump(obj)
+            return self.stream.getvalue(), self.bufs
+        finally:
+            self.pickler.clear_memo()
+            self.stream.seek(0)
+            self.stream.truncate()
+
+
 def _encode(obj: Any) -> _Out:
     """Encode ``obj`` for :meth:`P2P.send` on the caller's thread; raises on bad input."""
     torch = sys.modules.get("torch")
     if torch is not None and type(obj) is torch.Tensor and obj.layout == torch.strided:
         return _encode_tensor(obj)
-    bufs: list[memoryview] = []
-    cuda: list[Any] = []
-
-    def out_of_band(pb: pickle.PickleBuffer) -> bool:
-        raw = pb.raw()
-        if raw.nbytes < INBAND_MAX:
-            return True  # serialize in band
-        bufs.append(raw)
-        return False
-
     fast, cloud = _picklers()
-    stream = io.BytesIO()
+    enc: _Encoder | None = getattr(_tls, "encoder", None)
+    if enc is None or enc.busy:  # first use on this thread, or re-entered from a __reduce__
+        enc = _Encoder(fast)
+        if getattr(_tls, "encoder", None) is None:
+            _tls.encoder = enc
+    cuda: list[Any] = []
     _tls.enc_cuda = cuda
+    enc.busy = True
     try:
         try:
-            fast(stream, 5, buffer_callback=out_of_band).dump(obj)
+            data, bufs = enc.dump(obj)
         except _NotContiguous as exc:
             raise ValueError(str(exc)) from None
         except Exception:
             # Lambdas, local classes, closures: cloudpickle can do what pickle cannot.
-            bufs.clear()
+            _tls.encoder = None  # a failed dump may leave the pickler in any state
             cuda.clear()
-            stream = io.BytesIO()
             try:
-                cloud(stream, 5, buffer_callback=out_of_band).dump(obj)
+                data, bufs = _Encoder(cloud).dump(obj)
             except _NotContiguous as exc:
                 raise ValueError(str(exc)) from None
             except Exception as exc:
@@ -269,8 +309,9 @@ def _encode(obj: Any) -> _Out:
                     f"({type(exc).__name__}: {exc})"
                 ) from exc
     finally:
+        enc.busy = False
         _tls.enc_cuda = None
-    out = _Out(K_OBJ, None, stream.getbuffer(), bufs, cuda)
+    out = _Out(K_OBJ, None, data, bufs, cuda)
     if cuda:
         from aiorl.actors._p2p_cuda import record_event
 
@@ -303,6 +344,8 @@ def _check_buffer(buf: Any) -> None:
         )
     if buf.layout != torch.strided or not buf.is_contiguous():
         raise ValueError("recv_tensor needs a contiguous (strided) buffer tensor")
+    if buf.is_conj() or buf.is_neg():
+        raise ValueError("recv_tensor needs a plain buffer (resolve its conj/neg bit first)")
     if buf.device.type not in ("cpu", "cuda"):
         raise TypeError(f"recv_tensor buffer on unsupported device {buf.device}")
 
@@ -348,7 +391,7 @@ class _Recv:
 class _In:
     """A message that arrived, kept until a receive takes it."""
 
-    __slots__ = ("kind", "head", "pickle", "sources", "shm", "cuda", "cuda_fut", "error")
+    __slots__ = ("kind", "head", "pickle", "sources", "shm", "cuda", "cuda_fut", "error", "direct")
 
     def __init__(self, kind: int, head: Any) -> None:
         self.kind = kind
@@ -360,6 +403,7 @@ class _In:
         self.cuda: list[Any] = []
         self.cuda_fut: asyncio.Future[Any] | None = None
         self.error: BaseException | None = None
+        self.direct: Any = None  # the recv_tensor buffer the payload was already written into
 
 
 class _ShmRef:
@@ -388,7 +432,17 @@ class _ShmRef:
 class _Inbox:
     """Receiver-side state for one sender."""
 
-    __slots__ = ("name", "address", "reply_address", "arrived", "posted", "lost", "segs", "cuda")
+    __slots__ = (
+        "name",
+        "address",
+        "reply_address",
+        "arrived",
+        "posted",
+        "lost",
+        "segs",
+        "cuda",
+        "inflight",
+    )
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -399,6 +453,7 @@ class _Inbox:
         self.lost: BaseException | None = None
         self.segs = _shm.SegmentMap()
         self.cuda: Any = None  # CudaPair (rank 1) once a CUDA payload came
+        self.inflight: set[_In] = set()  # messages whose CUDA payload is still landing
 
 
 class _Dest:
@@ -414,10 +469,14 @@ class _Dest:
         "pumping",
         "lost",
         "shm_ok",
+        "cma_ok",
         "pool",
         "cuda_info",
         "cuda",
         "pending",
+        "outbox",
+        "outbox_bytes",
+        "flush_scheduled",
     )
 
     def __init__(self, name: str, loop: asyncio.AbstractEventLoop) -> None:
@@ -430,10 +489,15 @@ class _Dest:
         self.pumping = False
         self.lost: BaseException | None = None
         self.shm_ok: bool | None = None  # None: not asked yet
+        self.cma_ok: bool | None = None  # may the receiver read our memory? None: not asked
         self.pool: _shm.SegmentPool | None = None
         self.cuda_info: dict[str, Any] | None = None
         self.cuda: Any = None  # CudaPair (rank 0) once NCCL was needed
         self.pending: set[AsyncWork[None]] = set()  # sends out but not complete yet
+        # Small messages waiting for the end of this loop iteration: (meta, frame, work).
+        self.outbox: list[tuple[list[Any], Any, AsyncWork[None]]] = []
+        self.outbox_bytes = 0
+        self.flush_scheduled = False
 
 
 class _TrackerWaiter:
@@ -499,13 +563,17 @@ class P2P:
         self._inboxes: dict[str, _Inbox] = {}
         self._dest_by_addr: dict[str, _Dest] = {}
         self._inbox_by_addr: dict[str, _Inbox] = {}
-        self._ipc_pending: dict[int, tuple[asyncio.Future[None], list[Any], _Dest]] = {}
+        # Sends that complete when the receiver says so (CUDA IPC, CMA): token -> (future,
+        # what must stay alive until then, destination).
+        self._acks: dict[int, tuple[asyncio.Future[None], Any, _Dest]] = {}
         self._tokens = itertools.count(1)
+        self._uuids: list[str] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._trackers = _TrackerWaiter(self.loop)
         self.closed = False
         ep = self.endpoint
         ep.handle(OP_DATA, self._on_data)
+        ep.handle(OP_BATCH, self._on_batch)
         ep.handle(OP_ACK, self._on_ack)
         ep.handle(OP_DROP, self._on_drop)
         ep.handle(OP_HELLO, self._on_hello)
@@ -535,7 +603,9 @@ class P2P:
                 f"send_tensor needs a dense torch.Tensor, got {type(tensor).__qualname__}"
             )
         name = _worker_name(dst_group_name, dst_rank)
-        return self._start_send(name, _encode_tensor(tensor))
+        out = _encode_tensor(tensor)
+        out.raw = True
+        return self._start_send(name, out)
 
     def recv(self, src_group_name: str, src_rank: int | Sequence[int]) -> AsyncWork[Any]:
         """Receive the next message from ``src_group_name:src_rank`` (whatever was sent)."""
@@ -644,9 +714,13 @@ class P2P:
                 return exc
 
     def _needs_hello(self, d: _Dest, out: _Out) -> bool:
-        if d.same_node and out.nbytes >= SHM_MIN and d.shm_ok is None:
+        if not d.same_node:
+            return False
+        if out.raw and out.nbytes >= CMA_MIN and d.cma_ok is None:
             return True
-        return bool(out.cuda) and d.same_node and d.cuda_info is None
+        if out.nbytes >= SHM_MIN and d.shm_ok is None:
+            return True
+        return bool(out.cuda) and d.cuda_info is None
 
     async def _pump(self, d: _Dest) -> None:
         """Send the backlog in order once the destination is known and set up."""
@@ -675,6 +749,9 @@ class P2P:
     async def _hello(self, d: _Dest, out: _Out) -> None:
         """Ask a same-node receiver whether it can map our segments and which GPU it uses."""
         want_shm = d.shm_ok is None and out.nbytes >= SHM_MIN
+        want_cma = d.cma_ok is None and out.raw and out.nbytes >= CMA_MIN
+        if want_cma and not _CMA_ENABLED:
+            d.cma_ok = want_cma = False
         want_cuda = bool(out.cuda) and d.cuda_info is None
         meta: dict[str, Any] = {"src": self.name, "addr": self.endpoint.address, "pid": self.pid}
         probe = None
@@ -686,6 +763,10 @@ class P2P:
                 log.info("%s: no shared memory (%s); bulk data goes through ZMQ", self.name, exc)
                 d.shm_ok = False
                 want_shm = False
+        cma_probe = None
+        if want_cma:
+            cma_probe = _shm.cma_probe_buffer()  # must stay alive until the reply
+            meta["cma"] = ctypes.addressof(cma_probe)
         if want_cuda:
             meta["cuda"] = True
         reply: dict[str, Any] = {}
@@ -711,39 +792,67 @@ class P2P:
                     self.name,
                     d.name,
                 )
+        if want_cma:
+            d.cma_ok = bool(reply.get("cma"))
+            del cma_probe
         if want_cuda:
             d.cuda_info = reply.get("cuda") or {"current": -1, "uuids": []}
 
     def _emit(self, d: _Dest, out: _Out, work: AsyncWork[None]) -> None:
-        """Place the payload, then send the control message (loop thread, in order)."""
+        """Place the payload, then send the control message (loop thread, in order).
+
+        Small messages (one frame under 64 KiB, nothing else) are queued and sent
+        together at the end of the loop iteration (or when the batch is full): one
+        ZMQ message and one dispatch on each side for many sends. Anything else
+        first flushes that queue, so the order is the call order either way.
+        """
+        if not out.cuda:
+            if out.kind == K_OBJ and not out.bufs and len(out.pickle) < _TRACK_MIN:
+                self._enqueue(d, [K_OBJ, None, None], out.pickle, work)
+                return
+            if out.kind == K_CPU and out.nbytes < _TRACK_MIN:
+                desc = [_FRAMES, [out.nbytes], [1]]
+                self._enqueue(d, [K_CPU, out.head, desc], out.bufs[0], work)
+                return
+        if d.outbox:
+            self._flush(d)
         frames: list[Any] = []
         if out.kind == K_OBJ:
             frames.append(out.pickle)
         bufdesc: Any = None
         seg: _shm.Segment | None = None
         trackers: list[Any] = []
-        if out.bufs:
-            if d.shm_ok and out.nbytes >= SHM_MIN:
-                seg, bufdesc = self._place_shm(d, out)
-            if bufdesc is None:
-                bufdesc = self._place_frames(out.bufs, frames, trackers)
         cudadesc: Any = None
         after_cuda: Callable[[], asyncio.Future[None]] | None = None
+        cma_wait: asyncio.Future[None] | None = None
         try:
+            if out.bufs:
+                if out.raw and d.cma_ok and out.nbytes >= CMA_MIN:
+                    bufdesc, cma_wait = self._place_cma(d, out)
+                elif d.shm_ok and out.nbytes >= SHM_MIN:
+                    seg, bufdesc = self._place_shm(d, out)
+                if bufdesc is None:
+                    bufdesc = self._place_frames(out.bufs, frames, trackers)
             if out.cuda:
                 cudadesc, after_cuda = self._cuda_prepare(d, out, frames)
             assert d.address is not None
             self.endpoint.send_oneway(
                 d.address, OP_DATA, [self.name, out.kind, out.head, bufdesc, cudadesc], frames
             )
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - nothing went out: the send fails, not hangs
             if seg is not None and d.pool is not None:
                 d.pool.release(seg.seg_id)
+            for token in [t for t, entry in self._acks.items() if entry[0] is cma_wait]:
+                del self._acks[token]
+            if not isinstance(exc, PeerLostError):
+                log.exception("%s: sending to %s failed", self.name, d.name)
             work._set_exception(exc)
             if isinstance(exc, PeerLostError):
                 self._dest_lost(d, exc)
             return
         waits: list[asyncio.Future[None]] = []
+        if cma_wait is not None:
+            waits.append(cma_wait)
         if trackers:
             waits.append(self._trackers.add(trackers))
         if after_cuda is not None:
@@ -773,6 +882,56 @@ class P2P:
         for f in waits:
             f.add_done_callback(one_done)
 
+    def _enqueue(self, d: _Dest, meta: list[Any], frame: Any, work: AsyncWork[None]) -> None:
+        d.outbox.append((meta, frame, work))
+        d.outbox_bytes += len(frame) if isinstance(frame, bytes) else frame.nbytes
+        if len(d.outbox) >= BATCH_MAX_MSGS or d.outbox_bytes >= BATCH_MAX_BYTES:
+            self._flush(d)
+        elif not d.flush_scheduled:
+            d.flush_scheduled = True
+            self.loop.call_soon(self._flush, d)
+
+    def _flush(self, d: _Dest) -> None:
+        """Send the queued small messages as one ZMQ message; complete their sends."""
+        d.flush_scheduled = False
+        batch, d.outbox, d.outbox_bytes = d.outbox, [], 0
+        if not batch:
+            return
+        try:
+            assert d.address is not None
+            if len(batch) == 1:
+                meta, frame, _w = batch[0]
+                self.endpoint.send_oneway(d.address, OP_DATA, [self.name, *meta, None], [frame])
+            else:
+                self.endpoint.send_oneway(
+                    d.address,
+                    OP_BATCH,
+                    [self.name, [m for m, _f, _w in batch]],
+                    [f for _m, f, _w in batch],
+                )
+        except BaseException as exc:  # noqa: BLE001 - the sends fail, they do not hang
+            for _m, _f, w in batch:
+                w._set_exception(exc)
+            if isinstance(exc, PeerLostError):
+                self._dest_lost(d, exc)
+            else:
+                log.exception("%s: sending to %s failed", self.name, d.name)
+            return
+        for _m, _f, w in batch:
+            w._set_result(None)
+
+    def _place_cma(self, d: _Dest, out: _Out) -> tuple[Any, asyncio.Future[None]]:
+        """Let the receiver pull the tensor's bytes straight from our memory (one copy).
+
+        The send completes when the receiver says it has read them; until then the
+        tensor is kept alive here (and must not be modified by the caller).
+        """
+        token = next(self._tokens)
+        fut: asyncio.Future[None] = self.loop.create_future()
+        self._acks[token] = (fut, out, d)
+        addr = out.bufs[0].obj.ctypes.data  # the numpy view of the tensor (see _byte_view)
+        return [_CMA, token, self.pid, addr, out.nbytes, self.endpoint.address], fut
+
     def _place_shm(self, d: _Dest, out: _Out) -> tuple[_shm.Segment | None, Any]:
         import numpy as np
 
@@ -783,7 +942,11 @@ class P2P:
             offsets.append(total)
             total = _shm.align(total + b.nbytes)
         try:
-            seg = d.pool.acquire(total)
+            seg, evicted = d.pool.acquire(total)
+        except _shm.PoolFull as exc:
+            # The receiver is behind (or keeps what it got): don't grow, use ZMQ this time.
+            log.debug("%s: shared memory toward %s is full (%s); using ZMQ", self.name, d.name, exc)
+            return None, None
         except _shm.ShmUnavailable as exc:
             log.warning(
                 "%s: shared memory for %d bytes to %s unavailable (%s); using ZMQ",
@@ -793,6 +956,9 @@ class P2P:
                 exc,
             )
             return None, None
+        for seg_id in evicted:
+            assert d.address is not None
+            self.endpoint.send_oneway(d.address, OP_DROP, [self.name, seg_id])
         if seg.arr is None:
             seg.arr = np.frombuffer(seg.mm, dtype=np.uint8)
         arr = seg.arr
@@ -829,22 +995,25 @@ class P2P:
     # ------------------------------------------------------------------ sender: CUDA
     def _cuda_prepare(
         self, d: _Dest, out: _Out, frames: list[Any]
-    ) -> tuple[Any, Callable[[], Any]]:
+    ) -> tuple[Any, Callable[[], Any] | None]:
         from aiorl.actors import _p2p_cuda as pc
 
         specs = [[_dtype_name(t.dtype), list(t.shape)] for t in out.cuda]
+        # Empty tensors need no transfer (and NCCL/IPC handle zero bytes badly): both
+        # sides skip them, so the transfers still pair up one to one.
+        live = [t for t in out.cuda if t.numel()]
+        if not live:
+            return [_NOTHING, specs], None
         info = d.cuda_info or {}
         uuids, cur = info.get("uuids") or [], info.get("current", -1)
         peer_uuid = uuids[cur] if d.same_node and 0 <= cur < len(uuids) else None
-        if peer_uuid is not None and all(
-            pc.device_uuid(t.device.index) == peer_uuid for t in out.cuda
-        ):
-            return self._ipc_prepare(d, out, frames, specs)
+        if peer_uuid is not None and all(pc.device_uuid(t.device.index) == peer_uuid for t in live):
+            return self._ipc_prepare(d, out, live, frames, specs)
         pair = d.cuda
         store = None
         if pair is None:
             gid = f"aiorl-p2p/{self.name}->{d.name}/{uuid.uuid4().hex[:8]}"
-            pair = pc.CudaPair(gid, 0, out.cuda[0].device.index)
+            pair = pc.CudaPair(gid, 0, live[0].device.index)
             host = self.endpoint.address.rsplit(":", 1)[0].replace("tcp://", "")
             store = list(pair.open_master_store(host))
             d.cuda = pair
@@ -852,13 +1021,13 @@ class P2P:
 
         def after() -> asyncio.Future[None]:
             return self._coll_future(
-                pair.submit([_flat_u8(t) for t in out.cuda], out.event, send=True), None
+                pair.submit([_flat_u8(t) for t in live], out.event, send=True), None
             )
 
         return desc, after
 
     def _ipc_prepare(
-        self, d: _Dest, out: _Out, frames: list[Any], specs: list[Any]
+        self, d: _Dest, out: _Out, live: list[Any], frames: list[Any], specs: list[Any]
     ) -> tuple[Any, Any]:
         import torch
 
@@ -867,12 +1036,13 @@ class P2P:
         if out.event is not None:
             # The IPC handle's event is recorded on this thread's stream: order it after
             # the caller's stream.
-            torch.cuda.current_stream(out.cuda[0].device).wait_event(out.event)
-        frames.append(pc.ipc_reduce(out.cuda))
+            torch.cuda.current_stream(live[0].device).wait_event(out.event)
+        frames.append(pc.ipc_reduce(live))
         token = next(self._tokens)
         fut: asyncio.Future[None] = self.loop.create_future()
-        self._ipc_pending[token] = (fut, out.cuda, d)  # keeps the tensors alive until the copy
-        return [_IPC, token, self.endpoint.address, specs], lambda: fut
+        self._acks[token] = (fut, live, d)  # keeps the tensors alive until the copy
+        desc = [_IPC, token, self.endpoint.address, specs, pc.device_uuid(live[0].device.index)]
+        return desc, lambda: fut
 
     def _coll_future(self, cf: Any, result: Any) -> asyncio.Future[Any]:
         """An asyncio future for NCCL work issued on a pair thread (done when the GPU is)."""
@@ -896,7 +1066,12 @@ class P2P:
                 _fail(fut, exc)
                 return
             works, done = cf.result()
-            coll: AsyncCollWork[Any] = AsyncCollWork(self.loop, works, result, [done])
+            # The works already made the pair's side stream wait, and ``done`` was recorded
+            # after that; waiting on the works again here would make this helper thread's
+            # (default) stream wait for NCCL too. ``works`` stay referenced until done.
+            coll: AsyncCollWork[Any] = AsyncCollWork(
+                self.loop, (), result, [done], on_done=lambda: (works, result)[1]
+            )
             coll._fut.add_done_callback(
                 lambda f: (
                     _fail(fut, f.exception())
@@ -909,35 +1084,30 @@ class P2P:
         return fut
 
     def _on_done(self, msg: Any) -> None:
-        """A receiver finished (or failed) copying from our CUDA IPC handles."""
+        """A receiver finished (or failed) reading a payload it pulled: CUDA IPC or CMA."""
         _, token, err = msg.meta
-        entry = self._ipc_pending.pop(token, None)
+        entry = self._acks.pop(token, None)
         if entry is None:
             return
-        fut, _tensors, _d = entry
+        fut, keep, _d = entry
         if err:
-            _fail(fut, ProtocolError(f"CUDA IPC transfer failed at the receiver: {err}"))
+            _fail(fut, ProtocolError(f"the receiver could not read the payload: {err}"))
         else:
             _resolve(fut, None)
-        try:
-            import torch
+        if isinstance(keep, list):  # CUDA tensors: free blocks whose remote user let go
+            try:
+                import torch
 
-            torch.cuda.ipc_collect()  # free blocks whose last remote user has let go
-        except Exception:
-            pass
+                torch.cuda.ipc_collect()
+            except Exception:  # noqa: BLE001 - best effort
+                pass
 
     # ------------------------------------------------------------------ sender: acks
     def _on_ack(self, msg: Any) -> None:
         name, seg_id = msg.meta
         d = self._dests.get(name)
-        if d is None or d.pool is None:
-            return
-        closed = d.pool.release(seg_id)
-        if closed is not None and d.address is not None and d.lost is None:
-            try:
-                self.endpoint.send_oneway(d.address, OP_DROP, [self.name, seg_id])
-            except PeerLostError:
-                pass
+        if d is not None and d.pool is not None:
+            d.pool.release(seg_id)
 
     def _dest_lost(self, d: _Dest, exc: BaseException) -> None:
         if d.lost is None:
@@ -946,12 +1116,15 @@ class P2P:
         d.resolved.exception()  # retrieved: nobody else may await it
         while d.backlog:
             d.backlog.popleft()[1]._set_exception(_lost_copy(exc, f"cannot send to {d.name}"))
+        batch, d.outbox = d.outbox, []
+        for _m, _f, w in batch:
+            w._set_exception(_lost_copy(exc, f"cannot send to {d.name}"))
         for work in list(d.pending):
             work._set_exception(_lost_copy(exc, f"send to {d.name} did not complete"))
         d.pending.clear()
-        for token, (fut, _t, owner) in list(self._ipc_pending.items()):
+        for token, (fut, _t, owner) in list(self._acks.items()):
             if owner is d:
-                del self._ipc_pending[token]
+                del self._acks[token]
                 _fail(fut, _lost_copy(exc, f"send to {d.name} did not complete"))
         if d.pool is not None:
             d.pool.close()
@@ -996,13 +1169,44 @@ class P2P:
         return ib.posted[0] if ib.posted else None
 
     def _on_data(self, msg: Any) -> None:
-        meta = msg.meta
-        src = meta[0]
-        ib = self._inbox(src)
+        m = msg.meta
+        self._handle(m[0], m[1], m[2], m[3], m[4], msg.frames)
+
+    def _on_batch(self, msg: Any) -> None:
+        src, metas = msg.meta
+        frames = msg.frames
+        if len(frames) != len(metas):
+            log.error("%s: dropped a malformed batch from %s", self.name, src)
+            return
+        handle = self._handle
+        for (kind, head, bufdesc), frame in zip(metas, frames, strict=True):
+            handle(src, kind, head, bufdesc, None, [frame])
+
+    def _handle(
+        self, src: str, kind: int, head: Any, bufdesc: Any, cudadesc: Any, frames: list[Any]
+    ) -> None:
+        """One arrived message: hand it to the oldest waiting receive, or keep it."""
+        ib = self._inboxes.get(src) or self._inbox(src)
         r = self._next_posted(ib)
-        inc = _In(meta[1], meta[2])
+        if (
+            r is not None
+            and r.buf is None
+            and kind == K_OBJ
+            and bufdesc is None
+            and cudadesc is None
+        ):
+            # Fast path: a small object for a waiting recv().
+            ib.posted.popleft()
+            try:
+                value = pickle.loads(frames[0])
+            except Exception as exc:  # noqa: BLE001 - e.g. a class missing here
+                r.work._set_exception(exc)
+                return
+            r.work._set_result(value)
+            return
+        inc = _In(kind, head)
         try:
-            self._parse(ib, inc, meta, msg.frames, r)
+            self._parse(ib, inc, bufdesc, cudadesc, frames, r)
         except Exception as exc:  # noqa: BLE001 - a broken message fails its receive, not the loop
             if not isinstance(exc, (ProtocolError, PeerLostError)):
                 exc = ProtocolError(f"malformed or undeliverable p2p message from {src}: {exc!r}")
@@ -1014,15 +1218,22 @@ class P2P:
             ib.arrived.append(inc)
 
     def _parse(
-        self, ib: _Inbox, inc: _In, meta: list[Any], frames: list[Any], r: _Recv | None
+        self,
+        ib: _Inbox,
+        inc: _In,
+        bufdesc: Any,
+        cudadesc: Any,
+        frames: list[Any],
+        r: _Recv | None,
     ) -> None:
         i = 0
         if inc.kind == K_OBJ:
             inc.pickle = frames[0]
             i = 1
-        bufdesc, cudadesc = meta[3], meta[4]
         if bufdesc is not None:
-            if bufdesc[0] == _FRAMES:
+            if bufdesc[0] == _CMA:
+                self._pull_cma(ib, inc, bufdesc, r)
+            elif bufdesc[0] == _FRAMES:
                 for n, count in zip(bufdesc[1], bufdesc[2], strict=True):
                     chunks = frames[i : i + count]
                     if len(chunks) != count or sum(len(c) for c in chunks) != n:
@@ -1053,6 +1264,40 @@ class P2P:
             self._cuda_receive(ib, inc, cudadesc, frames, r)
 
     # ------------------------------------------------------------------ receiver: CPU bytes
+    def _pull_cma(self, ib: _Inbox, inc: _In, desc: list[Any], r: _Recv | None) -> None:
+        """Read a ``send_tensor`` payload out of the sender's memory, now, and tell it.
+
+        Straight into the waiting ``recv_tensor`` buffer when there is one, else
+        into a private array (so the sender never waits for us to post a receive).
+        """
+        import numpy as np
+
+        _, token, pid, addr, n, address = desc
+        buf = r.buf if r is not None else None
+        if buf is not None and buf.device.type == "cpu" and _nbytes(buf) == n:
+            dst = _byte_view(buf)
+            inc.direct = buf
+        else:
+            dst = np.empty(n, dtype=np.uint8)
+            inc.sources = [(n, [dst])]
+        err = None
+        try:
+            _shm.cma_read(pid, addr, dst.ctypes.data, n)
+        except OSError as exc:
+            err = exc
+        if not self.endpoint.is_lost(address):
+            try:
+                self.endpoint.send_oneway(
+                    address, OP_DONE, [self.name, token, repr(err) if err else None]
+                )
+            except PeerLostError:
+                pass
+        if err is not None:
+            inc.direct = None
+            if err.errno == errno.ESRCH:
+                raise PeerLostError(f"worker {ib.name} exited before its tensor was read") from err
+            raise ProtocolError(f"cannot read the tensor sent by {ib.name}: {err}") from err
+
     def _view(self, inc: _In, k: int) -> Any:
         """Buffer ``k`` as a flat uint8 numpy array to read from (no copy where possible)."""
         import numpy as np
@@ -1092,7 +1337,9 @@ class P2P:
         ref = inc.shm
         if ref is None:
             for n, chunks in inc.sources:
-                if len(chunks) == 1:
+                if len(chunks) == 1 and isinstance(chunks[0], np.ndarray):
+                    out.append(chunks[0])  # already private and writable (pulled by CMA)
+                elif len(chunks) == 1:
                     out.append(bytearray(chunks[0]))
                 else:
                     arr = np.empty(n, dtype=np.uint8)
@@ -1150,6 +1397,8 @@ class P2P:
         if "probe" in meta:
             fd, size = meta["probe"]
             reply["shm"] = _shm.check_probe(int(meta["pid"]), int(fd), int(size))
+        if "cma" in meta:
+            reply["cma"] = _shm.check_cma(int(meta["pid"]), int(meta["cma"]))
         if meta.get("cuda"):
             from aiorl.actors import _p2p_cuda as pc
 
@@ -1194,6 +1443,9 @@ class P2P:
 
     def _deliver_into(self, r: _Recv, inc: _In) -> None:
         buf = r.buf
+        if inc.direct is buf:
+            r.work._set_result(buf)
+            return
         if inc.kind == K_CPU:
             n = inc.sources[0][0]
             if n != _nbytes(buf):
@@ -1305,8 +1557,12 @@ class P2P:
             targets = [
                 torch.empty(shape, dtype=_dtype(dtype), device=dev) for dtype, shape in specs
             ]
-            wait_event = None
+            # Allocated on this thread's stream; the pair's side stream writes after it.
+            wait_event = pc.record_event()
         inc.cuda = targets
+        live = [t for t in targets if t.numel()]  # the sender skipped empty ones too
+        if desc[0] == _NOTHING:
+            return
         if ib.cuda is None:
             ib.cuda = pc.CudaPair("", 1, dev)
         pair = ib.cuda
@@ -1315,13 +1571,16 @@ class P2P:
             if store is not None:
                 pair.gid = gid
                 pair.set_store_address(store[0], int(store[1]))
-            cf = pair.submit([_flat_u8(t) for t in targets], wait_event, send=False)
+            cf = pair.submit([_flat_u8(t) for t in live], wait_event, send=False)
             inc.cuda_fut = self._coll_future(cf, None)
+            self._track_inflight(ib, inc)
             return
-        _, token, address, _specs = desc
-        cf = pair.run(pc.ipc_open_copy, frames[-1], targets, dev, wait_event)
+        _, token, address, _specs, peer_uuid = desc
+        ipc_dev = self._local_device_of(peer_uuid)
+        cf = pair.ipc_copy(frames[-1], live, wait_event, ipc_dev)
         fut: asyncio.Future[Any] = self.loop.create_future()
         inc.cuda_fut = fut
+        self._track_inflight(ib, inc)
 
         def copied(cf: Any) -> None:  # pair thread
             try:
@@ -1347,6 +1606,24 @@ class P2P:
 
         cf.add_done_callback(copied)
 
+    @staticmethod
+    def _track_inflight(ib: _Inbox, inc: _In) -> None:
+        """Remember a CUDA payload in flight so that the sender's loss fails it."""
+        assert inc.cuda_fut is not None
+        ib.inflight.add(inc)
+        inc.cuda_fut.add_done_callback(lambda _f: ib.inflight.discard(inc))
+
+    def _local_device_of(self, uuid_: str) -> int:
+        """Our index of the GPU with ``uuid_`` (the sender chose IPC: it is one of ours)."""
+        from aiorl.actors import _p2p_cuda as pc
+
+        if self._uuids is None:
+            self._uuids = pc.local_cuda_info()["uuids"]
+        try:
+            return self._uuids.index(uuid_)
+        except ValueError:
+            raise ProtocolError(f"CUDA IPC from a GPU this worker cannot see ({uuid_})") from None
+
     # ------------------------------------------------------------------ failure
     def _on_peer_lost(self, address: str, exc: BaseException) -> None:
         d = self._dest_by_addr.get(address)
@@ -1364,13 +1641,40 @@ class P2P:
             ib.posted.popleft().work._set_exception(
                 _lost_copy(exc, f"cannot receive from {ib.name}")
             )
-        for inc in ib.arrived:
+        for inc in [*ib.arrived, *ib.inflight]:
             if inc.cuda_fut is not None and not inc.cuda_fut.done():
                 _fail(inc.cuda_fut, _lost_copy(exc, f"CUDA payload from {ib.name} lost"))
         if ib.cuda is not None:
             ib.cuda.close()
             ib.cuda = None
         ib.segs.clear()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for tests and debugging: per destination and per source."""
+        dests = {}
+        for name, d in self._dests.items():
+            pool = d.pool
+            dests[name] = {
+                "same_node": d.same_node,
+                "shm": d.shm_ok,
+                "cma": d.cma_ok,
+                "segments": len(pool.segments) if pool is not None else 0,
+                "shm_bytes": pool.total_bytes if pool is not None else 0,
+                "busy": pool.busy if pool is not None else 0,
+                "backlog": len(d.backlog),
+                "pending": len(d.pending),
+                "lost": d.lost is not None,
+            }
+        sources = {
+            name: {
+                "arrived": len(ib.arrived),
+                "posted": len(ib.posted),
+                "mapped": len(ib.segs.maps),
+                "lost": ib.lost is not None,
+            }
+            for name, ib in self._inboxes.items()
+        }
+        return {"dests": dests, "sources": sources}
 
     def close(self) -> None:
         """Release shared memory and CUDA resources (the process is shutting down)."""

@@ -157,8 +157,9 @@ class Runtime:
             self._peer_address[name] = info["endpoint"]
             if fut is not None and not fut.done():
                 fut.set_result(info)
-            elif fut is not None and fut.done() and not fut.exception():
-                # Re-registered (e.g. after a registry restart): keep the newest info.
+            elif fut is not None:
+                # Re-registered (a registry restart) or a new worker of the same name
+                # (a group closed and launched again): keep the newest info.
                 new = self.loop.create_future()
                 new.set_result(info)
                 self._peer_watch[name] = new

@@ -29,19 +29,22 @@ Failure
 Cancellation
     Cancelling a pending put or get (``work.cancel()``, ``wait(timeout)``
     expiring, a cancelled task) withdraws it at the channel worker. If the item
-    was already on its way, the handle sends it back to the front of its queue,
-    so a cancelled get never loses an item.
+    was already on its way, the handle sends it back, and it returns to its
+    place in its queue, so a cancelled get never loses or reorders an item.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import io
 import itertools
 import logging
+import pickle
+import sys
 import threading
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiorl.actors.async_work import AsyncChannelWork
@@ -49,7 +52,7 @@ from aiorl.actors.runtime import Runtime, current_runtime
 from aiorl.channels import _protocol as P
 from aiorl.channels._queue import QueueStats
 from aiorl.channels._server import ChannelWorker, group_name_for
-from aiorl.errors import PeerLostError, QueueEmpty, QueueFull, RemoteError
+from aiorl.errors import PeerLostError, QueueEmpty, QueueFull, RemoteError, WorkerInitError
 from aiorl.transport import serialization
 
 if TYPE_CHECKING:
@@ -63,36 +66,51 @@ log = logging.getLogger("aiorl.channels")
 DEFAULT_CONNECT_TIMEOUT = 60.0
 
 _PARKABLE = frozenset((P.PUT, P.GET, P.GET_BATCH))  # kinds the channel worker may hold back
-_GETS = frozenset((P.GET, P.GET_NOWAIT, P.GET_BATCH))
 
 
-class _Op:
-    """One operation on its way to the channel worker and, until answered, in ``_pending``."""
+class _Op(asyncio.Future):  # type: ignore[type-arg]
+    """One operation: the future its :class:`~aiorl.AsyncChannelWork` wraps, and its wire data.
 
-    __slots__ = ("kind", "queue", "number", "nframes", "frames", "work", "token", "address",
-                 "state")
+    Being the future itself (rather than an object holding one) saves an
+    allocation per operation, and overriding ``cancel`` catches every way a work
+    gets cancelled (``work.cancel()``, ``wait(timeout)`` expiring, a task
+    cancelled while awaiting it) without a done callback per operation.
+    Operations that nobody awaits (``CANCEL``, ``UNGET``) are never completed.
+    """
 
-    def __init__(self, state: _ChannelState, kind: int, queue: str, number: Any, frames: list[Any],
-                 work: AsyncChannelWork[Any] | None, nframes: Any = None) -> None:
+    __slots__ = ("core", "state", "kind", "queue", "number", "payload", "frames", "token",
+                 "address")
+
+    def __init__(self, core: _ClientCore, state: _ChannelState, kind: int, queue: str,
+                 number: Any, payload: Any, frames: Sequence[Any]) -> None:
+        super().__init__(loop=core.loop)
+        self.core = core
         self.state = state
         self.kind = kind
         self.queue = queue
         self.number = number
+        self.payload = payload  # inline pickle bytes, or the number of frames in ``frames``
         self.frames = frames
-        self.nframes = len(frames) if nframes is None else nframes
-        self.work = work
         self.token = 0
-        self.address: str | None = None
+        self.address: str | None = None  # set once it is handed to an outbox
+
+    def cancel(self, msg: Any = None) -> bool:
+        if not super().cancel(msg=msg):
+            return False
+        if self.kind in _PARKABLE:
+            self.core._on_cancel(self)
+        return True
 
 
 class _Outbox:
-    __slots__ = ("meta", "frames", "ops", "nbytes")
+    __slots__ = ("meta", "frames", "ops", "nbytes", "inline")
 
     def __init__(self) -> None:
         self.meta: list[Any] = []
         self.frames: list[Any] = []
         self.ops: list[_Op] = []
         self.nbytes = 0
+        self.inline = 0
 
 
 class _ChannelState:
@@ -105,6 +123,57 @@ class _ChannelState:
         self.backlog: list[_Op] = []  # operations issued before the address was known
         self.task: asyncio.Task[str] | None = None  # the resolution whose outcome counts
         self.ready_waiters: list[AsyncChannelWork[Any]] = []
+
+
+class _ItemPickler(pickle.Pickler):
+    """Pickle protocol 5 with aiorl's tensor reduction (see :mod:`aiorl.transport.serialization`).
+
+    :func:`serialization.dumps` builds its dispatch table on every call; items
+    are pickled once per put, so this class keeps one (rebuilt when torch is
+    first imported, since the table reduces tensors only once torch exists).
+    """
+
+    _table_for: tuple[bool, Any] = (False, None)  # (built, the torch module it was built with)
+
+
+def _item_dispatch_table() -> None:
+    torch = sys.modules.get("torch")
+    if _ItemPickler._table_for != (True, torch):
+        _ItemPickler.dispatch_table = serialization._dispatch_table()  # type: ignore[misc]
+        _ItemPickler._table_for = (True, torch)
+
+
+def encode_item(item: Any) -> tuple[Any, list[Any]]:
+    """``(payload, frames)`` for an item: a small pickle inline, else ``(n, its n frames)``.
+
+    Same format as :func:`aiorl.transport.serialization.dumps` (buffers of at
+    least ``OOB_THRESHOLD`` bytes, e.g. tensor data, become zero-copy frames);
+    anything plain pickle refuses goes through ``serialization.dumps`` (cloudpickle).
+    """
+    _item_dispatch_table()
+    buffers: list[Any] = []
+
+    def out_of_band(buf: pickle.PickleBuffer) -> bool:
+        if buf.raw().nbytes < serialization.OOB_THRESHOLD:
+            return True  # in-band: cheaper than a frame of its own
+        buffers.append(buf.raw())
+        return False
+
+    stream = io.BytesIO()
+    try:
+        _ItemPickler(stream, 5, buffer_callback=out_of_band).dump(item)
+    except Exception:
+        frames = serialization.dumps(item)  # cloudpickle fallback; raises SerializationError
+        if len(frames) == 1 and len(frames[0]) <= P.INLINE_MAX:
+            return bytes(frames[0]), []
+        return len(frames), frames
+    if not buffers and stream.tell() <= P.INLINE_MAX:
+        return stream.getvalue(), []
+    return 1 + len(buffers), [stream.getbuffer(), *buffers]
+
+
+def decode_item(payload: Any, frames: Sequence[Any]) -> Any:
+    return serialization.loads(frames if payload.__class__ is int else [payload])
 
 
 class _ClientCore:
@@ -140,7 +209,7 @@ class _ClientCore:
     # ------------------------------------------------------------------ any thread
     def on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop: now on the loop thread, else batched via the inbox."""
-        if self.runtime.on_loop_thread():
+        if _running_loop() is self.loop:
             fn(*args)
             return
         with self._inbox_lock:
@@ -150,19 +219,15 @@ class _ClientCore:
             self._inbox_scheduled = True
         self.loop.call_soon_threadsafe(self._drain_inbox)
 
-    def submit(self, state: _ChannelState, kind: int, queue: str, number: Any,
-               frames: list[Any]) -> AsyncChannelWork[Any]:
-        work: AsyncChannelWork[Any] = AsyncChannelWork(self.loop)
-        op = _Op(state, kind, queue, number, frames, work)
-        if self.runtime.on_loop_thread():
+    def submit(self, state: _ChannelState, kind: int, queue: str, number: Any, payload: Any = 0,
+               frames: Sequence[Any] = ()) -> AsyncChannelWork[Any]:
+        op = _Op(self, state, kind, queue, number, payload, frames)
+        work: AsyncChannelWork[Any] = AsyncChannelWork(self.loop, op)
+        if _running_loop() is self.loop:
             self._accept(op)
         else:
-            self.on_loop(self._accept_from_thread, op)
+            self.on_loop(self._accept_from_thread, op, work)
         return work
-
-    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        """Run ``coro`` on the loop and wait for it (not on the loop thread)."""
-        return self.runtime.run_sync(coro)
 
     # ------------------------------------------------------------------ loop thread
     def _drain_inbox(self) -> None:
@@ -175,20 +240,15 @@ class _ClientCore:
             except Exception:
                 log.exception("channel operation failed on the loop")
 
-    def _accept_from_thread(self, op: _Op) -> None:
-        assert op.work is not None
-        op.work._concurrent()  # link the thread-side mirror now: wait() then needs no extra hop
+    def _accept_from_thread(self, op: _Op, work: AsyncChannelWork[Any]) -> None:
+        work._concurrent()  # link the thread-side mirror now: wait() then needs no extra hop
         self._accept(op)
 
     def _accept(self, op: _Op) -> None:
+        if op.done():  # cancelled before it could leave
+            return
         op.token = token = next(self._tokens)
-        work = op.work
-        if work is not None:
-            if work._fut.done():  # cancelled before it could leave
-                return
-            self._pending[token] = op
-            if op.kind in _PARKABLE:
-                work._fut.add_done_callback(functools.partial(self._on_work_done, op))
+        self._pending[token] = op
         st = op.state
         if st.address is not None:
             self._enqueue(st.address, op)
@@ -204,12 +264,16 @@ class _ClientCore:
             if not self._flush_scheduled:
                 self._flush_scheduled = True
                 self.loop.call_soon(self._flush)
-        box.meta.append((op.kind, op.token, op.queue, op.number, op.nframes))
+        payload = op.payload
+        box.meta.append((op.kind, op.token, op.queue, op.number, payload))
+        box.ops.append(op)
         if op.frames:
             box.frames.extend(op.frames)
             box.nbytes += sum(len(f) for f in op.frames)
-        box.ops.append(op)
-        if len(box.meta) >= P.MAX_BATCH_OPS or box.nbytes >= P.MAX_BATCH_BYTES:
+        elif payload.__class__ is not int:
+            box.inline += len(payload)
+        if (len(box.ops) >= P.MAX_BATCH_OPS or box.inline >= P.MAX_INLINE_BYTES
+                or box.nbytes >= P.MAX_BATCH_BYTES):
             self._send(address, self._outboxes.pop(address))
 
     def _flush(self) -> None:
@@ -227,87 +291,95 @@ class _ClientCore:
                     f"channel {op.state.name!r}: could not send to {address}: {exc}"))
 
     def _fail(self, op: _Op, exc: BaseException) -> None:
-        self._pending.pop(op.token, None)
-        if op.work is not None:
-            op.work._set_exception(exc)
+        if self._pending.pop(op.token, None) is not None and not op.done():
+            op.set_exception(exc)
 
-    def _on_work_done(self, op: _Op, fut: asyncio.Future[Any]) -> None:
-        """A parkable operation finished; if it was cancelled, withdraw it at the worker."""
-        if not fut.cancelled() or op.token not in self._pending:
-            return
-        st = op.state
+    def _on_cancel(self, op: _Op) -> None:
+        """A parkable operation was cancelled locally: withdraw it at the channel worker."""
+        if op.token not in self._pending:
+            return  # not accepted yet (``_accept`` drops it) or already answered
         if op.address is None:  # still in the backlog: it never left
-            self._pending.pop(op.token, None)
-            if op in st.backlog:
-                st.backlog.remove(op)
+            del self._pending[op.token]
+            if op in op.state.backlog:
+                op.state.backlog.remove(op)
             return
         # The answer (CANCELLED, or the result if it was already sent) clears _pending.
-        self._enqueue(op.address, _cancel_op(op))
+        cancel = _Op(self, op.state, P.CANCEL, op.queue, 0, 0, ())
+        cancel.token = op.token
+        self._enqueue(op.address, cancel)
 
     def _on_done(self, peer: str, meta: Any, frames: list[Any]) -> None:
         pos = 0
+        pending = self._pending
         for token, status, info in meta:
-            op = self._pending.pop(token, None)
+            op = pending.pop(token, None)
             if status == P.ITEMS:
                 items = []
-                for nframes, weight in info:
-                    items.append((frames[pos:pos + nframes], weight))
-                    pos += nframes
-                if op is None or op.work is None or op.work._fut.done():
-                    # Nobody wants these any more (a cancelled get): back to the front.
-                    qname = op.queue if op is not None else None
-                    if qname is not None:
-                        self._unget(peer, op.state, qname, items)  # type: ignore[union-attr]
+                for payload, weight, seq in info:
+                    if payload.__class__ is int:
+                        items.append((payload, (weight, seq), frames[pos:pos + payload]))
+                        pos += payload
                     else:
-                        log.error("channel answer for unknown token %s: %d item(s) dropped",
-                                  token, len(items))
+                        items.append((payload, (weight, seq), ()))
+                if op is None or op.done():
+                    self._refused(peer, op, token, items)
                     continue
                 try:
                     if op.kind == P.GET_BATCH:
-                        value: Any = [serialization.loads(f) for f, _ in items]
+                        value: Any = [decode_item(p, f) for p, _, f in items]
                     else:
-                        value = serialization.loads(items[0][0])
+                        p, _, f = items[0]
+                        value = decode_item(p, f)
                 except BaseException as exc:  # noqa: BLE001 - the consumer learns why
-                    op.work._set_exception(exc)
+                    op.set_exception(exc)
                     continue
-                op.work._set_result(value)
+                op.set_result(value)
                 continue
-            if op is None or op.work is None:
-                continue
-            work = op.work
+            if op is None or op.done():
+                continue  # CANCELLED after a local cancel, or a late answer nobody awaits
             if status == P.OK:
                 if op.kind == P.STATS:
-                    work._set_result({
+                    op.set_result({
                         q: QueueStats(int(v[0]), float(v[1]), int(v[2]), int(v[3]), int(v[4]),
                                       int(v[5]))
                         for q, v in info.items()
                     })
                 elif op.kind == P.INFO:
-                    work._set_result((int(info[0]), int(info[1])))
+                    op.set_result((int(info[0]), int(info[1])))
                 else:
-                    work._set_result(None)
+                    op.set_result(None)
             elif status == P.FULL:
-                work._set_exception(QueueFull(
+                op.set_exception(QueueFull(
                     f"queue {op.queue!r} of channel {op.state.name!r} is full"))
             elif status == P.EMPTY:
-                work._set_exception(QueueEmpty(
+                op.set_exception(QueueEmpty(
                     f"queue {op.queue!r} of channel {op.state.name!r} is empty"))
-            elif status == P.CANCELLED:
-                pass  # withdrawn after a local cancel; the work is already cancelled
             else:
-                work._set_exception(RemoteError(
+                op.set_exception(RemoteError(
                     f"{op.state.group}:0", 0, "ChannelError", str(info), ""))
 
-    def _unget(self, address: str, st: _ChannelState, queue: str,
-               items: list[tuple[list[Any], float]]) -> None:
-        frames = [f for item_frames, _ in items for f in item_frames]
-        op = _Op(st, P.UNGET, queue, [w for _, w in items], frames, None,
-                 [len(f) for f, _ in items])
-        if not self.endpoint.is_lost(address):
-            self._enqueue(address, op)
+    def _refused(self, peer: str, op: _Op | None, token: int,
+                 items: list[tuple[Any, Any, Sequence[Any]]]) -> None:
+        """Items arrived for a get nobody waits for (it was cancelled): send them back."""
+        if op is None:
+            log.error("channel answer for unknown operation %s: %d item(s) dropped",
+                      token, len(items))
+            return
+        frames = [f for _, _, fs in items for f in fs]
+        unget = _Op(self, op.state, P.UNGET, op.queue, [place for _, place, _ in items],
+                    [p for p, _, _ in items], frames)
+        if not self.endpoint.is_lost(peer):
+            self._enqueue(peer, unget)
 
     def _on_lost(self, address: str, exc: BaseException) -> None:
         self._outboxes.pop(address, None)
+        with self._states_lock:
+            states = list(self._states.values())
+        for st in states:
+            if st.address == address:
+                # Resolve again on the next operation: that fails with PeerLostError while
+                # the channel is dead, and finds a channel re-created under the same name.
+                st.address = None
         for op in [op for op in self._pending.values() if op.address == address]:
             self._fail(op, PeerLostError(
                 f"channel {op.state.name!r} is gone (its worker {op.state.group}:0 was lost): "
@@ -361,12 +433,48 @@ class _ClientCore:
         self.on_loop(check)
         return work
 
-    async def _connect(self, st: _ChannelState, timeout: float) -> str:
-        info = await self.runtime.resolve_worker(f"{st.group}:0", timeout)
+    async def _connect(self, st: _ChannelState, timeout: float, launched: bool = False) -> str:
+        name = f"{st.group}:0"
+        try:
+            # Also makes this runtime watch the channel worker: when it dies, the endpoint
+            # marks it lost and _on_lost fails what waits on it.
+            info = await self.runtime.resolve_worker(name, timeout)
+        except PeerLostError:
+            # This process may remember an earlier channel worker of this name that died
+            # (the channel was destroyed and created again): ask the registry, which knows
+            # the newest one; after our own launch, wait for it.
+            info = await self._lookup_ready(name, timeout if launched else 0.0)
+            if info is None or self.endpoint.is_lost(str(info["endpoint"])):
+                raise
         return str(info["endpoint"])
+
+    async def _lookup_ready(self, name: str, wait: float) -> dict[str, Any] | None:
+        """The registry's info on worker ``name`` once ready (None if not within ``wait`` s).
+
+        Raises :class:`~aiorl.WorkerInitError` if it failed to start.
+        """
+        deadline = self.loop.time() + wait
+        delay = 0.01
+        while True:
+            try:
+                reply = await self.runtime.registry.request("lookup", {"name": name})
+            except RemoteError:
+                reply = {}  # not registered (yet)
+            state = reply.get("state")
+            if state == "ready":
+                return dict(reply["info"])
+            if state == "failed":
+                d = reply.get("detail") or {}
+                raise WorkerInitError(name, 0, str(d.get("type", "Exception")),
+                                      str(d.get("message", "")), str(d.get("traceback", "")))
+            if self.loop.time() + delay > deadline:
+                return None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
 
     async def _create(self, st: _ChannelState, cluster: Any, maxsize: int,
                       where: Callable[[], Coroutine[Any, Any, int]], timeout: float) -> str:
+        launched = False
         if not await self._group_exists(st.group):
             node_rank = await where()
             if hasattr(cluster, "refresh"):  # a ClusterView: its node list must be current
@@ -379,11 +487,12 @@ class _ClientCore:
             try:
                 # launch() blocks on the loop via run_sync, so it runs on a helper thread.
                 await self.loop.run_in_executor(None, launch)
+                launched = True
             except RemoteError as exc:
                 if "already exists" not in str(exc.message):
                     raise
                 # Another creator won the race: connect to its channel.
-        return await self._connect(st, timeout)
+        return await self._connect(st, timeout, launched)
 
     async def _group_exists(self, group: str) -> bool:
         try:
@@ -395,12 +504,7 @@ class _ClientCore:
         return True
 
 
-def _cancel_op(op: _Op) -> _Op:
-    cancel = _Op(op.state, P.CANCEL, op.queue, 0, [], None, 0)
-    cancel.token = op.token
-    return cancel
-
-
+_running_loop = asyncio._get_running_loop  # C-level and cheap (the hot path asks every call)
 _cores: weakref.WeakKeyDictionary[Runtime, _ClientCore] = weakref.WeakKeyDictionary()
 _cores_lock = threading.Lock()
 
@@ -591,9 +695,9 @@ class Channel:
         :class:`~aiorl.PeerLostError` if the channel worker dies.
         """
         core, st = self._bind()
-        frames = serialization.dumps(item)
+        payload, frames = encode_item(item)
         return core.submit(st, P.PUT, _check_queue(queue_name), _check_weight(weight, "weight"),
-                           frames)
+                           payload, frames)
 
     def put_nowait(self, item: Any, weight: float = 0, queue_name: str = "default") -> Any:
         """Put ``item`` only if its queue has room, else raise :class:`~aiorl.QueueFull`.
@@ -603,9 +707,9 @@ class Channel:
         :class:`~aiorl.AsyncChannelWork` to await, which raises ``QueueFull``.
         """
         core, st = self._bind()
-        frames = serialization.dumps(item)
+        payload, frames = encode_item(item)
         work = core.submit(st, P.PUT_NOWAIT, _check_queue(queue_name),
-                           _check_weight(weight, "weight"), frames)
+                           _check_weight(weight, "weight"), payload, frames)
         return work if core.runtime.on_loop_thread() else work.wait()
 
     def get(self, queue_name: str = "default") -> AsyncChannelWork[Any]:
@@ -614,7 +718,7 @@ class Channel:
         Waiting getters are served in the order their requests reached the channel.
         """
         core, st = self._bind()
-        return core.submit(st, P.GET, _check_queue(queue_name), 0, [])
+        return core.submit(st, P.GET, _check_queue(queue_name), 0)
 
     def get_nowait(self, queue_name: str = "default") -> Any:
         """Take the first item at once, or raise :class:`~aiorl.QueueEmpty`.
@@ -624,7 +728,7 @@ class Channel:
         :class:`~aiorl.AsyncChannelWork` to await.
         """
         core, st = self._bind()
-        work = core.submit(st, P.GET_NOWAIT, _check_queue(queue_name), 0, [])
+        work = core.submit(st, P.GET_NOWAIT, _check_queue(queue_name), 0)
         return work if core.runtime.on_loop_thread() else work.wait()
 
     def get_batch(self, batch_weight: float, queue_name: str = "default") -> AsyncChannelWork[list[Any]]:
@@ -640,13 +744,13 @@ class Channel:
         if not w > 0:
             raise ValueError(f"batch_weight must be > 0, got {batch_weight!r}")
         core, st = self._bind()
-        return core.submit(st, P.GET_BATCH, _check_queue(queue_name), w, [])
+        return core.submit(st, P.GET_BATCH, _check_queue(queue_name), w)
 
     def statistics(self) -> AsyncChannelWork[dict[str, QueueStats]]:
         """Per-queue counters: ``{queue_name: QueueStats(qsize, weight, maxsize,
         waiting_putters, waiting_getters, reserved)}`` for every queue used so far."""
         core, st = self._bind()
-        return core.submit(st, P.STATS, "", 0, [])
+        return core.submit(st, P.STATS, "", 0)
 
     def _info(self, queue_name: str, what: str) -> tuple[int, int]:
         core, st = self._bind()
@@ -654,7 +758,7 @@ class Channel:
             raise RuntimeError(
                 f"Channel.{what}() blocks and cannot run on the aiorl event loop's thread; "
                 "in async code use 'stats = await channel.statistics()'")
-        return core.submit(st, P.INFO, _check_queue(queue_name), 0, []).wait()
+        return core.submit(st, P.INFO, _check_queue(queue_name), 0).wait()
 
     def qsize(self, queue_name: str = "default") -> int:
         """Items in ``queue_name`` now (0 for a queue never used). Synchronous code only."""

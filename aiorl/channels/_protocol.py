@@ -25,9 +25,9 @@ turn per client (split when the inline bytes grow large)::
     meta   = [[token, status, info], ...]
     frames = the payload frames of every answer, concatenated
 
-``info`` is, for status ``ITEMS`` (the answer to a get), one ``[payload, weight]``
-pair per item (one for ``GET``/``GET_NOWAIT``, several for ``GET_BATCH``), with
-``payload`` as above; for ``STATS`` a map queue name -> counters; for ``INFO``
+``info`` is, for status ``ITEMS`` (the answer to a get), one ``[payload, weight,
+seq]`` triple per item (one for ``GET``/``GET_NOWAIT``, several for ``GET_BATCH``),
+with ``payload`` as above and ``seq`` the item's place in its queue; for ``STATS`` a map queue name -> counters; for ``INFO``
 ``[qsize, maxsize]``; for ``ERROR`` the message.
 
 Every parked operation is answered exactly once: with its result, or with
@@ -49,8 +49,8 @@ GET = 2
 GET_NOWAIT = 3
 GET_BATCH = 4
 CANCEL = 5  #: withdraw the parked operation named by ``token``
-#: items a cancelled get received late, returned to the front of their queue;
-#: ``number`` is the list of their weights and ``payload`` the list of their payloads
+#: items a cancelled get received late, returned to their places in their queue;
+#: ``number`` is the list of their ``[weight, seq]`` and ``payload`` the list of their payloads
 UNGET = 6
 STATS = 7
 INFO = 8

@@ -17,10 +17,12 @@ The rules
       they arrive, which frees queue space (so a batch heavier than ``maxsize``
       items still completes) and keeps them in order. Hence: *getters wait only
       while the queue is empty*.
-    * A cancelled getter gives its reserved items back to the front of the queue;
-      items handed out but refused by their receiver come back with
-      :meth:`WeightedQueue.unget`, also at the front, so nothing is lost and the
-      FIFO order of what remains is kept.
+    * Every accepted item gets the next *sequence number* of its queue, and the
+      queue is always sorted by it. A cancelled getter gives its reserved items
+      back; items handed out but refused by their receiver come back with
+      :meth:`WeightedQueue.unget`. Both are merged back by sequence number, so
+      nothing is lost and the FIFO order is restored whatever order the returns
+      arrive in.
 """
 
 from __future__ import annotations
@@ -35,23 +37,35 @@ from aiorl.errors import QueueEmpty, QueueFull
 __all__ = ["Done", "QueueStats", "WeightedQueue"]
 
 T = TypeVar("T")
-W = TypeVar("W", bound=Hashable)
+
+
+#: ``(item, weight, sequence number)``: one queued item.
+Entry = tuple[object, float, int]
 
 
 class Done(NamedTuple):
     """A waiter that an operation completed.
 
     ``items`` is ``None`` for a putter (its item was accepted) and the list of
-    ``(item, weight)`` pairs it takes for a getter (one pair for a plain get).
+    entries ``(item, weight, seq)`` it takes for a getter (one for a plain get).
     """
 
     waiter: Hashable
-    items: list[tuple[object, float]] | None
+    items: list[Entry] | None
 
 
 @dataclass(frozen=True)
 class QueueStats:
-    """A snapshot of one queue (the counters ``statistics()`` reports)."""
+    """A snapshot of one queue, as ``Channel.statistics()`` reports it.
+
+    Attributes:
+        qsize: items queued (not counting ``reserved``).
+        weight: the summed weight of the queued items.
+        maxsize: the queue's bound (0 = unbounded).
+        waiting_putters: puts waiting for room (backpressure).
+        waiting_getters: gets and batch gets waiting for items.
+        reserved: items already taken by the first waiting ``get_batch``.
+    """
 
     qsize: int
     weight: float
@@ -65,7 +79,7 @@ class QueueStats:
 class _Getter:
     waiter: Hashable
     batch_weight: float | None  # None: a plain get of exactly one item
-    reserved: list[tuple[object, float]] = field(default_factory=list)
+    reserved: list[Entry] = field(default_factory=list)
     reserved_weight: float = 0.0
 
 
@@ -85,8 +99,9 @@ class WeightedQueue(Generic[T]):
 
     def __init__(self, maxsize: int = 0) -> None:
         self.maxsize = max(0, int(maxsize))
-        self._items: deque[tuple[object, float]] = deque()
+        self._items: deque[Entry] = deque()  # sorted by sequence number
         self._weight = 0.0
+        self._seq = 0
         self._putters: deque[_Putter] = deque()
         self._getters: deque[_Getter] = deque()
 
@@ -151,17 +166,17 @@ class WeightedQueue(Generic[T]):
         self._pump(done)
         return done
 
-    def get_nowait(self) -> tuple[tuple[object, float], list[Done]]:
+    def get_nowait(self) -> tuple[Entry, list[Done]]:
         """Take the first item at once or raise :class:`~aiorl.QueueEmpty`.
 
-        Returns ``((item, weight), putters_admitted)``.
+        Returns ``((item, weight, seq), putters_admitted)``.
         """
         if not self._items:
             raise QueueEmpty("the queue is empty")
-        pair = self._popleft()
+        entry = self._popleft()
         done: list[Done] = []
         self._pump(done)
-        return pair, done
+        return entry, done
 
     # ------------------------------------------------------------------ withdrawing
     def cancel(self, waiter: Hashable) -> tuple[bool, list[Done]]:
@@ -180,41 +195,54 @@ class WeightedQueue(Generic[T]):
                 del self._getters[i]
                 done: list[Done] = []
                 if g.reserved:
-                    self._prepend(g.reserved)
+                    self._merge(g.reserved)
                 self._pump(done)
                 return True, done
         return False, []
 
-    def unget(self, items: Iterable[tuple[T, float]]) -> list[Done]:
-        """Put items handed out earlier back at the front, in their order (maxsize ignored)."""
-        items = list(items)
-        if not items:
+    def unget(self, entries: Iterable[Entry]) -> list[Done]:
+        """Return entries handed out earlier; they go back to their FIFO places (maxsize ignored)."""
+        entries = list(entries)
+        if not entries:
             return []
         head = self._getters[0] if self._getters else None
         if head is not None and head.reserved:
-            # The head getter's reservation came after these items: re-queue it behind them.
+            # The head getter may have reserved items newer than these: re-queue its
+            # reservation too, so it takes them again in sequence order.
             reserved, head.reserved, head.reserved_weight = head.reserved, [], 0.0
-            self._prepend(reserved)
-        self._prepend(items)
+            self._merge(reserved)
+        self._merge(entries)
         done: list[Done] = []
         self._pump(done)
         return done
 
     # ------------------------------------------------------------------ internals
     def _append(self, item: object, weight: float) -> None:
-        self._items.append((item, weight))
+        self._seq += 1
+        self._items.append((item, weight, self._seq))
         self._weight += weight
 
-    def _popleft(self) -> tuple[object, float]:
-        pair = self._items.popleft()
-        self._weight -= pair[1]
+    def _popleft(self) -> Entry:
+        entry = self._items.popleft()
+        self._weight -= entry[1]
         if not self._items:
             self._weight = 0.0  # do not let float error accumulate across refills
-        return pair
+        return entry
 
-    def _prepend(self, pairs: list[tuple[object, float]]) -> None:
-        self._items.extendleft(reversed(pairs))
-        self._weight += sum(w for _, w in pairs)
+    def _merge(self, entries: list[Entry]) -> None:
+        """Insert returned entries at their places by sequence number.
+
+        Returned entries were handed out from the front, so they belong near it:
+        only the queued entries older than the newest returned one are moved.
+        """
+        items = self._items
+        front: list[Entry] = []
+        for entry in sorted(entries, key=lambda e: e[2]):
+            while items and items[0][2] < entry[2]:
+                front.append(items.popleft())
+            front.append(entry)
+            self._weight += entry[1]
+        items.extendleft(reversed(front))
 
     def _pump(self, done: list[Done]) -> None:
         """Serve getters and admit putters until neither can progress."""
@@ -227,9 +255,9 @@ class WeightedQueue(Generic[T]):
                     done.append(Done(g.waiter, [self._popleft()]))
                     continue
                 while items and g.reserved_weight < g.batch_weight:
-                    pair = self._popleft()
-                    g.reserved.append(pair)
-                    g.reserved_weight += pair[1]
+                    entry = self._popleft()
+                    g.reserved.append(entry)
+                    g.reserved_weight += entry[1]
                 if g.reserved_weight >= g.batch_weight:
                     getters.popleft()
                     done.append(Done(g.waiter, g.reserved))

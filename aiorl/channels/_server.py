@@ -21,7 +21,7 @@ from typing import Any
 
 from aiorl.actors.worker import Worker
 from aiorl.channels import _protocol as P
-from aiorl.channels._queue import Done, WeightedQueue
+from aiorl.channels._queue import Done, Entry, WeightedQueue
 from aiorl.errors import QueueEmpty, QueueFull
 from aiorl.names import WorkerAddress
 from aiorl.transport.endpoint import Endpoint, Incoming
@@ -57,7 +57,7 @@ class _Chunk:
         self.frames: list[Any] = []
         self.inline = 0  # bytes of items inline in meta (the header is capped at 1 MiB)
         # Items in this message, so they can be re-queued if the client is gone.
-        self.handed_out: list[tuple[str, list[tuple[Item, float]]]] = []
+        self.handed_out: list[tuple[str, list[Entry]]] = []
 
 
 class ChannelServer:
@@ -128,11 +128,11 @@ class ChannelServer:
             try:
                 if q is None:
                     raise QueueEmpty(qname)
-                pair, done = q.get_nowait()
+                entry, done = q.get_nowait()
             except QueueEmpty:
                 self._answer(identity, token, P.EMPTY, None)
                 return
-            self._answer_items(identity, token, qname, [pair])
+            self._answer_items(identity, token, qname, [entry])
             self._deliver(qname, done)
         elif kind == P.CANCEL:
             parked_in = self._parked.pop(waiter, None)
@@ -183,17 +183,16 @@ class ChannelServer:
     def _answer(self, identity: bytes, token: int, status: int, info: Any) -> None:
         self._chunk(identity).meta.append((token, status, info))
 
-    def _answer_items(self, identity: bytes, token: int, qname: str,
-                      items: list[tuple[Item, float]]) -> None:
-        inline = sum(len(it) for it, _ in items if it.__class__ is bytes)
+    def _answer_items(self, identity: bytes, token: int, qname: str, items: list[Entry]) -> None:
+        inline = sum(len(it) for it, _, _ in items if it.__class__ is bytes)  # type: ignore[arg-type]
         chunk = self._chunk(identity, inline)
         info = []
-        for item, weight in items:
+        for item, weight, seq in items:
             if item.__class__ is bytes:
-                info.append((item, weight))
+                info.append((item, weight, seq))
             else:
-                info.append((len(item), weight))
-                chunk.frames.extend(item)
+                info.append((len(item), weight, seq))  # type: ignore[arg-type]
+                chunk.frames.extend(item)  # type: ignore[call-overload]
         chunk.meta.append((token, P.ITEMS, info))
         chunk.inline += inline
         chunk.handed_out.append((qname, items))
@@ -233,14 +232,14 @@ class ChannelServer:
             self._deliver(qname, self._queue(qname).unget(items))
 
 
-def _take_items(payloads: list[Any], weights: list[Any], frames: list[Any],
-                pos: int) -> tuple[list[tuple[Item, float]], int]:
-    """Decode an UNGET entry's items; returns them and the new frame position."""
-    items: list[tuple[Item, float]] = []
-    for payload, weight in zip(payloads, weights, strict=True):
+def _take_items(payloads: list[Any], places: list[Any], frames: list[Any],
+                pos: int) -> tuple[list[Entry], int]:
+    """Decode an UNGET entry's items (``places`` = their ``[weight, seq]``)."""
+    items: list[Entry] = []
+    for payload, (weight, seq) in zip(payloads, places, strict=True):
         if payload.__class__ is int:
             payload, pos = tuple(frames[pos:pos + payload]), pos + payload
-        items.append((payload, float(weight)))
+        items.append((payload, float(weight), int(seq)))
     return items, pos
 
 
@@ -262,6 +261,7 @@ class ChannelWorker(Worker):
         # there, and wait, so the handlers exist before this worker reports ready.
         runtime.call_soon(setup)
         self._server = registered.result(timeout=30)
+        # Process tuning (gc.freeze, mallopt) is done for every worker: worker_process.tune_process.
         self.channel_name = channel_name
         self.maxsize = maxsize
 

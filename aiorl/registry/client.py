@@ -59,13 +59,14 @@ class RegistryClient:
         ``callback`` runs for every current member (from the snapshot) and then for
         every change. Returns the snapshot.
         """
-        first = name not in self._watch_callbacks
         self._watch_callbacks.setdefault(name, []).append(callback)
-        if first:
-            reply = await self.request("watch", {"name": name})
-            snapshot = reply["workers"]
-        else:
-            snapshot = {n: w for n, w in self.known.items() if n == name or n.split(":")[0] == name}
+        # Always a fresh snapshot (the registry's subscriber set makes re-watching
+        # idempotent): the local cache may hold workers of a closed group of this name.
+        reply = await self.request("watch", {"name": name})
+        snapshot = reply["workers"]
+        for stale in [n for n in self.known if (n == name or n.split(":")[0] == name)
+                      and n not in snapshot]:
+            del self.known[stale]
         for wname, w in snapshot.items():
             self.known[wname] = w
             callback(wname, w["state"], w["info"], w.get("detail") or {})

@@ -16,10 +16,17 @@ away when the last process holding the fd or a mapping closes or dies, even on
 :class:`SegmentPool` (sender side) hands out free segments of a size class and
 takes them back when the receiver acknowledges that it no longer reads them;
 :class:`SegmentMap` (receiver side) caches the receiver's mappings.
+
+For a buffer the receiver will fill in place, :func:`cma_read` copies straight
+from the sender's memory (``process_vm_readv``): one copy instead of two
+(write a segment, read it back), at the price of ptrace-level access, probed
+once per pair with :func:`check_cma`.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
 from dataclasses import dataclass
@@ -27,6 +34,10 @@ from typing import Any
 
 __all__ = [
     "ALIGN",
+    "cma_read",
+    "check_cma",
+    "cma_probe_buffer",
+    "PoolFull",
     "Segment",
     "SegmentMap",
     "SegmentPool",
@@ -40,8 +51,9 @@ __all__ = [
 ALIGN = 64
 #: Smallest segment; sizes go up in powers of two from here so segments are reusable.
 MIN_SEGMENT = 1 << 20
-#: Free segments kept per pool beyond which released ones are closed instead of kept.
-MAX_FREE_BYTES = 1 << 30
+#: Default limit of one pool (one sender -> receiver pair), free and busy segments together;
+#: ``AIORL_P2P_SHM_POOL_MB`` overrides it.
+DEFAULT_POOL_BYTES = int(os.environ.get("AIORL_P2P_SHM_POOL_MB", "1024")) << 20
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
@@ -101,43 +113,73 @@ def _create(size: int, seg_id: int) -> Segment:
     return Segment(seg_id, fd, size, mm)
 
 
-class SegmentPool:
-    """The sender's segments toward one receiver: acquire a free one, release it on ack."""
+class PoolFull(ShmUnavailable):
+    """The pool is at its byte limit and every segment is in use (the caller falls back)."""
 
-    def __init__(self, first_id: int = 1) -> None:
-        self._next_id = first_id
+
+class SegmentPool:
+    """The sender's segments toward one receiver: acquire a free one, release it on ack.
+
+    Args:
+        max_bytes: the most shared memory the pool holds, free and in use together.
+            A sender that runs ahead of its receiver by more than this (or whose
+            receiver keeps many received tensors alive) gets :class:`PoolFull`
+            and sends through ZMQ instead of growing without bound.
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_POOL_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._next_id = 1
         self.segments: dict[int, Segment] = {}
         self._free: dict[int, list[Segment]] = {}  # size class -> free segments
-        self.free_bytes = 0
+        self.total_bytes = 0
         self.closed = False
 
-    def acquire(self, nbytes: int) -> Segment:
-        """A free segment of at least ``nbytes`` (reused when possible). Raises ShmUnavailable."""
+    @property
+    def busy(self) -> int:
+        return len(self.segments) - sum(len(v) for v in self._free.values())
+
+    def acquire(self, nbytes: int) -> tuple[Segment, list[int]]:
+        """A free segment of at least ``nbytes`` and the ids of segments closed to make room.
+
+        Reuses a free segment of the size class when there is one; otherwise
+        creates one, closing free segments of other sizes if the pool would
+        exceed ``max_bytes``. Raises :class:`PoolFull` when even that is not
+        enough, and :class:`ShmUnavailable` when the system refuses memory.
+        """
         if self.closed:
             raise ShmUnavailable("segment pool is closed")
         size = _size_class(nbytes)
         free = self._free.get(size)
         if free:
-            seg = free.pop()
-            self.free_bytes -= seg.size
-            return seg
+            return free.pop(), []
+        evicted: list[int] = []
+        while self.total_bytes + size > self.max_bytes:
+            victim = next((lst for lst in self._free.values() if lst), None)
+            if victim is None:
+                raise PoolFull(
+                    f"{self.total_bytes} bytes of shared segments are in use "
+                    f"(limit {self.max_bytes})"
+                )
+            seg = victim.pop()
+            self._discard(seg)
+            evicted.append(seg.seg_id)
         seg = _create(size, self._next_id)
         self._next_id += 1
         self.segments[seg.seg_id] = seg
-        return seg
+        self.total_bytes += seg.size
+        return seg, evicted
 
-    def release(self, seg_id: int) -> Segment | None:
-        """Take segment ``seg_id`` back. Returns the segment if it was closed (too many free)."""
+    def _discard(self, seg: Segment) -> None:
+        del self.segments[seg.seg_id]
+        self.total_bytes -= seg.size
+        seg.close()
+
+    def release(self, seg_id: int) -> None:
+        """Take segment ``seg_id`` back into the free lists (the receiver is done with it)."""
         seg = self.segments.get(seg_id)
-        if seg is None:
-            return None
-        if self.free_bytes + seg.size > MAX_FREE_BYTES:
-            del self.segments[seg_id]
-            seg.close()
-            return seg
-        self._free.setdefault(seg.size, []).append(seg)
-        self.free_bytes += seg.size
-        return None
+        if seg is not None:
+            self._free.setdefault(seg.size, []).append(seg)
 
     def close(self) -> None:
         self.closed = True
@@ -145,7 +187,7 @@ class SegmentPool:
             seg.close()
         self.segments.clear()
         self._free.clear()
-        self.free_bytes = 0
+        self.total_bytes = 0
 
 
 def open_segment(pid: int, fd: int, size: int) -> mmap.mmap:
@@ -215,3 +257,70 @@ def copy_into(dst: Any, src: Any) -> None:
     d = np.frombuffer(dst, dtype=np.uint8) if not isinstance(dst, np.ndarray) else dst
     s = np.frombuffer(src, dtype=np.uint8) if not isinstance(src, np.ndarray) else src
     np.copyto(d, s)
+
+
+# --------------------------------------------------------------------------- cross-memory attach
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc: Any = None
+
+
+def _vm_readv() -> Any:
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.process_vm_readv
+        fn.argtypes = [
+            ctypes.c_int,
+            ctypes.POINTER(_IoVec),
+            ctypes.c_ulong,
+            ctypes.POINTER(_IoVec),
+            ctypes.c_ulong,
+            ctypes.c_ulong,
+        ]
+        fn.restype = ctypes.c_ssize_t
+        _libc = fn
+    return _libc
+
+
+def cma_read(pid: int, remote_addr: int, local_addr: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from address ``remote_addr`` of process ``pid`` to ``local_addr`` here.
+
+    One copy, kernel to kernel (``process_vm_readv``). It needs ptrace-level access
+    to ``pid`` (same user, and Yama ``ptrace_scope`` 0 or a descendant), which is
+    why senders probe it once per pair. Raises :class:`OSError` (``ESRCH`` when
+    the process is gone, ``EPERM``/``ENOSYS`` when not allowed).
+    """
+    readv = _vm_readv()
+    done = 0
+    while done < nbytes:
+        n = min(nbytes - done, 1 << 30)
+        local = _IoVec(local_addr + done, n)
+        remote = _IoVec(remote_addr + done, n)
+        got = readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if got < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
+        if got == 0:
+            raise OSError(errno.EFAULT, f"process_vm_readv from pid {pid} made no progress")
+        done += got
+
+
+CMA_PROBE = b"aiorl-cma-probe!"
+
+
+def cma_probe_buffer() -> Any:
+    """A small buffer of ours that a peer reads with :func:`cma_read` to test access."""
+    return ctypes.create_string_buffer(CMA_PROBE, len(CMA_PROBE))
+
+
+def check_cma(pid: int, addr: int) -> bool:
+    """True when this process can read :data:`CMA_PROBE` at ``addr`` of process ``pid``."""
+    buf = ctypes.create_string_buffer(len(CMA_PROBE))
+    try:
+        cma_read(pid, addr, ctypes.addressof(buf), len(CMA_PROBE))
+    except (OSError, AttributeError):
+        return False
+    return buf.raw == CMA_PROBE

@@ -535,11 +535,18 @@ class Endpoint:
         if self.closed:
             return
         self.closed = True
+        exc = PeerLostError(f"endpoint {self.name} closed")
         for p in list(self._peers.values()):
             for fut in p.pending.values():
                 if not fut.done():
-                    fut.set_exception(PeerLostError(f"endpoint {self.name} closed"))
+                    fut.set_exception(_copy_lost(exc))
             p.watched.close()
+            # Layers above (channels, p2p) fail what they hold for this peer too.
+            for cb in list(self._peer_lost_callbacks):
+                try:
+                    cb(p.address, exc)
+                except Exception:
+                    log.exception("peer-lost callback failed")
         self._peers.clear()
         self._router.close()
 
