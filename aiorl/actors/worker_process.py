@@ -26,6 +26,7 @@ import sys
 from typing import Any
 
 from aiorl.actors import worker as worker_mod
+from aiorl.actors.p2p import get_p2p
 from aiorl.actors.runtime import Runtime, set_current_runtime
 from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.registry.client import RegistryClient
@@ -129,7 +130,7 @@ async def _main(spec: dict[str, Any]) -> int:
     endpoint = Endpoint(name, host=node["ip"])
     registry = RegistryClient(endpoint, spec["registry"])
     runtime = Runtime(loop, endpoint, registry, name)
-    from aiorl.actors.p2p import get_p2p; get_p2p(runtime)  # noqa: E702, I001 - p2p handlers first
+    get_p2p(runtime)  # p2p handlers exist before any peer can send to us
     set_current_runtime(runtime)
     info = WorkerInfo(
         address=WorkerAddress(group, [rank]),
