@@ -84,9 +84,9 @@ def test_serialization_zero_copy_tensors_and_fallback():
 
 def test_endpoint_survives_garbage_and_serves_afterwards():
     async def main():
-        server = Endpoint("server")
+        server = Endpoint("server", keys=None)
         server.handle("echo", lambda m: m.reply(m.meta))
-        client = Endpoint("client")
+        client = Endpoint("client", keys=None)
         raw = zmq.Context.instance().socket(zmq.DEALER)
         raw.connect(server.address)
         for junk in ([b"\x00"], [b"not msgpack", b"x"], [msgpack.packb([1, 1, 5, "nope", None])],
