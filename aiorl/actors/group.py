@@ -149,6 +149,8 @@ class WorkerGroup(Generic[W]):
             raise AttributeError(f"{self._cls.__name__} has no method {method!r}")
         call = functools.partial(self._call, method)
         functools.update_wrapper(call, fn)
+        # Cached on the instance: later look-ups skip __getattr__ (a hot path).
+        self.__dict__[method] = call
         return call
 
     def wait_ready(self, timeout: float | None = 60) -> None:

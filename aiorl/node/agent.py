@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--insecure", action="store_true", help="no authentication")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    if args.insecure:
+    if args.insecure or os.environ.get(security.ENV_INSECURE) == "1":
         os.environ[security.ENV_INSECURE] = "1"
     elif args.key_file:
         os.environ.update(security.ClusterKeys.load(args.key_file).to_env())

@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from aiorl.transport import security
 
-    if args.insecure:
+    if args.insecure or os.environ.get(security.ENV_INSECURE) == "1":
         os.environ[security.ENV_INSECURE] = "1"
         keys = None
     elif os.environ.get(security.ENV_PUBLIC) and not args.key_file:

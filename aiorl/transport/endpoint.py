@@ -540,6 +540,7 @@ class Endpoint:
             for fut in p.pending.values():
                 if not fut.done():
                     fut.set_exception(_copy_lost(exc))
+                    fut.exception()  # closing: an abandoned request need not warn
             p.watched.close()
             # Layers above (channels, p2p) fail what they hold for this peer too.
             for cb in list(self._peer_lost_callbacks):
