@@ -15,9 +15,9 @@ aiorl producers keep up to ``window`` puts in flight (each put still completes
 only when its item is accepted). aiorl consumers are measured two ways:
 ``get_batch`` (one request at a time, for 64 small items or 8 tensors) and ``get``
 with up to 256 gets in flight. The channel's maxsize is 64 for tensors (unbounded
-for small items). Rows marked "tuned" ran the producer and consumer workers with
-the process tuning the channel worker applies to itself (``gc.freeze()``, glibc
-``mallopt``; see docs/channels.md). Ray is driven the way its API offers: one
+for small items). Every aiorl worker runs with the process tuning of
+``aiorl.actors.worker_process.tune_process`` (``gc.freeze()``, glibc ``mallopt``).
+Ray is driven the way its API offers: one
 ``put``/``get`` call per item from actor processes. Every consumer takes exactly
 its share of the items, so a run ends when the last item is consumed; the time is
 the driver's wall clock from starting the consumers and producers to the end
@@ -40,7 +40,6 @@ from typing import Any
 
 import aiorl
 from aiorl.channels import Channel
-from aiorl.channels._server import _tune_process
 
 MB = 1_000_000
 TENSOR_ELEMS = 256 * 1024  # float32: 1 MiB
@@ -54,9 +53,6 @@ def _payload(kind: str) -> Any:
 
 # ---------------------------------------------------------------------- aiorl side
 class AiorlProducer(aiorl.Worker):
-    def tune(self) -> None:
-        _tune_process()
-
     async def produce(self, ch: Channel, n: int, kind: str, window: int) -> None:
         tensor = _payload(kind)  # one tensor, put repeatedly: it is never modified
         pending: list[Any] = []
@@ -71,9 +67,6 @@ class AiorlProducer(aiorl.Worker):
 
 
 class AiorlConsumer(aiorl.Worker):
-    def tune(self) -> None:
-        _tune_process()
-
     async def consume(self, ch: Channel, n: int, mode: str, batch: int) -> int:
         got = 0
         if mode == "get_batch":
@@ -93,9 +86,9 @@ class AiorlConsumer(aiorl.Worker):
 
 
 def run_aiorl(cluster: aiorl.Cluster, kind: str, mode: str, nprod: int, ncons: int, n: int,
-              repeats: int, tune: bool) -> list[float]:
+              repeats: int) -> list[float]:
     # Distinct names per configuration: a group name is not reused within one driver.
-    name = f"bench-{kind}-{mode}-{nprod}x{ncons}{'-tuned' if tune else ''}"
+    name = f"bench-{kind}-{mode}-{nprod}x{ncons}"
     ch = Channel.create(cluster, name, maxsize=64 if kind == "tensor" else 0)
     placement = aiorl.placement.NodePlacementStrategy([0] * nprod)
     prods = AiorlProducer.create_group().launch(cluster, placement, name=f"{name}-p")
@@ -105,9 +98,6 @@ def run_aiorl(cluster: aiorl.Cluster, kind: str, mode: str, nprod: int, ncons: i
     try:
         prods.wait_ready()
         cons.wait_ready()
-        if tune:
-            prods.tune().wait(30)
-            cons.tune().wait(30)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -165,10 +155,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer items (smoke check)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tune-workers", choices=["no", "yes", "both"], default="both",
-                        help="apply the channel worker's process tuning (gc.freeze, glibc "
-                             "mallopt) to the producer/consumer workers too: rows without, "
-                             "with, or both (default; see docs/channels.md)")
     parser.add_argument("--ray-repeats", type=int, default=1,
                         help="repeats for Ray (slow: ~100x fewer items per second)")
     parser.add_argument("--no-ray", action="store_true", help="skip Ray even if installed")
@@ -198,13 +184,10 @@ def main() -> int:
     with aiorl.Cluster(num_nodes=1) as cluster:
         for label, kind, nprod, ncons in scenarios:
             n = small_n if kind == "small" else tensor_n
-            tunings = {"no": [False], "yes": [True], "both": [False, True]}[args.tune_workers]
-            for tune in tunings:
-                for mode in ("get_batch", "get"):
-                    times = run_aiorl(cluster, kind, mode, nprod, ncons, n, args.repeats, tune)
-                    system = f"aiorl {mode}{', tuned' if tune else ''}"
-                    rows.append(_row(label, system, kind, n, times))
-                    _print_row(rows[-1])
+            for mode in ("get_batch", "get"):
+                times = run_aiorl(cluster, kind, mode, nprod, ncons, n, args.repeats)
+                rows.append(_row(label, f"aiorl {mode}", kind, n, times))
+                _print_row(rows[-1])
             if ray_version is not None:
                 rn = ray_small_n if kind == "small" else ray_tensor_n
                 rows.append(_row(label, "ray.util.queue", kind, rn,
@@ -218,7 +201,6 @@ def main() -> int:
         "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
                  "platform": platform.platform()},
         "ray": ray_version or "not installed",
-        "tune_workers": args.tune_workers,
         "load_average_at_end": os.getloadavg(),
         "note": "load_average_at_end > cpus means other jobs shared the machine",
         "rows": rows,
@@ -258,8 +240,6 @@ def _table(rows: list[dict[str, Any]], ray_version: str) -> str:
                      f"{r['items_per_s']:>9.0f} | {mbs:>7}")
     if ray_version in ("skipped", "not installed"):
         lines.append(f"ray.util.queue: ray {ray_version}")
-    lines.append("tuned: the producer/consumer workers ran gc.freeze() and glibc mallopt "
-                 "(as the channel worker always does)")
     return "\n".join(lines)
 
 

@@ -155,6 +155,22 @@ def test_registry_restart_workers_keep_talking_and_lookups_return(processes):
         group.close()
 
 
+def test_worker_death_while_registry_down_is_reported_when_it_returns(processes):
+    with aiorl.Cluster(registry=processes.address, num_nodes=2, key_file=processes.key_file) as c:
+        group = Node.create_group().launch(c, aiorl.placement.NodePlacementStrategy([0, 1]),
+                                           name="unlucky")
+        pids = group.pid().wait(60)
+        pending = group.execute_on(1).wait_long()
+        processes.registry.kill()
+        processes.registry.wait()
+        os.kill(pids[1], signal.SIGKILL)  # nobody can hear of it now
+        time.sleep(1.0)
+        processes.registry = processes._start_registry()
+        with pytest.raises(aiorl.PeerLostError, match="SIGKILL"):
+            pending.wait(10)  # the agent's retried report reaches us through the new registry
+        assert group.execute_on(0).echo(1).wait(10) == [1]
+
+
 def test_node_agent_killed_node_declared_dead_and_callers_fail_fast(processes):
     with aiorl.Cluster(registry=processes.address, num_nodes=2, key_file=processes.key_file) as c:
         group = Node.create_group().launch(c, aiorl.placement.NodePlacementStrategy([1]),

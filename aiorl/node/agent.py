@@ -148,7 +148,8 @@ class NodeAgent:
             await self._replay_workers()
 
     async def _replay_workers(self) -> None:
-        """After a registry restart: report our live workers again and tell them to re-watch."""
+        """After a registry restart: report our live workers again and tell them to re-watch.
+        (Exits it missed while down are retried by _report_exit.)"""
         for child in list(self.children.values()):
             if child.info is None:
                 continue
@@ -267,11 +268,21 @@ class NodeAgent:
         tail = tail_lines(child.log_path)
         how = f"killed by {signal.Signals(sig).name}" if sig else f"exited with code {exit_code}"
         log.info("worker %s (pid %d) %s", child.name, pid, how)
-        task = asyncio.get_running_loop().create_task(self.registry.request("worker_exited", {
+        report = {
             "address": child.name, "pid": pid, "exit_code": exit_code, "signal": sig,
             "stderr_tail": tail, "reason": f"worker {child.name} (pid {pid}) {how}",
-        }))
-        task.add_done_callback(_log_failure)
+        }
+        asyncio.get_running_loop().create_task(self._report_exit(report))
+
+    async def _report_exit(self, report: dict[str, Any]) -> None:
+        """Tell the registry; while it is unreachable (restarting), retry every second."""
+        while not self._stopped.is_set():
+            try:
+                await self.registry.request("worker_exited", report, timeout=5)
+                return
+            except Exception as exc:
+                log.warning("could not report %s's exit yet (%s); retrying", report["address"], exc)
+                await asyncio.sleep(1.0)
 
     def _on_kill_group(self, msg: Incoming) -> None:
         group = msg.meta["group"]
@@ -336,11 +347,6 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host if host != "0.0.0.0" else "", 0))
         return int(s.getsockname()[1])
-
-
-def _log_failure(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("could not report to the registry: %s", task.exception())
 
 
 def _parse_kv(items: list[str], what: str, cast: Any = str) -> dict[str, Any]:
