@@ -209,9 +209,12 @@ class RegistryService:
             raise ValueError(f"a worker group named {name!r} already exists")
         self.groups[name] = _Group(name, int(meta["world_size"]), meta["owner"],
                                    str(meta.get("worker_class", "")), time.time())
-        for wname, w in list(self.workers.items()):
-            if _root(wname) == name and w.state in (DEAD, FAILED):
-                del self.workers[wname]  # leftovers of a closed group of the same name
+        if not meta.get("restore"):
+            # Leftovers of a closed group of the same name. (A restore after a registry
+            # restart keeps them: a tombstone may be the news its owner has not heard yet.)
+            for wname, w in list(self.workers.items()):
+                if _root(wname) == name and w.state in (DEAD, FAILED):
+                    del self.workers[wname]
         msg.reply(None)
 
     def _close_group(self, msg: Incoming) -> None:
