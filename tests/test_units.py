@@ -170,3 +170,28 @@ def test_no_lost_wakeups_when_sender_closes_right_after_sending():
         server.close()
 
     asyncio.run(main())
+
+
+def test_messages_sent_in_one_turn_are_batched_in_order():
+    async def main() -> None:
+        server = Endpoint("batched", keys=None)
+        got: list[int] = []
+        server.handle("push", lambda m: got.append(m.meta))
+        server.handle("echo", lambda m: m.reply(m.meta))
+        client = Endpoint("burst", keys=None)
+        await client.request(server.address, "echo", 0, timeout=5)  # connected
+        for i in range(2000):  # one loop turn: the first goes at once, the rest in one batch
+            client.send_oneway(server.address, "push", i)
+        replies = await asyncio.gather(*(client.request(server.address, "echo", i) for i in range(500)))
+        assert [meta for meta, _ in replies] == list(range(500))
+        assert got == list(range(2000))
+        # A batch whose counts do not match its frames is dropped; the server keeps serving.
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.connect(server.address)
+        raw.send_multipart([wire.encode_header(wire.Kind.BATCH, 0, "", [2, 5]), b"x"])
+        raw.close(1000)
+        assert (await client.request(server.address, "echo", "ok", timeout=5))[0] == "ok"
+        client.close()
+        server.close()
+
+    asyncio.run(main())

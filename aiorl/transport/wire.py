@@ -11,6 +11,12 @@ messages that expect none), ``op`` names the operation and ``meta`` is a small
 msgpack value. The remaining frames are the payload: a pickle and its
 out-of-band buffers (see :mod:`aiorl.transport.serialization`), or raw bytes.
 
+A BATCH message carries several messages to the same peer in one ZMQ message
+(an endpoint batches what it sends to one peer within one event-loop turn):
+its meta is the list of frame counts, and the frames that follow are the
+messages' frames (each starting with its own header), in order. Batches do not
+nest.
+
 Nothing here unpickles: headers are msgpack, which cannot execute code.
 """
 
@@ -37,6 +43,7 @@ class Kind(enum.IntEnum):
     ERROR = 3  #: meta is {"type", "message", "traceback", ...}; payload may hold the pickled exception
     ONEWAY = 4  #: no reply
     EVENT = 5  #: pushed by a server to a client that subscribed
+    BATCH = 6  #: several messages in one: meta lists each one's frame count (see below)
 
 
 _KINDS = frozenset(int(k) for k in Kind)
@@ -76,3 +83,23 @@ def decode_header(frame: bytes | memoryview) -> Header:
     if not isinstance(request_id, int) or not isinstance(op, str):
         raise ProtocolError("header request id must be an int and op a string")
     return Header(kind, request_id, op, meta)
+
+
+def encode_batch(messages: list[list[Any]]) -> list[Any]:
+    """Frames of one BATCH message holding ``messages`` (each a list of frames)."""
+    frames: list[Any] = [encode_header(Kind.BATCH, 0, "", [len(m) for m in messages])]
+    for m in messages:
+        frames.extend(m)
+    return frames
+
+
+def split_batch(counts: Any, frames: list[Any]) -> list[list[Any]]:
+    """The messages inside a BATCH (``frames`` = what follows its header)."""
+    if (not isinstance(counts, list) or not all(isinstance(c, int) and c > 0 for c in counts)
+            or sum(counts) != len(frames)):
+        raise ProtocolError("BATCH frame counts do not match its frames")
+    out, pos = [], 0
+    for c in counts:
+        out.append(frames[pos:pos + c])
+        pos += c
+    return out
