@@ -14,9 +14,17 @@ Event-loop integration
     send, because a send can consume the edge that announced queued input. Both
     rules are applied in :class:`_Watched`; breaking either loses wake-ups.
 
+Batching
+    The first message to a peer in an event-loop turn leaves at once; the rest
+    of that turn's messages to the same peer leave together at the end of the
+    turn as one BATCH message (see wire.py). A burst of 1,000 calls or replies
+    then costs a few system calls instead of 1,000, and a lone call waits for
+    nothing. Events go out unbatched, after anything held for their peer, so
+    that a server learns at once when a subscriber is gone.
+
 Ordering
-    Messages to one peer go through one DEALER and one TCP connection, so they
-    arrive in the order they were sent. Incoming messages from one peer are
+    Messages to one peer go through one DEALER and one TCP connection, and a
+    batch keeps its messages in order, so they arrive in the order they were sent. Incoming messages from one peer are
     dispatched in arrival order; a handler that starts a task gives up that
     order for its own work.
 
