@@ -151,8 +151,13 @@ class Cluster:
 
     def _wait_for_nodes(self, wanted: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        next_report = time.monotonic() + 5
         with self._nodes_changed:
             while len(self._nodes) < wanted:
+                if time.monotonic() >= next_report:  # long waits show progress
+                    log.warning("waiting for node agents at %s: %d of %d joined",
+                                self.registry_address, len(self._nodes), wanted)
+                    next_report += 5
                 for child in self._children:
                     if child.poll() is not None:
                         raise RegistryUnavailable(
