@@ -60,6 +60,7 @@ class Cluster:
         num_nodes: int | None = None,
         accelerators_per_node: int | None = None,
         key_file: str | None = None,
+        log_to_driver: bool = True,
         timeout: float = 60.0,
     ) -> None:
         self._cfg = _cluster_section(cluster_cfg)
@@ -88,6 +89,9 @@ class Cluster:
                     security.keys_from_environment())
             self.registry_address: str = str(address)
             self.runtime = Runtime.start_in_thread(self.registry_address, "driver", keys=self.keys)
+            #: Print workers' output here, each line prefixed with the worker's name.
+            self.log_to_driver = log_to_driver
+            self.runtime.call_soon(self.runtime.endpoint.handle, "worker_output", _print_output)
             set_current_runtime(self.runtime)
             _live_clusters.add(self)
             self.runtime.run_sync(self._attach(), timeout=timeout)
@@ -260,6 +264,16 @@ class Cluster:
     def __repr__(self) -> str:
         mode = "embedded" if self.embedded else "attached"
         return f"<Cluster {mode} {self.registry_address} nodes={self.num_nodes}>"
+
+
+def _print_output(msg: Any) -> None:
+    """Show a batch of a worker's output lines on the driver's stderr."""
+    meta = msg.meta
+    if not isinstance(meta, dict) or not isinstance(meta.get("lines"), list):
+        return
+    prefix = f"({meta.get('name')} pid={meta.get('pid')}) "
+    sys.stderr.write("".join(prefix + str(line) + "\n" for line in meta["lines"]))
+    sys.stderr.flush()
 
 
 def _cluster_section(cfg: Any) -> dict[str, Any]:

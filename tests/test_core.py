@@ -45,6 +45,9 @@ class Echo(aiorl.Worker):
     def recorded(self) -> list[int]:
         return self.calls
 
+    def shout(self, word: str) -> None:
+        print(word)
+
     def fail(self, message: str) -> None:
         raise KeyError(message)
 
@@ -332,3 +335,17 @@ def test_attach_mode_two_nodes(separate_cluster_processes):
     with aiorl.Cluster(registry=address, num_nodes=2, key_file=key_file) as c:
         status = c.runtime.run_sync(c.runtime.registry.request("status"))
         assert all(w["state"] == "dead" for w in status["workers"] if w["name"].startswith("attached"))
+
+
+def test_worker_output_reaches_the_driver_with_the_worker_name(cluster, capsys):
+    group = Echo.create_group().launch(cluster, name="loud")
+    try:
+        group.shout("token-7f3a").wait(60)
+        deadline = time.monotonic() + 5
+        err = ""
+        while time.monotonic() < deadline and "token-7f3a" not in err:
+            time.sleep(0.1)
+            err += capsys.readouterr().err
+        assert "(loud:0 pid=" in err and "token-7f3a" in err
+    finally:
+        group.close()

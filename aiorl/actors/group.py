@@ -327,8 +327,11 @@ class WorkerGroup(Generic[W]):
             node = nodes.get(node_rank)
             if node is None:
                 raise RuntimeError(f"node {node_rank} is not part of the cluster any more")
-            await self._runtime.endpoint.request(
-                node["endpoint"], "spawn", {"group": self._name, "workers": specs}, [payload], timeout=60)
+            request = {"group": self._name, "workers": specs}
+            if getattr(self._cluster, "log_to_driver", False):
+                request["output_to"] = self._runtime.endpoint.address
+            await self._runtime.endpoint.request(node["endpoint"], "spawn", request, [payload],
+                                                 timeout=60)
 
     def _on_worker_event(self, name: str, state: str, info: dict[str, Any], detail: dict[str, Any]) -> None:
         try:

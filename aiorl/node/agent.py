@@ -47,6 +47,8 @@ __all__ = ["NodeAgent", "detect_accelerators", "main"]
 log = logging.getLogger("aiorl.node")
 
 STDERR_TAIL_LINES = 20
+OUTPUT_INTERVAL_S = 0.2
+OUTPUT_CHUNK_BYTES = 1 << 20
 KILL_GRACE_S = 1.0
 
 
@@ -80,6 +82,8 @@ class _Child:
     log_path: str
     started: float
     info: dict[str, Any] | None = None  # the worker's WorkerInfo once it reported ready
+    output_to: str | None = None  # endpoint of the driver that wants this worker's output
+    output_offset: int = 0  # how much of the log file has been forwarded
 
 
 class NodeAgent:
@@ -125,6 +129,36 @@ class NodeAgent:
         self._start_zygote()
         await self._register()
         self.registry.start_heartbeats(self.node_id, self._heartbeat_interval, self._register)
+        self._output_task = loop.create_task(self._forward_output_forever())
+
+    # ------------------------------------------------------------------ worker output
+    async def _forward_output_forever(self) -> None:
+        """Stream new lines of workers' output to the drivers that asked (like Ray's
+        log_to_driver), a few times a second."""
+        while True:
+            await asyncio.sleep(OUTPUT_INTERVAL_S)
+            for child in list(self.children.values()):
+                self._forward_output(child)
+
+    def _forward_output(self, child: _Child) -> None:
+        if child.output_to is None:
+            return
+        try:
+            with open(child.log_path, "rb") as f:
+                f.seek(child.output_offset)
+                data = f.read(OUTPUT_CHUNK_BYTES)
+        except OSError:
+            return
+        end = data.rfind(b"\n") + 1  # whole lines only; the rest waits for its newline
+        if end == 0:
+            return
+        child.output_offset += end
+        lines = data[:end].decode("utf-8", "replace").splitlines()
+        try:
+            self.endpoint.send_oneway(child.output_to, "worker_output",
+                                      {"name": child.name, "pid": child.pid, "lines": lines})
+        except Exception:
+            child.output_to = None  # the driver is gone; keep the output in the file only
 
     async def _register(self) -> None:
         reply = await self.registry.request("register_node", {
@@ -255,7 +289,8 @@ class NodeAgent:
             self._spawn_waiters[spawn_id] = fut
             write_message(self._zygote_channel, ("spawn", spawn_id, spec))
             pid = await fut
-            self.children[pid] = _Child(name, meta["group"], pid, spec["log_path"], time.time())
+            self.children[pid] = _Child(name, meta["group"], pid, spec["log_path"], time.time(),
+                                        output_to=meta.get("output_to"))
             pids.append(pid)
         return pids
 
@@ -263,6 +298,7 @@ class NodeAgent:
         child = self.children.pop(pid, None)
         if child is None or self._stopped.is_set():
             return  # shutting down: the registry learns from unregister_node instead
+        self._forward_output(child)  # its last words reach the driver before the news
         exit_code = os.waitstatus_to_exitcode(status)
         sig = -exit_code if exit_code < 0 else 0
         tail = tail_lines(child.log_path)

@@ -36,7 +36,11 @@ class SerializationError(TypeError):
     """An object could not be pickled (by pickle nor cloudpickle)."""
 
 
-def _rebuild_tensor(dtype: Any, shape: tuple[int, ...], data: Any) -> Any:
+def tensor_from_buffer(dtype: Any, shape: Sequence[int], data: Any) -> Any:
+    """A tensor of ``dtype`` and ``shape`` over the bytes of ``data``.
+
+    No copy unless ``data`` is read-only (shared with :mod:`aiorl.actors._p2p_codec`).
+    """
     import torch
 
     mv = memoryview(data)
@@ -45,10 +49,18 @@ def _rebuild_tensor(dtype: Any, shape: tuple[int, ...], data: Any) -> Any:
         mv = memoryview(bytearray(mv))
     if mv.nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(mv, dtype=torch.uint8).view(dtype).reshape(shape)
+    t = torch.frombuffer(mv, dtype=torch.uint8)
+    return (t if dtype == torch.uint8 else t.view(dtype)).reshape(shape)
+
+
+def _rebuild_tensor(dtype: Any, shape: tuple[int, ...], data: Any) -> Any:
+    # Named in pickle streams (the wire format): keep it, delegate the work.
+    return tensor_from_buffer(dtype, shape, data)
 
 
 def _reduce_tensor(t: Any) -> Any:
+    # Not shared with p2p's reducer: that one keeps autograd/Parameter/CUDA tensors its own way
+    # and rejects non-contiguous ones, where this one defers all of them to torch.
     if t.device.type != "cpu" or not t.is_contiguous() or t.requires_grad or t.is_sparse:
         return t.__reduce_ex__(5)  # torch's own path (CUDA, autograd, sparse, strided)
     flat = t.detach().reshape(-1).view(__import__("torch").uint8)
