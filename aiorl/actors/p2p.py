@@ -87,7 +87,6 @@ def _worker_name(group: str, rank: int | Sequence[int]) -> str:
     return WorkerAddress(group, rank).get_name()
 
 
-
 # =============================================================================== engine
 class P2P(_SendSide, _RecvSide, _CpuPaths, _CudaPaths):
     """The point-to-point engine of one process. Obtain it with :func:`get_p2p`."""

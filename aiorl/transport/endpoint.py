@@ -19,8 +19,9 @@ Batching
     of that turn's messages to the same peer leave together at the end of the
     turn as one BATCH message (see wire.py). A burst of 1,000 calls or replies
     then costs a few system calls instead of 1,000, and a lone call waits for
-    nothing. Events go out unbatched, after anything held for their peer, so
-    that a server learns at once when a subscriber is gone.
+    nothing. Events and one-way messages go out unbatched, after anything held
+    for their peer (so order is kept): a server learns at once when a
+    subscriber is gone, and one-way streams (p2p) batch themselves.
 
 Ordering
     Messages to one peer go through one DEALER and one TCP connection, and a
@@ -525,7 +526,13 @@ class Endpoint:
     def _send_dealer(
         self, p: _Peer, kind: int, rid: int, op: str, meta: Any, frames: Sequence[Any]
     ) -> None:
-        p.watched.send([encode_header(kind, rid, op, meta), *frames])
+        parts = [encode_header(kind, rid, op, meta), *frames]
+        if kind == _ONEWAY:
+            # One-way streams (p2p data, output lines) batch themselves where it pays;
+            # holding them to the end of the turn measured 30 % slower for p2p.
+            p.watched.send_direct(parts)
+        else:
+            p.watched.send(parts)
 
     def _peer(self, address: str) -> _Peer:
         p = self._peers.get(address)
