@@ -294,3 +294,15 @@ def test_fuzz_registry_agent_and_worker_keep_serving(cluster):
         assert group.echo("still here").wait(30) == ["still here"]
     finally:
         group.close()
+
+
+def test_zygote_that_cannot_start_fails_launches_fast(monkeypatch):
+    # AIORL_ZYGOTE_PRELOAD names extra modules for the zygote to import; one that does not
+    # exist makes the zygote die before it is ready.
+    monkeypatch.setenv("AIORL_ZYGOTE_PRELOAD", "aiorl_no_such_module_for_the_test")
+    with aiorl.Cluster(num_nodes=1) as c:
+        group = Node.create_group().launch(c, name="stillborn")
+        start = time.monotonic()
+        with pytest.raises(aiorl.WorkerInitError, match="zygote"):
+            group.pid().wait(30)
+        assert time.monotonic() - start < 15

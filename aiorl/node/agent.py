@@ -221,8 +221,17 @@ class NodeAgent:
         if msg is None:
             asyncio.get_running_loop().remove_reader(self._zygote_channel.fileno())
             if not self._stopped.is_set():
-                log.error("the zygote exited unexpectedly (code %s)", self.zygote.poll())
-                self._fail_spawns("the node's zygote process died")
+                code = self.zygote.wait()
+                reason = f"the node's zygote process exited with code {code}"
+                assert self._zygote_ready is not None
+                if not self._zygote_ready.done():
+                    reason += (" before it was ready: it could not preload the worker runtime "
+                               "(its traceback is on this node agent's stderr)")
+                log.error("%s", reason)
+                if not self._zygote_ready.done():
+                    self._zygote_ready.set_exception(OSError(reason))
+                    self._zygote_ready.exception()  # retrieved: spawns re-raise it
+                self._fail_spawns(reason)
                 self._stopped.set()
             return
         kind = msg[0]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib
 import os
 import pickle
 import selectors
@@ -89,6 +90,10 @@ def _preload() -> None:
     import zmq  # noqa: F401
 
     import aiorl.actors.worker_process  # noqa: F401
+
+    # Users' own heavy imports (a model library, an environment), shared by every worker.
+    for name in filter(None, os.environ.get("AIORL_ZYGOTE_PRELOAD", "").split(",")):
+        importlib.import_module(name.strip())
 
 
 def _child(spec: dict[str, Any], channel: socket.socket, parent_pid: int) -> None:
