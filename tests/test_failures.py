@@ -140,6 +140,7 @@ def test_registry_restart_workers_keep_talking_and_lookups_return(processes):
                 time.sleep(0.1)
         assert lookup is not None and lookup["state"] == "ready", "lookup did not return within 5 s"
         # The driver restores its groups on its next heartbeat (every 0.5 s).
+        deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             status = c.runtime.run_sync(c.runtime.registry.request("status"), timeout=5)
             if any(g["name"] == "survivors" for g in status["groups"]):

@@ -69,8 +69,7 @@ class WorkerServer:
             self._reply_error(msg, exc)
             return
         if is_async:
-            task = self.runtime.loop.create_task(fn(*args, **kwargs))
-            task.add_done_callback(lambda t: self._reply_from(msg, t))
+            self._start_async(msg, fn(*args, **kwargs))
         else:
             # The method thread serializes and sends the reply itself: one thread hop less.
             self.method_thread.submit(self._run_plain, msg, fn, args, kwargs)
@@ -85,6 +84,21 @@ class WorkerServer:
             return
         msg.reply(None, frames)
 
+    def _start_async(self, msg: Incoming, coro: Any) -> None:
+        """Run the coroutine's first step now (as Python 3.12's eager tasks do): a method
+        that finishes without awaiting is answered in this loop turn, with no task; one
+        that awaits continues in a task from where it stopped."""
+        try:
+            awaited = coro.send(None)
+        except StopIteration as done:
+            self._reply_value(msg, done.value)
+            return
+        except BaseException as exc:  # noqa: BLE001 - goes back to the caller
+            self._reply_error(msg, exc)
+            return
+        task = self.runtime.loop.create_task(_continue(coro, awaited))
+        task.add_done_callback(lambda t: self._reply_from(msg, t))
+
     def _reply_from(self, msg: Incoming, fut: Any) -> None:
         if fut.cancelled():
             self._reply_error(msg, asyncio.CancelledError(f"{msg.meta} was cancelled in the worker"))
@@ -93,7 +107,9 @@ class WorkerServer:
         if exc is not None:
             self._reply_error(msg, exc)
             return
-        result = fut.result()
+        self._reply_value(msg, fut.result())
+
+    def _reply_value(self, msg: Incoming, result: Any) -> None:
         try:
             frames = [] if result is None else serialization.dumps(result)
         except Exception as ser_exc:
@@ -103,6 +119,36 @@ class WorkerServer:
 
     def _reply_error(self, msg: Incoming, exc: BaseException) -> None:
         msg.reply_error(exc, error="RemoteError", worker=self.info.name, rank=self.info.rank)
+
+
+async def _continue(coro: Any, awaited: Any) -> Any:
+    """Finish a coroutine whose first step already ran (see WorkerServer._start_async)."""
+    return await _Resume(coro, awaited)
+
+
+class _Resume:
+    """An awaitable that hands a started coroutine's pending await to the task driving it,
+    and feeds back what the task sends or throws (cancellation included)."""
+
+    def __init__(self, coro: Any, awaited: Any) -> None:
+        self.coro = coro
+        self.awaited = awaited
+
+    def __await__(self) -> Any:
+        coro, awaited = self.coro, self.awaited
+        while True:
+            try:
+                value = yield awaited
+            except BaseException as exc:  # noqa: BLE001 - thrown in by the task; passed on
+                try:
+                    awaited = coro.throw(exc)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    awaited = coro.send(value)
+                except StopIteration as done:
+                    return done.value
 
 
 def _configure_logging(name: str, level: str) -> None:

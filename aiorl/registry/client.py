@@ -124,7 +124,9 @@ class RegistryClient:
             while True:
                 await asyncio.sleep(interval)
                 try:
-                    reply = await self.request("heartbeat", {"id": my_id}, timeout=max(interval * 4, 1.0))
+                    # A short timeout: after a registry restart the next beat should not wait
+                    # behind one sent to the old process.
+                    reply = await self.request("heartbeat", {"id": my_id}, timeout=max(interval * 2, 0.5))
                 except RegistryUnavailable:
                     log.debug("heartbeat to %s got no answer", self.address)
                     continue
