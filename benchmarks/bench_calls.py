@@ -33,6 +33,18 @@ class Bench(aiorl.Worker):
     async def anoop(self) -> None:
         return None
 
+    async def call_peer(self, peer: str, n: int) -> tuple[float, float]:
+        """Worker to worker: sequential latency (µs) and calls/s with 1,000 in flight."""
+        runtime = self._runtime
+        await runtime.call_worker(peer, "anoop")
+        t = time.perf_counter()
+        for _ in range(n):
+            await runtime.call_worker(peer, "anoop")
+        seq_us = (time.perf_counter() - t) / n * 1e6
+        t = time.perf_counter()
+        await asyncio.gather(*(runtime.call_worker(peer, "anoop") for _ in range(IN_FLIGHT)))
+        return seq_us, IN_FLIGHT / (time.perf_counter() - t)
+
 
 def median_of(reps: int, fn: Callable[[], float]) -> float:
     return statistics.median(fn() for _ in range(reps))
@@ -85,6 +97,13 @@ def bench_aiorl(reps: int) -> dict[str, float]:
 
         out["in_flight_calls_per_s"] = median_of(reps, in_flight)
         g.close()
+
+        pair = Bench.create_group().launch(
+            c, aiorl.placement.NodePlacementStrategy([0, 0]), name="pair")
+        runs = [pair.execute_on(0).call_peer("pair:1", SEQ_CALLS).wait(120)[0] for _ in range(reps)]
+        out["worker_to_worker_seq_us"] = statistics.median(r[0] for r in runs)
+        out["worker_to_worker_in_flight_per_s"] = statistics.median(r[1] for r in runs)
+        pair.close()
 
         counter = iter(range(10**6))
 
@@ -199,6 +218,8 @@ ROWS = [
     ("seq_async_method_us", "sequential call, async method (µs)"),
     ("seq_async_from_coroutine_us", "sequential await from a coroutine (µs)"),
     ("in_flight_calls_per_s", f"{IN_FLIGHT} calls in flight (calls/s)"),
+    ("worker_to_worker_seq_us", "worker to worker, sequential (µs)"),
+    ("worker_to_worker_in_flight_per_s", f"worker to worker, {IN_FLIGHT} in flight (calls/s)"),
     ("launch_8_workers_s", "launch 8 torch workers to first answer (s)"),
     ("cluster_ready_s", "embedded cluster ready (s)"),
 ]
