@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -28,6 +29,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import zmq
 
 from aiorl.errors import ProtocolError
 from aiorl.transport.endpoint import Endpoint, Incoming
@@ -364,7 +367,17 @@ def _checked(fn: Any) -> Any:
 
 
 async def serve(host: str, port: int, *, expiry: float, ready_line: bool, keys: Any) -> None:
-    endpoint = Endpoint("registry", host=host, port=port, keys=keys)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            endpoint = Endpoint("registry", host=host, port=port, keys=keys)
+            break
+        except zmq.ZMQError as exc:
+            # A restarted registry may find its port still held by the old socket for a moment.
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            log.warning("port %d is busy; retrying", port)
+            await asyncio.sleep(0.2)
     service = RegistryService(endpoint, expiry=expiry)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
