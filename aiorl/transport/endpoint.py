@@ -418,15 +418,6 @@ class Endpoint:
         """Serve ``op``: ``handler(incoming)`` runs on the loop and answers via ``incoming.reply``."""
         self._handlers[op] = handler
 
-    def handle_async(self, op: str, handler: Callable[[Incoming], Any]) -> None:
-        """Serve ``op`` with a coroutine function; its return value is the reply's meta."""
-
-        def start(msg: Incoming) -> None:
-            task = self.loop.create_task(handler(msg))
-            task.add_done_callback(lambda t: _answer_from_task(msg, t))
-
-        self._handlers[op] = start
-
     def on_event(self, op: str, handler: EventHandler) -> None:
         """Call ``handler(peer_address, meta, frames)`` for events named ``op`` pushed to us."""
         self._event_handlers[op] = handler
@@ -611,12 +602,6 @@ class Endpoint:
             except Exception:
                 log.exception("peer-lost callback failed")
 
-    def forget_peer(self, address: str) -> None:
-        """Close the connection to ``address`` without failing anything (it is idle)."""
-        p = self._peers.pop(address, None)
-        if p is not None:
-            p.watched.close()
-
     # ------------------------------------------------------------------ lifecycle
     def call_soon_threadsafe(self, fn: Callable[..., Any], *args: Any) -> None:
         self.loop.call_soon_threadsafe(fn, *args)
@@ -651,14 +636,3 @@ def _expire(p: _Peer, rid: int, op: str, timeout: float) -> None:
     fut = p.pending.pop(rid, None)
     if fut is not None and not fut.done():
         fut.set_exception(TimeoutError(f"{op!r} to {p.address} got no answer within {timeout:g} s"))
-
-
-def _answer_from_task(msg: Incoming, task: asyncio.Task[Any]) -> None:
-    if task.cancelled():
-        msg.reply_error(asyncio.CancelledError(f"{msg.op} was cancelled"))
-        return
-    exc = task.exception()
-    if exc is not None:
-        msg.reply_error(exc)
-    else:
-        msg.reply(task.result())
