@@ -16,9 +16,12 @@ test: setup
 	$(PYTHON) -m pytest -q
 
 bench: setup
+	$(PYTHON) -m pip install -q "ray==2.60.0" || echo "ray not installed: its columns stay empty"
 	$(PYTHON) benchmarks/bench_calls.py
 	$(PYTHON) benchmarks/bench_p2p.py
 	$(PYTHON) benchmarks/bench_channels.py
+	$(PYTHON) benchmarks/bench_security.py
+	$(PYTHON) benchmarks/bench_serialization.py
 
 lint:
 	ruff check aiorl tests benchmarks examples
