@@ -36,6 +36,17 @@ class Node(aiorl.Worker):
 
         await asyncio.sleep(60)
 
+    async def talk_to(self, group: str, rank: int) -> list[str]:
+        """Errors from p2p and calls aimed at workers that do not exist."""
+        errors = []
+        for attempt in (lambda: self.send(1, group, rank), lambda: self.recv(group, rank),
+                        lambda: self._runtime.call_worker(f"{group}:{rank}", "pid")):
+            try:
+                await attempt()
+            except Exception as exc:  # noqa: BLE001 - the test inspects them
+                errors.append(f"{type(exc).__name__}: {exc}")
+        return errors
+
     async def call_peer_and_wait(self, peer: str) -> object:
         """Call another worker's long method: fails when that worker dies."""
         return await self._runtime.call_worker(peer, "wait_long")
@@ -307,3 +318,18 @@ def test_zygote_that_cannot_start_fails_launches_fast(monkeypatch):
         with pytest.raises(aiorl.WorkerInitError, match="zygote"):
             group.pid().wait(30)
         assert time.monotonic() - start < 15
+
+
+def test_unknown_workers_and_groups_are_clear_errors_at_once(cluster):
+    group = Node.create_group().launch(cluster, name="asker")
+    try:
+        start = time.monotonic()
+        errors = group.talk_to("no_such_group", 0).wait(60)[0]
+        assert len(errors) == 3 and all("no worker group named 'no_such_group'" in e for e in errors)
+        assert all(e.startswith("LookupError") for e in errors)
+        errors = group.talk_to("asker", 5).wait(30)[0]
+        assert len(errors) == 3 and all("asker:5 does not exist" in e for e in errors)
+        assert time.monotonic() - start < 20
+        assert group.pid().wait(10)  # the worker is fine afterwards
+    finally:
+        group.close()

@@ -191,7 +191,9 @@ def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
         fut.set_exception(exc)
 
 
-def _lost_copy(exc: BaseException | None, what: str) -> PeerLostError:
+def _lost_copy(exc: BaseException | None, what: str) -> PeerLostError | LookupError:
+    if isinstance(exc, LookupError):  # the peer never existed: say so, as that type
+        return LookupError(f"{what}: {exc}")
     return PeerLostError(f"{what}: {exc}" if exc is not None else what)
 
 

@@ -212,8 +212,8 @@ class P2P(_SendSide, _RecvSide, _CpuPaths, _CudaPaths):
                 log.info("%s: still waiting for worker %s to be ready", self.name, name)
             except RegistryUnavailable:
                 await asyncio.sleep(1.0)
-            except PeerLostError as exc:
-                return exc
+            except (PeerLostError, LookupError) as exc:
+                return exc  # LookupError: no such group or rank; the operations fail with it
 
     # ------------------------------------------------------------------ failure
     def _on_peer_lost(self, address: str, exc: BaseException) -> None:

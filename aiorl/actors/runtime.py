@@ -20,7 +20,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from aiorl.errors import PeerLostError, RegistryUnavailable
+from aiorl.errors import PeerLostError, RegistryUnavailable, RemoteError
+from aiorl.names import WorkerAddress
 from aiorl.registry.client import RegistryClient
 from aiorl.transport.endpoint import Endpoint
 
@@ -131,13 +132,20 @@ class Runtime:
                 log.exception("callback submitted to the aiorl loop failed")
 
     # ------------------------------------------------------------------ peers
-    async def resolve_worker(self, name: str, timeout: float = 60.0) -> dict[str, Any]:
+    async def resolve_worker(
+        self, name: str, timeout: float = 60.0, wait_for_group: bool = False
+    ) -> dict[str, Any]:
         """Wait until worker ``name`` is ready and return its info; watch it for death.
 
-        Raises :class:`PeerLostError` if it is (or becomes) dead or failed, and
-        :class:`TimeoutError` if it is not ready within ``timeout``.
+        Raises :class:`LookupError` at once if its group does not exist or has no such
+        rank (unless ``wait_for_group``: then a group that appears later is waited
+        for, as a channel being created is), :class:`PeerLostError` if the worker is
+        (or becomes) dead or failed, and :class:`TimeoutError` if it is not ready
+        within ``timeout``.
         """
         fut = self._peer_watch.get(name)
+        if fut is None and not wait_for_group:
+            await self._check_exists(name)
         if fut is None:
             fut = self.loop.create_future()
             self._peer_watch[name] = fut
@@ -150,6 +158,20 @@ class Runtime:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except TimeoutError:
             raise TimeoutError(f"worker {name} was not ready within {timeout:g} s") from None
+
+    async def _check_exists(self, name: str) -> None:
+        address = WorkerAddress.from_name(name)  # ValueError for a malformed name
+        group = address.root_group_name
+        try:
+            reply = await self.registry.request("lookup_group", {"group": group})
+        except RemoteError as exc:
+            if exc.exc_type.endswith("KeyError"):
+                raise LookupError(f"no worker group named {group!r} exists (looking for "
+                                  f"worker {name})") from None
+            raise
+        if address.rank_path and address.rank_path[0] >= int(reply["world_size"]):
+            raise LookupError(f"worker {name} does not exist: group {group!r} has ranks "
+                              f"0-{int(reply['world_size']) - 1}")
 
     def _on_peer_event(self, name: str, state: str, info: dict[str, Any], detail: dict[str, Any]) -> None:
         fut = self._peer_watch.get(name)

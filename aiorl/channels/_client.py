@@ -438,7 +438,7 @@ class _ClientCore:
         try:
             # Also makes this runtime watch the channel worker: when it dies, the endpoint
             # marks it lost and _on_lost fails what waits on it.
-            info = await self.runtime.resolve_worker(name, timeout)
+            info = await self.runtime.resolve_worker(name, timeout, wait_for_group=True)
         except PeerLostError:
             # This process may remember an earlier channel worker of this name that died
             # (the channel was destroyed and created again): ask the registry, which knows
@@ -534,7 +534,7 @@ def _affinity_node(runtime: Runtime, group: str | None, rank: int | None, defaul
             return int(reply["info"]["node_rank"])
         except (RemoteError, KeyError, TypeError, ValueError):
             pass  # not registered yet: wait until it is ready
-        info = await runtime.resolve_worker(name, timeout)
+        info = await runtime.resolve_worker(name, timeout, wait_for_group=True)
         return int(info["node_rank"])
 
     return where
