@@ -216,10 +216,20 @@ class Runtime:
     def stop(self) -> None:
         """Close the endpoint and stop the I/O thread (driver runtimes)."""
 
+        def stop_after(turns: int) -> None:
+            # Closing fails pending requests; their callbacks (a group call's collect, the
+            # AsyncWork's mirror to a waiting thread) run over the next few loop turns.
+            # Stop only after them, so every waiter hears "closed" and nothing is left
+            # with an unread exception.
+            if turns:
+                self.loop.call_soon(stop_after, turns - 1)
+            else:
+                self.loop.stop()
+
         def shutdown() -> None:
             self.registry.close()
             self.endpoint.close()
-            self.loop.stop()
+            stop_after(3)
 
         if self.thread is None:
             shutdown()
