@@ -23,5 +23,7 @@ bench: setup
 	$(PYTHON) benchmarks/bench_security.py
 	$(PYTHON) benchmarks/bench_serialization.py
 
-lint:
-	ruff check aiorl tests benchmarks examples
+lint: setup
+	$(PYTHON) -m ruff check aiorl tests benchmarks examples
+	lint-imports
+	$(PYTHON) -m mypy

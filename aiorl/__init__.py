@@ -1,4 +1,19 @@
-"""aiorl: an asyncio-native actor runtime for distributed RL and LLM post-training."""
+"""aiorl: an asyncio-native actor runtime for distributed RL and LLM post-training.
+
+The layers, bottom to top (enforced by the import-linter contracts in pyproject.toml; a module
+imports only from its own layer or lower ones, and ``a | b`` siblings never import each other):
+
+    errors | names | util          the exception tree, worker names, plain helpers
+    transport | placement | protocol   ZMQ wire and codec; placement planning; typed messages
+    registry                        the registry service and its client
+    runtime                         one event loop per process, AsyncWork, peers, sessions
+    group | p2p                     worker groups (fan-out calls); point-to-point engine
+    channels                        weighted FIFO queues hosted by channel workers
+    actors                          Worker, the worker process, the polling lifecycle
+    cluster | node                  the driver's Cluster; the node agent and zygote
+    demo                            the CartPole demo
+    cli                             the ``aiorl`` command
+"""
 
 from aiorl import placement as placement  # the submodule, as aiorl.placement
 from aiorl.actors import (
@@ -16,14 +31,22 @@ from aiorl.cluster import Cluster
 from aiorl.errors import (
     AiorlError,
     AuthenticationError,
+    ConflictError,
+    GroupExistsError,
+    GroupNotFoundError,
+    NodeRankTakenError,
+    NotFoundError,
     PeerLostError,
     PlacementError,
     ProtocolError,
     QueueEmpty,
     QueueFull,
+    RegistryError,
     RegistryUnavailable,
     RemoteError,
+    WaitTimeout,
     WorkerInitError,
+    WorkerNotFoundError,
 )
 from aiorl.names import WorkerAddress, WorkerInfo
 
@@ -35,22 +58,30 @@ __all__ = [
     "AsyncCollWork",
     "AsyncFuncWork",
     "AsyncWork",
-    "Cluster",
-    "MappingThread",
-    "PollResult",
-    "PollingWorker",
-    "Worker",
-    "WorkerGroup",
     "AuthenticationError",
     "Channel",
+    "Cluster",
+    "ConflictError",
+    "GroupExistsError",
+    "GroupNotFoundError",
+    "MappingThread",
+    "NodeRankTakenError",
+    "NotFoundError",
     "PeerLostError",
     "PlacementError",
+    "PollResult",
+    "PollingWorker",
     "ProtocolError",
     "QueueEmpty",
     "QueueFull",
+    "RegistryError",
     "RegistryUnavailable",
     "RemoteError",
+    "WaitTimeout",
+    "Worker",
     "WorkerAddress",
+    "WorkerGroup",
     "WorkerInfo",
     "WorkerInitError",
+    "WorkerNotFoundError",
 ]

@@ -27,11 +27,12 @@ import uuid
 import weakref
 from typing import Any
 
-from aiorl.actors.runtime import Runtime, set_current_runtime
+from aiorl.runtime import Runtime, set_current_runtime, spec_from_nodes
 from aiorl.errors import RegistryUnavailable
+from aiorl.placement import ClusterSpec
 from aiorl.transport import security
 
-__all__ = ["Cluster", "ClusterView", "current_cluster_view"]
+__all__ = ["Cluster"]
 
 log = logging.getLogger("aiorl.cluster")
 
@@ -192,17 +193,9 @@ class Cluster:
         return sum(int(n.get("num_accelerators", 0)) for n in self._node_list())
 
     @property
-    def spec(self) -> Any:
+    def spec(self) -> ClusterSpec:
         """A :class:`~aiorl.placement.ClusterSpec` of the live nodes (and configured node groups)."""
-        from aiorl.placement import ClusterSpec
-
-        nodes = self._node_list()
-        hw_groups = list(self._cfg.get("node_groups") or [])
-        return ClusterSpec(
-            len(nodes),
-            accelerators_per_node=[int(n.get("num_accelerators", 0)) for n in nodes],
-            node_groups=hw_groups or None,
-        )
+        return spec_from_nodes(self._node_list(), self._cfg)
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
@@ -291,42 +284,3 @@ def _cluster_section(cfg: Any) -> dict[str, Any]:
         raise TypeError(f"cluster_cfg must be a dict or DictConfig, got {type(cfg).__name__}")
     section = cfg.get("cluster", cfg)
     return dict(section) if isinstance(section, dict) else {}
-
-
-class ClusterView:
-    """The cluster as seen from inside a worker process: enough to launch groups there.
-
-    It shares the worker's runtime (no new thread or registration); groups it
-    launches are owned by the driver that owns the worker, so they are torn down
-    with that driver's groups.
-    """
-
-    def __init__(self, runtime: Runtime, registry_address: str, driver_id: str) -> None:
-        self.runtime = runtime
-        self.registry_address = registry_address
-        self.driver_id = driver_id
-        self._cfg: dict[str, Any] = {}
-        self._nodes: list[dict[str, Any]] = []
-        self.groups: dict[str, dict[str, Any]] = {}
-
-    async def refresh(self) -> None:
-        """Fetch the live node list (call on the runtime loop before using ``spec``)."""
-        reply = await self.runtime.registry.request("nodes")
-        self._nodes = sorted(reply["nodes"], key=lambda n: n["node_rank"])
-
-    def _node_list(self) -> list[dict[str, Any]]:
-        return list(self._nodes)
-
-    nodes = property(_node_list)
-    num_nodes = property(lambda self: len(self._nodes))
-    spec = Cluster.spec
-
-
-def current_cluster_view() -> ClusterView:
-    """A :class:`ClusterView` for the worker process this runs in."""
-    from aiorl.actors.runtime import current_runtime
-
-    runtime = current_runtime()
-    if runtime is None or "AIORL_REGISTRY" not in os.environ:
-        raise RuntimeError("current_cluster_view() works only inside an aiorl worker process")
-    return ClusterView(runtime, os.environ["AIORL_REGISTRY"], os.environ.get("AIORL_DRIVER_ID", ""))

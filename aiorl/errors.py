@@ -6,7 +6,15 @@ names one kind of problem::
 
     AiorlError
     ├── RemoteError          a worker method raised; carries rank, type, traceback
-    │   └── WorkerInitError  a worker's ``__init__`` raised
+    │   ├── WorkerInitError  a worker's ``__init__`` raised
+    │   └── RegistryError    the registry refused a request (worker "registry", rank -1)
+    │       ├── NotFoundError (also LookupError)
+    │       │   ├── GroupNotFoundError
+    │       │   └── WorkerNotFoundError
+    │       └── ConflictError (also ValueError)
+    │           ├── GroupExistsError
+    │           └── NodeRankTakenError
+    ├── WaitTimeout          a wait ran out of time (also TimeoutError)
     ├── PeerLostError        the peer died or became unreachable
     ├── PlacementError       an invalid placement string or strategy (also ValueError)
     ├── QueueFull            ``put_nowait`` on a full channel queue
@@ -21,14 +29,22 @@ from __future__ import annotations
 __all__ = [
     "AiorlError",
     "AuthenticationError",
+    "ConflictError",
+    "GroupExistsError",
+    "GroupNotFoundError",
+    "NodeRankTakenError",
+    "NotFoundError",
     "PeerLostError",
     "PlacementError",
     "ProtocolError",
     "QueueEmpty",
     "QueueFull",
+    "RegistryError",
     "RegistryUnavailable",
     "RemoteError",
+    "WaitTimeout",
     "WorkerInitError",
+    "WorkerNotFoundError",
 ]
 
 
@@ -86,6 +102,50 @@ class RemoteError(AiorlError):
 
 class WorkerInitError(RemoteError):
     """A worker's ``__init__`` raised, or its process could not start."""
+
+
+class RegistryError(RemoteError):
+    """The registry refused a request; the message says why.
+
+    It is a :class:`RemoteError` raised by the worker named ``"registry"`` at
+    rank -1, so code that caught ``RemoteError`` around registry calls keeps
+    working. Build one with :meth:`from_message`.
+    """
+
+    @classmethod
+    def from_message(cls, message: str, remote_traceback: str = "") -> RegistryError:
+        return cls("registry", -1, cls.__name__, message, remote_traceback)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class NotFoundError(RegistryError, LookupError):
+    """The registry has no such group, worker or node."""
+
+
+class GroupNotFoundError(NotFoundError):
+    """No live worker group has this name."""
+
+
+class WorkerNotFoundError(NotFoundError):
+    """The group exists, but has no worker of this name or rank."""
+
+
+class ConflictError(RegistryError, ValueError):
+    """The request conflicts with the registry's state (a name or rank already taken)."""
+
+
+class GroupExistsError(ConflictError):
+    """A live worker group already has this name."""
+
+
+class NodeRankTakenError(ConflictError):
+    """Another live node agent already holds this node rank."""
+
+
+class WaitTimeout(AiorlError, TimeoutError):
+    """A wait (``AsyncWork.wait``, a blocking call, resolving a worker) ran out of time."""
 
 
 class PeerLostError(AiorlError):

@@ -29,7 +29,7 @@ Streams
     pair's own side stream after waiting for that event, so transfers neither
     queue behind nor block the default stream. Completion is a CUDA event
     recorded on the side stream after the transfer, synchronised on a helper
-    thread by :class:`~aiorl.actors.async_work.AsyncCollWork`.
+    thread by :class:`~aiorl.runtime.work.AsyncCollWork`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 from aiorl.actors._p2p_codec import _dtype, _dtype_name, _flat_u8, _nbytes, _Out, _spec_nbytes
 from aiorl.actors._p2p_proto import _IPC, _NCCL, _NOTHING, K_CUDA, OP_DONE
 from aiorl.actors._p2p_state import _Dest, _EngineBase, _fail, _In, _Inbox, _Recv, _resolve
-from aiorl.actors.async_work import AsyncCollWork
+from aiorl.runtime.work import AsyncCollWork
 from aiorl.errors import PeerLostError, ProtocolError
 
 

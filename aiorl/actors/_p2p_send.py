@@ -29,7 +29,7 @@ from aiorl.actors._p2p_proto import (
     SHM_MIN,
 )
 from aiorl.actors._p2p_state import _Dest, _EngineBase, _fail, _lost_copy, _resolve
-from aiorl.actors.async_work import AsyncWork
+from aiorl.runtime.work import AsyncWork
 from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.transport import _shm
 

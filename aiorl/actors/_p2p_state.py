@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from aiorl.actors.async_work import AsyncWork
+from aiorl.runtime.work import AsyncWork
 from aiorl.errors import PeerLostError
 from aiorl.transport import _shm
 

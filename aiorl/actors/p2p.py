@@ -72,7 +72,7 @@ from aiorl.actors._p2p_proto import (
 from aiorl.actors._p2p_recv import _RecvSide
 from aiorl.actors._p2p_send import _SendSide
 from aiorl.actors._p2p_state import _Dest, _Inbox, _Recv, _TrackerWaiter
-from aiorl.actors.async_work import AsyncWork
+from aiorl.runtime.work import AsyncWork
 from aiorl.errors import PeerLostError, RegistryUnavailable
 from aiorl.names import WorkerAddress
 

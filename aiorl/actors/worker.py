@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 from aiorl.names import WorkerAddress, WorkerInfo
 
 if TYPE_CHECKING:
-    from aiorl.actors.async_work import AsyncWork
-    from aiorl.actors.group import WorkerGroupBuilder
-    from aiorl.actors.runtime import Runtime
+    from aiorl.runtime.work import AsyncWork
+    from aiorl.group import WorkerGroupBuilder
+    from aiorl.runtime.runtime import Runtime
 
 __all__ = ["Worker", "WorkerContext"]
 
@@ -161,6 +161,6 @@ class Worker:
         Raises :class:`ValueError` if a public method of the class would be
         hidden by a :class:`~aiorl.WorkerGroup` attribute of the same name.
         """
-        from aiorl.actors.group import WorkerGroupBuilder
+        from aiorl.group import WorkerGroupBuilder
 
-        return WorkerGroupBuilder(cls, args, kwargs)
+        return WorkerGroupBuilder(cls, args, kwargs, base=Worker)

@@ -27,7 +27,7 @@ from typing import Any
 
 from aiorl.actors import worker as worker_mod
 from aiorl.actors.p2p import get_p2p
-from aiorl.actors.runtime import Runtime, set_current_runtime
+from aiorl.runtime.runtime import Runtime, set_current_runtime
 from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.registry.client import RegistryClient
 from aiorl.transport import serialization

@@ -22,7 +22,7 @@ Ordering
 
 Failure
     The process watches the channel worker through the registry
-    (:meth:`~aiorl.actors.runtime.Runtime.resolve_worker`); when it dies the
+    (:meth:`~aiorl.runtime.Runtime.resolve_worker`); when it dies the
     endpoint marks it lost and every pending operation fails with
     :class:`~aiorl.errors.PeerLostError`.
 
@@ -47,8 +47,8 @@ import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
-from aiorl.actors.async_work import AsyncChannelWork
-from aiorl.actors.runtime import Runtime, current_runtime
+from aiorl.runtime.work import AsyncChannelWork
+from aiorl.runtime.runtime import Runtime, current_runtime
 from aiorl.channels import _protocol as P
 from aiorl.channels._queue import QueueStats
 from aiorl.channels._server import ChannelWorker, group_name_for

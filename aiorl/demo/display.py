@@ -201,7 +201,7 @@ def _live_lines(snap: Snapshot, rates: tuple[float, ...]) -> list[str]:
 
 
 def _table(headers: list[str], rows: list[list[Any]]) -> str:
-    from aiorl.cli.main import format_table
+    from aiorl.util.text import format_table
 
     return format_table(headers, rows)
 

@@ -20,7 +20,13 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from aiorl.errors import PeerLostError, RegistryUnavailable, RemoteError
+from aiorl.errors import (
+    GroupNotFoundError,
+    PeerLostError,
+    RemoteError,
+    WaitTimeout,
+    WorkerNotFoundError,
+)
 from aiorl.names import WorkerAddress
 from aiorl.registry.client import RegistryClient
 from aiorl.transport.endpoint import Endpoint
@@ -102,7 +108,7 @@ class Runtime:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
             fut.cancel()
-            raise TimeoutError(f"operation did not finish within {timeout} s") from None
+            raise WaitTimeout(f"operation did not finish within {timeout} s") from None
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop: now when on the loop thread, else as soon as it can.
@@ -137,41 +143,55 @@ class Runtime:
     ) -> dict[str, Any]:
         """Wait until worker ``name`` is ready and return its info; watch it for death.
 
-        Raises :class:`LookupError` at once if its group does not exist or has no such
-        rank (unless ``wait_for_group``: then a group that appears later is waited
-        for, as a channel being created is), :class:`PeerLostError` if the worker is
-        (or becomes) dead or failed, and :class:`TimeoutError` if it is not ready
-        within ``timeout``.
+        Raises :class:`~aiorl.GroupNotFoundError` or :class:`~aiorl.WorkerNotFoundError`
+        (both ``LookupError``) at once if its group does not exist or has no such rank
+        (unless ``wait_for_group``: then a group that appears later is waited for, as a
+        channel being created is), :class:`PeerLostError` if the worker is (or becomes)
+        dead or failed, and :class:`~aiorl.WaitTimeout` if it is not ready within
+        ``timeout``.
+
+        Concurrent first callers share one watch: the future is registered before the
+        first ``await``, so every caller is answered by the same registry event.
         """
         fut = self._peer_watch.get(name)
-        if fut is None and not wait_for_group:
-            await self._check_exists(name)
         if fut is None:
             fut = self.loop.create_future()
             self._peer_watch[name] = fut
             try:
+                if not wait_for_group:
+                    await self._check_exists(name)
                 await self.registry.watch(name, self._on_peer_event)
-            except RegistryUnavailable:
-                del self._peer_watch[name]
+            except BaseException as exc:
+                if self._peer_watch.get(name) is fut:
+                    del self._peer_watch[name]
+                if not fut.done():  # callers that joined meanwhile hear the same error
+                    fut.set_exception(exc)
+                    fut.exception()
                 raise
+        if fut.done():  # the common case: no timer, no shield
+            return fut.result()
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except TimeoutError:
-            raise TimeoutError(f"worker {name} was not ready within {timeout:g} s") from None
+            raise WaitTimeout(f"worker {name} was not ready within {timeout:g} s") from None
 
     async def _check_exists(self, name: str) -> None:
         address = WorkerAddress.from_name(name)  # ValueError for a malformed name
         group = address.root_group_name
         try:
             reply = await self.registry.request("lookup_group", {"group": group})
+        except GroupNotFoundError:
+            raise GroupNotFoundError.from_message(
+                f"no worker group named {group!r} exists (looking for worker {name})") from None
         except RemoteError as exc:
             if exc.exc_type.endswith("KeyError"):
-                raise LookupError(f"no worker group named {group!r} exists (looking for "
-                                  f"worker {name})") from None
+                raise GroupNotFoundError.from_message(
+                    f"no worker group named {group!r} exists (looking for worker {name})") from None
             raise
         if address.rank_path and address.rank_path[0] >= int(reply["world_size"]):
-            raise LookupError(f"worker {name} does not exist: group {group!r} has ranks "
-                              f"0-{int(reply['world_size']) - 1}")
+            raise WorkerNotFoundError.from_message(
+                f"worker {name} does not exist: group {group!r} has ranks "
+                f"0-{int(reply['world_size']) - 1}")
 
     def _on_peer_event(self, name: str, state: str, info: dict[str, Any], detail: dict[str, Any]) -> None:
         fut = self._peer_watch.get(name)

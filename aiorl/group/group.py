@@ -25,14 +25,12 @@ import sysconfig
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from aiorl.actors.async_work import AsyncWork
-from aiorl.actors.runtime import Runtime, describe_death
+from aiorl.runtime import AsyncWork, Runtime, Session, describe_death
 from aiorl.errors import PeerLostError, WorkerInitError
 from aiorl.names import WorkerAddress
 from aiorl.transport import serialization
 
 if TYPE_CHECKING:
-    from aiorl.cluster import Cluster
     from aiorl.placement import Placement
 
 __all__ = ["WorkerGroup", "WorkerGroupBuilder"]
@@ -55,11 +53,14 @@ class _Rank:
 class WorkerGroupBuilder(Generic[W]):
     """What ``Worker.create_group(*args, **kwargs)`` returns; ``launch`` starts it."""
 
-    def __init__(self, cls: type[W], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __init__(self, cls: type[W], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 base: type = object) -> None:
+        # ``base`` is the framework class the worker derives from (aiorl.Worker): its own
+        # attributes may share a name with a group attribute (``world_size``) on purpose.
         clashes = sorted(
             n for n in dir(cls)
             if not n.startswith("_") and callable(getattr(cls, n, None)) and n in _GROUP_ATTRIBUTES
-            and getattr(cls, n) is not getattr(_worker_base(), n, None)
+            and getattr(cls, n) is not getattr(base, n, None)
         )
         if clashes:
             raise ValueError(
@@ -72,7 +73,7 @@ class WorkerGroupBuilder(Generic[W]):
 
     def launch(
         self,
-        cluster: Cluster,
+        cluster: Session,
         placement_strategy: Any = None,
         name: str | None = None,
         *,
@@ -108,7 +109,7 @@ class WorkerGroupBuilder(Generic[W]):
 class WorkerGroup(Generic[W]):
     """A launched group. Attribute access gives fan-out callables for the worker's methods."""
 
-    def __init__(self, cluster: Cluster, cls: type[W], name: str, world_size: int) -> None:
+    def __init__(self, cluster: Session, cls: type[W], name: str, world_size: int) -> None:
         self._cluster = cluster
         self._runtime: Runtime = cluster.runtime
         self._cls = cls
@@ -180,7 +181,7 @@ class WorkerGroup(Generic[W]):
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._close(), self._runtime.loop))
 
     @classmethod
-    def from_group_name(cls, cluster: Cluster, worker_cls: type[W], name: str) -> WorkerGroup[W]:
+    def from_group_name(cls, cluster: Session, worker_cls: type[W], name: str) -> WorkerGroup[W]:
         """Attach to the running group ``name`` (launched by this or another driver)."""
         runtime = cluster.runtime
         reply = runtime.run_sync(runtime.registry.request("lookup_group", {"group": name}), timeout=30)
@@ -383,13 +384,6 @@ def _fresh(error: BaseException) -> BaseException:
         return error.__reduce__()[0](*error.__reduce__()[1])  # type: ignore[index,operator]
     except Exception:
         return error
-
-
-@functools.cache
-def _worker_base() -> type:
-    from aiorl.actors.worker import Worker
-
-    return Worker
 
 
 _GROUP_ATTRIBUTES = frozenset(

@@ -1,0 +1,8 @@
+"""Worker groups: launch a worker class on many processes and fan calls out to them.
+
+Layer: above ``runtime``; beside ``p2p``; below ``channels`` and ``actors``.
+"""
+
+from aiorl.group.group import WorkerGroup, WorkerGroupBuilder
+
+__all__ = ["WorkerGroup", "WorkerGroupBuilder"]

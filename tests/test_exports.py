@@ -1,0 +1,49 @@
+"""The public surface is pinned: a name added to or dropped from a facade is a visible change."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import aiorl
+
+pytestmark = pytest.mark.timeout(60)
+
+TOP_LEVEL = [
+    "AiorlError", "AsyncChannelWork", "AsyncCollWork", "AsyncFuncWork", "AsyncWork",
+    "AuthenticationError", "Channel", "Cluster", "ConflictError", "GroupExistsError",
+    "GroupNotFoundError", "MappingThread", "NodeRankTakenError", "NotFoundError", "PeerLostError",
+    "PlacementError", "PollResult", "PollingWorker", "ProtocolError", "QueueEmpty", "QueueFull",
+    "RegistryError", "RegistryUnavailable", "RemoteError", "WaitTimeout", "Worker",
+    "WorkerAddress", "WorkerGroup", "WorkerInfo", "WorkerInitError", "WorkerNotFoundError",
+]
+
+
+def test_top_level_all_is_pinned_and_sorted() -> None:
+    assert aiorl.__all__ == TOP_LEVEL
+    for name in aiorl.__all__:
+        assert hasattr(aiorl, name), name
+
+
+@pytest.mark.parametrize("facade", [
+    "aiorl", "aiorl.actors", "aiorl.runtime", "aiorl.group", "aiorl.channels", "aiorl.errors",
+])
+def test_every_facade_exports_sorted_names_that_exist(facade: str) -> None:
+    module = importlib.import_module(facade)
+    assert module.__all__ == sorted(module.__all__), f"{facade}.__all__ is not sorted"
+    missing = [n for n in module.__all__ if not hasattr(module, n)]
+    assert not missing, f"{facade} lists names it does not define: {missing}"
+
+
+def test_error_contract_bases() -> None:
+    """Errors meaning "not found", "exists", "timed out" keep the built-in bases (API.md 11)."""
+    assert issubclass(aiorl.GroupNotFoundError, LookupError)
+    assert issubclass(aiorl.WorkerNotFoundError, LookupError)
+    assert issubclass(aiorl.GroupExistsError, ValueError)
+    assert issubclass(aiorl.NodeRankTakenError, ValueError)
+    assert issubclass(aiorl.WaitTimeout, TimeoutError)
+    for name in aiorl.__all__:
+        obj = getattr(aiorl, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, aiorl.AiorlError), name
