@@ -62,6 +62,14 @@ class Echo(aiorl.Worker):
         time.sleep(seconds)
         return "blocked"
 
+    async def bounded_before_first_await(self) -> bool:
+        # asyncio.timeout()/wait_for() need a current task even before the first await.
+        inside_task = asyncio.current_task() is not None
+        if sys.version_info >= (3, 11):
+            async with asyncio.timeout(5):
+                pass
+        return inside_task
+
     def _private(self) -> None:
         pass
 
@@ -90,6 +98,12 @@ def test_rank_ordered_results_sync_and_async(cluster):
         group.close()
 
 
+def test_async_method_runs_in_a_task_from_its_first_step(cluster):
+    group = Echo.create_group().launch(cluster, name="eager")
+    assert group.bounded_before_first_await().wait(30) == [True]
+    group.close()
+
+
 def test_execute_on_then_all_again(cluster):
     group = Echo.create_group().launch(
         cluster, aiorl.placement.NodePlacementStrategy([0] * 4), name="subset")
@@ -98,6 +112,12 @@ def test_execute_on_then_all_again(cluster):
         assert len(group.scale(1).wait(10)) == 4  # the next call goes to all ranks
         with pytest.raises(IndexError):
             group.execute_on(4)
+        # A view is immutable and cached: holding one does not redirect the group's calls.
+        view = group.on_ranks(2, 1)
+        assert view is group.execute_on([2, 1]) and view.ranks == (2, 1)
+        assert [r for r, _ in group.scale(0).wait(10)] == [0, 1, 2, 3]
+        assert view.scale(2).wait(10) == [(2, 2), (1, 2)]
+        assert view.execute_on(0).scale(3).wait(10) == [(0, 3)]
     finally:
         group.close()
 

@@ -47,6 +47,7 @@ class WorkerServer:
         self.instance: Any = None
         self.method_thread = method_thread
         self._methods: dict[str, tuple[Any, bool]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
         runtime.endpoint.handle("call", self._on_call)
 
     def _lookup(self, name: str) -> tuple[Any, bool]:
@@ -85,29 +86,32 @@ class WorkerServer:
         msg.reply(None, frames)
 
     def _start_async(self, msg: Incoming, coro: Any) -> None:
-        """Run the coroutine's first step now (as Python 3.12's eager tasks do): a method
-        that finishes without awaiting is answered in this loop turn, with no task; one
-        that awaits continues in a task from where it stopped."""
+        """Run an ``async def`` method in its own task and answer when it returns.
+
+        On Python 3.12+ the task starts eagerly: a method that finishes without awaiting
+        is answered in this loop turn. Its first step runs inside the task either way, so
+        ``asyncio.timeout()``, ``current_task()`` and ``wait_for`` work before the first
+        ``await`` too (they raise outside a task).
+        """
+        if _EAGER_TASKS:
+            task = asyncio.Task(self._serve_async(msg, coro), loop=self.runtime.loop,
+                                eager_start=True)
+        else:
+            task = self.runtime.loop.create_task(self._serve_async(msg, coro))
+        if not task.done():
+            self._tasks.add(task)  # a pending task needs a strong reference
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve_async(self, msg: Incoming, coro: Any) -> None:
         try:
-            awaited = coro.send(None)
-        except StopIteration as done:
-            self._reply_value(msg, done.value)
-            return
+            result = await coro
+        except asyncio.CancelledError:
+            self._reply_error(msg, asyncio.CancelledError(f"{msg.meta} was cancelled in the worker"))
+            raise
         except BaseException as exc:  # noqa: BLE001 - goes back to the caller
             self._reply_error(msg, exc)
             return
-        task = self.runtime.loop.create_task(_continue(coro, awaited))
-        task.add_done_callback(lambda t: self._reply_from(msg, t))
-
-    def _reply_from(self, msg: Incoming, fut: Any) -> None:
-        if fut.cancelled():
-            self._reply_error(msg, asyncio.CancelledError(f"{msg.meta} was cancelled in the worker"))
-            return
-        exc = fut.exception()
-        if exc is not None:
-            self._reply_error(msg, exc)
-            return
-        self._reply_value(msg, fut.result())
+        self._reply_value(msg, result)
 
     def _reply_value(self, msg: Incoming, result: Any) -> None:
         try:
@@ -121,34 +125,8 @@ class WorkerServer:
         msg.reply_error(exc, error="RemoteError", worker=self.info.name, rank=self.info.rank)
 
 
-async def _continue(coro: Any, awaited: Any) -> Any:
-    """Finish a coroutine whose first step already ran (see WorkerServer._start_async)."""
-    return await _Resume(coro, awaited)
-
-
-class _Resume:
-    """An awaitable that hands a started coroutine's pending await to the task driving it,
-    and feeds back what the task sends or throws (cancellation included)."""
-
-    def __init__(self, coro: Any, awaited: Any) -> None:
-        self.coro = coro
-        self.awaited = awaited
-
-    def __await__(self) -> Any:
-        coro, awaited = self.coro, self.awaited
-        while True:
-            try:
-                value = yield awaited
-            except BaseException as exc:  # noqa: BLE001 - thrown in by the task; passed on
-                try:
-                    awaited = coro.throw(exc)
-                except StopIteration as done:
-                    return done.value
-            else:
-                try:
-                    awaited = coro.send(value)
-                except StopIteration as done:
-                    return done.value
+#: ``asyncio.Task(..., eager_start=True)`` exists from Python 3.12 on.
+_EAGER_TASKS = sys.version_info >= (3, 12)
 
 
 def _configure_logging(name: str, level: str) -> None:
