@@ -27,9 +27,9 @@ import uuid
 import weakref
 from typing import Any
 
-from aiorl.runtime import Runtime, set_current_runtime, spec_from_nodes
 from aiorl.errors import RegistryUnavailable
 from aiorl.placement import ClusterSpec
+from aiorl.runtime import Runtime, set_current_runtime, spec_from_nodes
 from aiorl.transport import security
 
 __all__ = ["Cluster"]
@@ -107,8 +107,10 @@ class Cluster:
         env.pop(security.ENV_KEY_FILE, None)
         registry = subprocess.Popen(
             [sys.executable, "-m", "aiorl.registry.service", "--host", "127.0.0.1", "--port", "0",
-             "--print-address", "--log-level", "WARNING"],
-            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
+             "--print-address", "--log-level", "WARNING", "--exit-on-stdin-close"],
+            # stdin stays open as a pipe: when this process dies, however, the registry
+            # reads EOF and exits (a thread-bound parent-death signal would not do).
+            stdout=subprocess.PIPE, stdin=subprocess.PIPE, env=env,
         )
         self._children.append(registry)
         assert registry.stdout is not None
@@ -119,7 +121,7 @@ class Cluster:
         for rank in range(num_nodes):
             cmd = [sys.executable, "-m", "aiorl.node.agent", "--registry", address,
                    "--host", "127.0.0.1", "--node-rank", str(rank), "--exit-on-stdin-close",
-                   "--parent-pid", str(os.getpid()), "--log-level", "WARNING",
+                   "--log-level", "WARNING",
                    "--log-dir", os.path.join(self.session_dir, f"node{rank}")]
             if accelerators_per_node is not None:
                 cmd += ["--accelerators", str(accelerators_per_node)]

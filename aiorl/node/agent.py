@@ -417,7 +417,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--log-dir", default=None, help="where worker logs go")
     parser.add_argument("--exit-on-stdin-close", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--key-file", default=None,
                         help="the cluster key file written by aiorl-registry (default: "
                              "$AIORL_KEY_FILE or ~/.aiorl/cluster.key)")
@@ -437,10 +436,6 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(keys.to_env())
     if not args.registry:
         parser.error("--registry (or $AIORL_REGISTRY) is required")
-    if args.parent_pid is not None:
-        set_parent_death_signal(signal.SIGKILL)
-        if os.getppid() != args.parent_pid:
-            return 1
     host = args.host or (
         "127.0.0.1" if args.registry.startswith(("tcp://127.", "tcp://localhost")) else local_ip()
     )

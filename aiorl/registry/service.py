@@ -366,7 +366,8 @@ def _checked(fn: Any) -> Any:
     return run
 
 
-async def serve(host: str, port: int, *, expiry: float, ready_line: bool, keys: Any) -> None:
+async def serve(host: str, port: int, *, expiry: float, ready_line: bool, keys: Any,
+                exit_on_stdin_close: bool = False) -> None:
     deadline = time.monotonic() + 10
     while True:
         try:
@@ -383,6 +384,15 @@ async def serve(host: str, port: int, *, expiry: float, ready_line: bool, keys: 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if exit_on_stdin_close:
+        # An embedded registry's stdin is a pipe from the driver process: EOF means the
+        # driver is gone (even SIGKILLed), and nobody else will stop us.
+        def on_stdin() -> None:
+            if not os.read(sys.stdin.fileno(), 4096):
+                loop.remove_reader(sys.stdin.fileno())
+                stop.set()
+
+        loop.add_reader(sys.stdin.fileno(), on_stdin)
     if ready_line:
         # The embedded Cluster reads this line to learn the address.
         print(f"AIORL_REGISTRY={endpoint.address}", flush=True)
@@ -405,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--insecure", action="store_true",
                         help="no authentication (only on a private, trusted network)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--exit-on-stdin-close", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s [registry] %(levelname)s %(message)s", stream=sys.stderr)
@@ -421,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         keys = security.load_or_create(
             args.key_file or os.environ.get(security.ENV_KEY_FILE) or security.DEFAULT_KEY_FILE)
     uvloop.run(serve(args.host, args.port, expiry=args.expiry, ready_line=args.print_address,
-                     keys=keys))
+                     keys=keys, exit_on_stdin_close=args.exit_on_stdin_close))
     return 0
 
 
