@@ -13,10 +13,7 @@ reported dead, every pending request to it fails with
 from __future__ import annotations
 
 import asyncio
-import collections
-import concurrent.futures
 import logging
-import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -29,6 +26,8 @@ from aiorl.errors import (
 )
 from aiorl.names import WorkerAddress
 from aiorl.registry.client import RegistryClient
+from aiorl.runtime.loop import LoopThread
+from aiorl.runtime.waiter import BlockingWaiter
 from aiorl.transport.endpoint import Endpoint
 
 __all__ = ["Runtime", "current_runtime", "set_current_runtime"]
@@ -50,18 +49,27 @@ def set_current_runtime(runtime: Runtime | None) -> None:
 
 
 class Runtime:
-    def __init__(self, loop: asyncio.AbstractEventLoop, endpoint: Endpoint, registry: RegistryClient,
+    """One process's loop thread, endpoint, registry client and peer watches."""
+
+    def __init__(self, loop_thread: LoopThread, endpoint: Endpoint, registry: RegistryClient,
                  name: str) -> None:
-        self.loop = loop
+        self.loop_thread = loop_thread
+        self.loop = loop_thread.loop
         self.endpoint = endpoint
         self.registry = registry
         self.name = name
-        self.thread: threading.Thread | None = None
-        self._submissions: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = (
-            collections.deque())
-        self._wake_pending = False
         self._peer_watch: dict[str, asyncio.Future[dict[str, Any]]] = {}  # name -> info when ready
         self._peer_address: dict[str, str] = {}
+        self._closers: list[Callable[[], None]] = []
+        #: One instance per service class built on this runtime (the P2P engine, ...), made
+        #: by that service's accessor; services close through ``on_close``.
+        self.services: dict[type, object] = {}
+        #: The waiter thread for completions only polling can observe (started on first use).
+        self.waiter = BlockingWaiter(f"aiorl-waiter-{name}")
+        # Bound once: these are on every call's path.
+        self.on_loop_thread = loop_thread.on_loop
+        self.submit = loop_thread.submit
+        self.call_soon = loop_thread.submit
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -69,73 +77,25 @@ class Runtime:
         cls, registry_address: str, name: str, host: str = "127.0.0.1", keys: Any = None
     ) -> Runtime:
         """Start a runtime on a new daemon I/O thread (the driver's)."""
-        import uvloop
 
-        loop = uvloop.new_event_loop()
-        ready: concurrent.futures.Future[Runtime] = concurrent.futures.Future()
+        def setup(lt: LoopThread) -> Runtime:
+            endpoint = Endpoint(name, host=host, loop=lt.loop, keys=keys)
+            return cls(lt, endpoint, RegistryClient(endpoint, registry_address), name)
 
-        def main() -> None:
-            asyncio.set_event_loop(loop)
-
-            def setup() -> None:
-                try:
-                    endpoint = Endpoint(name, host=host, loop=loop, keys=keys)
-                    ready.set_result(cls(loop, endpoint, RegistryClient(endpoint, registry_address), name))
-                except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
-                    ready.set_exception(exc)
-
-            loop.call_soon(setup)
-            loop.run_forever()
-
-        thread = threading.Thread(target=main, name=f"aiorl-io-{name}", daemon=True)
-        thread.start()
-        runtime = ready.result(timeout=10)
-        runtime.thread = thread
+        _, runtime = LoopThread.start(name, setup)
         return runtime
-
-    # ------------------------------------------------------------------ crossing threads
-    def on_loop_thread(self) -> bool:
-        return asyncio._get_running_loop() is self.loop
 
     def run_sync(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the runtime loop and block this (non-loop) thread for its result."""
-        if self.on_loop_thread():
-            coro.close()
-            raise RuntimeError("a blocking aiorl call was made on the aiorl event loop's thread; "
-                               "use the async form (await) there")
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise WaitTimeout(f"operation did not finish within {timeout} s") from None
+        return self.loop_thread.run_sync(coro, timeout)
 
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop: now when on the loop thread, else as soon as it can.
+    def on_close(self, closer: Callable[[], None]) -> None:
+        """Run ``closer`` (on the loop) when the runtime stops, before the endpoint closes.
 
-        Calls from other threads run in the order they were made. They are
-        batched: only the first call of a batch wakes the loop (a wake-up costs
-        tens of microseconds here; 1,000 calls in flight would pay it 1,000 times).
+        Services built on the runtime (the P2P engine, channel clients) register here;
+        they close in reverse order of registration.
         """
-        if self.on_loop_thread():
-            fn(*args)
-            return
-        self._submissions.append((fn, args))
-        if not self._wake_pending:
-            self._wake_pending = True
-            self.loop.call_soon_threadsafe(self._run_submissions)
-
-    def _run_submissions(self) -> None:
-        # Clear the flag before draining: a submission racing with the drain either
-        # lands in this drain or schedules a new one; none is stranded.
-        self._wake_pending = False
-        queue = self._submissions
-        while queue:
-            fn, args = queue.popleft()
-            try:
-                fn(*args)
-            except Exception:
-                log.exception("callback submitted to the aiorl loop failed")
+        self._closers.append(closer)
 
     # ------------------------------------------------------------------ peers
     async def resolve_worker(
@@ -234,29 +194,20 @@ class Runtime:
 
     # ------------------------------------------------------------------ shutdown
     def stop(self) -> None:
-        """Close the endpoint and stop the I/O thread (driver runtimes)."""
+        """Close the services, the registry client and the endpoint; stop a driver's I/O thread."""
 
-        def stop_after(turns: int) -> None:
-            # Closing fails pending requests; their callbacks (a group call's collect, the
-            # AsyncWork's mirror to a waiting thread) run over the next few loop turns.
-            # Stop only after them, so every waiter hears "closed" and nothing is left
-            # with an unread exception.
-            if turns:
-                self.loop.call_soon(stop_after, turns - 1)
-            else:
-                self.loop.stop()
-
-        def shutdown() -> None:
+        def close_all() -> None:
+            for closer in reversed(self._closers):
+                try:
+                    closer()
+                except Exception:
+                    log.exception("closing %s failed", closer)
+            self._closers.clear()
+            self.waiter.close()
             self.registry.close()
             self.endpoint.close()
-            stop_after(3)
 
-        if self.thread is None:
-            shutdown()
-            return
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(shutdown)
-            self.thread.join(timeout=5)
+        self.loop_thread.stop(close_all)
 
 
 def describe_death(name: str, detail: dict[str, Any]) -> str:

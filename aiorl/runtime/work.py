@@ -12,13 +12,16 @@ It can be consumed from anywhere:
 * ``work.then(fn)`` to chain a callback, giving an :class:`AsyncFuncWork`.
 
 Cancellation: ``wait(timeout)`` that expires cancels the work locally and
-raises :class:`TimeoutError`; a task cancelled while it awaits the work
+raises :class:`~aiorl.WaitTimeout` (a ``TimeoutError``); a task cancelled while it awaits the work
 cancels the work too. Local cancellation withdraws what this process waits
 for (a pending receive no longer consumes a message; a call's late answer is
 dropped); it never interrupts code already running in a remote worker.
 
 Ordering: callbacks added with ``then`` run on the runtime loop, in the order
 they were added, after the work completes.
+
+This module is the consumer side. Producers (group calls, P2P, channels) create and
+complete works through :mod:`aiorl.runtime.promise`.
 """
 
 from __future__ import annotations
@@ -29,37 +32,45 @@ import threading
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Generic, TypeVar
 
+from aiorl.errors import WaitTimeout
+from aiorl.runtime.loop import LoopThread, loop_thread_of
+from aiorl.runtime.waiter import BlockingWaiter, Job
+
 __all__ = ["AsyncChannelWork", "AsyncCollWork", "AsyncFuncWork", "AsyncWork"]
 
 T = TypeVar("T")
 
-_running_loop = asyncio._get_running_loop  # C-level and cheap; a public alias raises instead
+# Creating a work's thread-safe mirror is rare (a thread waits on it) and must happen once:
+# one lock for all works, not a lock per work on the hot path.
+_mirror_lock = threading.Lock()
 
 
 class AsyncWork(Generic[T]):
     """A result that will exist later. See the module docstring for the rules."""
 
-    __slots__ = ("_loop", "_fut", "_cf", "_cf_lock", "_next")
+    __slots__ = ("_loop", "_home", "_fut", "_cf", "_next")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[T] | None = None) -> None:
         self._loop = loop
+        self._home: LoopThread | None = loop_thread_of(loop)
         self._fut: asyncio.Future[T] = fut if fut is not None else loop.create_future()
         self._cf: concurrent.futures.Future[T] | None = None
-        self._cf_lock = threading.Lock()
         self._next: AsyncWork[Any] | None = None
 
-    # ---------------------------------------------------------------- construction helpers
-    @classmethod
-    def completed(cls, loop: asyncio.AbstractEventLoop, value: T) -> AsyncWork[T]:
-        work: AsyncWork[T] = cls(loop)
-        work._fut.set_result(value)
-        return work
-
     def _on_loop(self) -> bool:
-        return _running_loop() is self._loop
+        home = self._home
+        if home is not None:
+            return threading.get_ident() == home.thread_id
+        try:  # a loop aiorl does not run (tests, foreign code): ask asyncio
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
 
     def _call_on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
-        if self._on_loop():
+        home = self._home
+        if home is not None:
+            home.submit(fn, *args)
+        elif self._on_loop():
             fn(*args)
         else:
             self._loop.call_soon_threadsafe(fn, *args)
@@ -84,12 +95,12 @@ class AsyncWork(Generic[T]):
 
     def _concurrent(self) -> concurrent.futures.Future[T]:
         """A thread-safe mirror of the result, created once (on first cross-thread use)."""
-        with self._cf_lock:
-            if self._cf is None:
-                cf: concurrent.futures.Future[T] = concurrent.futures.Future()
-                self._cf = cf
-                self._call_on_loop(self._fut.add_done_callback, lambda f: _mirror(f, cf))
-            return self._cf
+        with _mirror_lock:
+            cf = self._cf
+            if cf is None:
+                cf = self._cf = concurrent.futures.Future()
+                self._call_on_loop(self._fut.add_done_callback, lambda f: mirror_to(f, cf))
+            return cf
 
     # ---------------------------------------------------------------- consuming
     def done(self) -> bool:
@@ -99,7 +110,8 @@ class AsyncWork(Generic[T]):
     def wait(self, timeout: float | None = None) -> T:
         """Block until done and return the result (or raise the work's exception).
 
-        Raises :class:`TimeoutError` after ``timeout`` seconds, cancelling the work.
+        Raises :class:`~aiorl.WaitTimeout` (a ``TimeoutError``) after ``timeout`` seconds,
+        cancelling the work.
         Raises :class:`RuntimeError` when called on the runtime loop's thread
         before the work is done (use ``await`` there).
         """
@@ -117,7 +129,7 @@ class AsyncWork(Generic[T]):
             if cf.done():
                 raise  # the work's own result is a TimeoutError (on 3.11 the types are one)
             self.cancel()
-            raise TimeoutError(f"AsyncWork not done within {timeout} s (cancelled)") from None
+            raise WaitTimeout(f"AsyncWork not done within {timeout} s (cancelled)") from None
 
     async def async_wait(self) -> T:
         """Wait without blocking the event loop; same as ``await work``."""
@@ -165,7 +177,6 @@ class AsyncWork(Generic[T]):
                 nxt._set_exception(exc)
                 return
             if isinstance(value, AsyncWork):
-                nxt._deferred = value
                 value._call_on_loop(value._fut.add_done_callback, nxt._complete_threadsafe)
             else:
                 nxt._set_result(value)
@@ -195,11 +206,7 @@ class AsyncWork(Generic[T]):
 class AsyncFuncWork(AsyncWork[T]):
     """The result of ``then``: completes with the callback's value (or the work it returned)."""
 
-    __slots__ = ("_deferred",)
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[T] | None = None) -> None:
-        super().__init__(loop, fut)
-        self._deferred: AsyncWork[Any] | None = None
+    __slots__ = ()
 
     def _complete_threadsafe(self, fut: asyncio.Future[Any]) -> None:
         self._call_on_loop(self._complete_from, fut)
@@ -208,9 +215,11 @@ class AsyncFuncWork(AsyncWork[T]):
 class AsyncCollWork(AsyncWork[T]):
     """Wraps ``torch.distributed`` work objects (and optional CUDA events).
 
-    Completion is observed on a helper thread so that ``async_wait`` never blocks
-    the event loop; for CUDA work, the work is done only once its recorded CUDA
-    event has completed too. ``result`` is what the work resolves to.
+    Completion is observed by the process's :class:`~aiorl.runtime.waiter.BlockingWaiter`
+    thread, so that ``async_wait`` never blocks the event loop; for CUDA work, the work is
+    done only once its recorded CUDA events have completed too. The work resolves to
+    ``on_done()`` when given, else to ``result``; a failed torch work (``wait()`` raises)
+    fails it.
     """
 
     __slots__ = ()
@@ -225,19 +234,28 @@ class AsyncCollWork(AsyncWork[T]):
     ) -> None:
         super().__init__(loop)
 
-        def watch() -> None:
-            try:
-                for w in works:
-                    w.wait()
-                for ev in cuda_events:
-                    ev.synchronize()
-                value = on_done() if on_done is not None else result
-            except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
-                loop.call_soon_threadsafe(self._set_exception, exc)
-                return
-            loop.call_soon_threadsafe(self._set_result, value)
+        def ready() -> bool:
+            return all(w.is_completed() for w in works) and all(ev.query() for ev in cuda_events)
 
-        threading.Thread(target=watch, name="aiorl-coll-wait", daemon=True).start()
+        def report(error: BaseException | None) -> None:
+            value: Any = None
+            if error is None:
+                try:
+                    for w in works:
+                        w.wait()  # completed: returns at once, or raises the work's error
+                    value = on_done() if on_done is not None else result
+                except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+                    error = exc
+            if error is not None:
+                self._call_on_loop(self._set_exception, error)
+            else:
+                self._call_on_loop(self._set_result, value)
+
+        _WAITER.watch(Job(ready, report))
+
+
+#: The process's one waiter thread (started on first use; reports route to each work's loop).
+_WAITER = BlockingWaiter()
 
 
 class AsyncChannelWork(AsyncWork[T]):
@@ -246,7 +264,8 @@ class AsyncChannelWork(AsyncWork[T]):
     __slots__ = ()
 
 
-def _mirror(fut: asyncio.Future[Any], cf: concurrent.futures.Future[Any]) -> None:
+def mirror_to(fut: asyncio.Future[Any], cf: concurrent.futures.Future[Any]) -> None:
+    """Copy ``fut``'s outcome to the thread-safe ``cf`` (a done-callback of ``fut``)."""
     if cf.done():
         return
     if fut.cancelled():
