@@ -18,7 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from aiorl.errors import PeerLostError, WorkerInitError
 from aiorl.names import WorkerAddress
+from aiorl.protocol.ops import AgentOp
+from aiorl.protocol.spawn import SpawnRequest, WorkerLaunch
 from aiorl.runtime import AsyncWork, Runtime, Session, describe_death
+from aiorl.runtime.promise import is_settled, link_threads, reject, resolve
 from aiorl.transport import serialization
 
 if TYPE_CHECKING:
@@ -58,9 +61,9 @@ class GroupCore:
     def dispatch(self, work: AsyncWork[list[Any]], method: str, ranks: Sequence[int],
                   frames: list[Any], off_loop: bool) -> None:
         if off_loop:
-            work._concurrent()  # link now, on the loop, so wait() needs no extra wake-up
+            link_threads(work)  # link now, on the loop, so wait() needs no extra wake-up
         if self.closed:
-            work._set_exception(PeerLostError(f"worker group {self.name} is closed"))
+            reject(work, PeerLostError(f"worker group {self.name} is closed"))
             return
         results: list[Any] = [None] * len(ranks)
         remaining = [len(ranks)]
@@ -71,24 +74,24 @@ class GroupCore:
                 work.cancel()
                 return
             exc = fut.exception()  # retrieved even when unused, so asyncio does not warn
-            if work._fut.done():
+            if is_settled(work):
                 return
             if exc is not None:
-                work._set_exception(exc)
+                reject(work, exc)
                 return
             _, payload = fut.result()
             results[i] = serialization.loads(payload) if payload else None
             remaining[0] -= 1
             if remaining[0] == 0:
-                work._set_result(results)
+                resolve(work, results)
 
         for i, r in enumerate(ranks):
             state = self.ranks[r]
 
             def send(i: int = i, state: _Rank = state) -> None:
                 if state.error is not None:
-                    if not work._fut.done():
-                        work._set_exception(_fresh(state.error))
+                    if not is_settled(work):
+                        reject(work, _fresh(state.error))
                     return
                 assert state.address is not None
                 fut = endpoint.request(state.address, "call", method, frames)
@@ -99,7 +102,7 @@ class GroupCore:
             else:
                 state.queued.append(send)
         if not ranks:
-            work._set_result([])
+            resolve(work, [])
 
     def ready(self) -> AsyncWork[None]:
         work: AsyncWork[None] = AsyncWork(self.runtime.loop)
@@ -110,21 +113,21 @@ class GroupCore:
             def one_ready() -> None:
                 for st in self.ranks:
                     if st.error is not None:
-                        work._set_exception(_fresh(st.error))
+                        reject(work, _fresh(st.error))
                         return
                 waiting[0] -= 1
                 if waiting[0] == 0:
-                    work._set_result(None)
+                    resolve(work, None)
 
             for st in self.ranks:
                 if st.error is not None:
-                    work._set_exception(_fresh(st.error))
+                    reject(work, _fresh(st.error))
                     return
                 if st.address is None:
                     waiting[0] += 1
                     st.queued.append(one_ready)
             if waiting[0] == 0:
-                work._set_result(None)
+                resolve(work, None)
 
         self.runtime.call_soon(check)
         return work
@@ -150,7 +153,7 @@ class GroupCore:
         first = placements[0]
         master_node = nodes[first.node_rank]
         port_reply, _ = await self.runtime.endpoint.request(master_node["endpoint"], "free_port", timeout=10)
-        by_node: dict[int, list[dict[str, Any]]] = {}
+        by_node: dict[int, list[WorkerLaunch]] = {}
         for p in placements:
             env = {
                 "RANK": str(p.rank), "WORLD_SIZE": str(len(placements)),
@@ -165,22 +168,23 @@ class GroupCore:
             }
             if p.visible_accelerators:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(p.visible_accelerators)
-            by_node.setdefault(p.node_rank, []).append({
-                "rank": p.rank, "world_size": len(placements), "env": env,
-                "hardware_ranks": list(p.hardware_ranks),
-                "visible_accelerators": list(p.visible_accelerators),
-                "sys_path": [x for x in sys.path if x], "log_level": logging.getLevelName(
+            by_node.setdefault(p.node_rank, []).append(WorkerLaunch(
+                rank=p.rank, env=env, hardware_ranks=tuple(p.hardware_ranks),
+                visible_accelerators=tuple(p.visible_accelerators),
+                sys_path=tuple(x for x in sys.path if x), log_level=logging.getLevelName(
                     logging.getLogger("aiorl").getEffectiveLevel()),
-            })
-        for node_rank, specs in by_node.items():
+            ))
+        output_to = self.runtime.endpoint.address if getattr(self.session, "log_to_driver",
+                                                             False) else None
+        for node_rank, launches in by_node.items():
             node = nodes.get(node_rank)
             if node is None:
                 raise RuntimeError(f"node {node_rank} is not part of the cluster any more")
-            request = {"group": self.name, "workers": specs}
-            if getattr(self.session, "log_to_driver", False):
-                request["output_to"] = self.runtime.endpoint.address
-            await self.runtime.endpoint.request(node["endpoint"], "spawn", request, [payload],
-                                                 timeout=60)
+            request = SpawnRequest(self.name, self.session.driver_id, len(placements),
+                                   tuple(launches), f"{self.cls.__module__}.{self.cls.__qualname__}",
+                                   output_to)
+            await self.runtime.endpoint.request(node["endpoint"], AgentOp.SPAWN,
+                                                request.to_wire(), [payload], timeout=60)
 
     def _on_worker_event(self, name: str, state: str, info: dict[str, Any], detail: dict[str, Any]) -> None:
         try:
