@@ -14,13 +14,13 @@ registry tears down the groups it launched.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -80,16 +80,20 @@ class Cluster:
         insecure = os.environ.get(security.ENV_INSECURE) == "1"
         try:
             if self.embedded:
-                # A fresh secret per embedded cluster, handed to its processes by environment;
-                # PLAIN suffices: all of its traffic stays on loopback (see security.py).
+                # Every socket of an embedded cluster is a Unix socket in this directory
+                # (mode 0700): only this user can bind or connect there, which is what
+                # authenticates each server to its clients; a fresh PLAIN secret, handed to
+                # the processes in a 0600 key file, is checked on top (see security.py).
+                self.session_dir = security.make_private_directory("aiorl-")
                 self.keys = None if insecure else security.ClusterKeys.generate("plain")
-                self.session_dir = tempfile.mkdtemp(prefix="aiorl-session-")
                 address = self._start_embedded(int(wanted or 1), accelerators_per_node)
             else:
                 self.keys = security.ClusterKeys.load(key_file) if key_file else (
                     security.keys_from_environment())
             self.registry_address: str = str(address)
-            self.runtime = Runtime.start_in_thread(self.registry_address, "driver", keys=self.keys)
+            self.runtime = Runtime.start_in_thread(
+                self.registry_address, "driver", keys=self.keys,
+                **({"host": self._ipc_location} if self.embedded else {}))
             #: Print workers' output here, each line prefixed with the worker's name.
             self.log_to_driver = log_to_driver
             self.runtime.call_soon(self.runtime.endpoint.handle, "worker_output", _print_output)
@@ -102,12 +106,28 @@ class Cluster:
             raise
 
     # ------------------------------------------------------------------ startup
+    @property
+    def _ipc_location(self) -> str:
+        return f"ipc://{self.session_dir}"
+
+    @property
+    def _key_file(self) -> str:
+        return os.path.join(self.session_dir, "cluster.key")
+
     def _start_embedded(self, num_nodes: int, accelerators_per_node: int | None) -> str:
-        env = {**os.environ, **(self.keys.to_env() if self.keys else {})}
-        env.pop(security.ENV_KEY_FILE, None)
+        # The children learn the secret from a file only this user can read, never from
+        # their environment (which every process they start would inherit).
+        env = {k: v for k, v in os.environ.items()
+               if k not in (security.ENV_PUBLIC, security.ENV_SECRET, security.ENV_KEY_FILE,
+                            security.ENV_MECHANISM)}
+        key_args = ["--insecure"]
+        if self.keys is not None:
+            self.keys.save(self._key_file)
+            key_args = ["--key-file", self._key_file]
         registry = subprocess.Popen(
-            [sys.executable, "-m", "aiorl.registry.service", "--host", "127.0.0.1", "--port", "0",
-             "--print-address", "--log-level", "WARNING", "--exit-on-stdin-close"],
+            [sys.executable, "-m", "aiorl.registry.service", "--host", self._ipc_location,
+             "--port", "0", "--print-address", "--log-level", "WARNING", "--exit-on-stdin-close",
+             *key_args],
             # stdin stays open as a pipe: when this process dies, however, the registry
             # reads EOF and exits (a thread-bound parent-death signal would not do).
             stdout=subprocess.PIPE, stdin=subprocess.PIPE, env=env,
@@ -120,7 +140,8 @@ class Cluster:
         address = line.split("=", 1)[1]
         for rank in range(num_nodes):
             cmd = [sys.executable, "-m", "aiorl.node.agent", "--registry", address,
-                   "--host", "127.0.0.1", "--node-rank", str(rank), "--exit-on-stdin-close",
+                   "--host", "127.0.0.1", "--ipc-dir", self.session_dir, *key_args,
+                   "--node-rank", str(rank), "--exit-on-stdin-close",
                    "--log-level", "WARNING",
                    "--log-dir", os.path.join(self.session_dir, f"node{rank}")]
             if accelerators_per_node is not None:
@@ -232,9 +253,14 @@ class Cluster:
                     if stream:
                         stream.close()
         session_dir = getattr(self, "session_dir", None)
-        if session_dir and os.environ.get("AIORL_KEEP_LOGS") != "1":
-            # Worker logs live here; a clean close removes them (AIORL_KEEP_LOGS=1 keeps them).
-            shutil.rmtree(session_dir, ignore_errors=True)
+        if session_dir:
+            if os.environ.get("AIORL_KEEP_LOGS") == "1":
+                # Worker logs live here; a clean close removes them unless asked to keep
+                # them, but never leaves the secret behind.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._key_file)
+            else:
+                shutil.rmtree(session_dir, ignore_errors=True)
 
     async def _close_owned_groups(self) -> None:
         status = await self.runtime.registry.request("status", timeout=5)

@@ -22,9 +22,19 @@ names one kind of problem::
     ├── RegistryUnavailable  the registry did not answer in time
     ├── AuthenticationError  a peer failed authentication
     └── ProtocolError        a malformed or incompatible message
+
+Errors cross process boundaries as data, never as pickles: :func:`to_wire`
+describes an exception as a msgpack-able dict (class name, module, message,
+traceback text, and a :class:`RemoteError`'s worker and rank), and
+:func:`from_wire` rebuilds it. Unpickling an error reply would run whatever
+code the sender chose, and an error can come from a peer that has not proven
+who it is (an ``--insecure`` cluster, or whoever answers a socket address).
 """
 
 from __future__ import annotations
+
+import traceback
+from typing import Any
 
 __all__ = [
     "AiorlError",
@@ -45,6 +55,8 @@ __all__ = [
     "WaitTimeout",
     "WorkerInitError",
     "WorkerNotFoundError",
+    "from_wire",
+    "to_wire",
 ]
 
 
@@ -60,7 +72,8 @@ class RemoteError(AiorlError):
         rank: the worker's rank in its group.
         exc_type: the qualified name of the original exception type.
         remote_traceback: the formatted traceback from the worker process.
-        cause: the original exception, when it could be unpickled on this side.
+        cause: the original exception, only where it was raised in this process;
+            errors from other processes arrive as text (see :func:`to_wire`).
     """
 
     def __init__(
@@ -86,7 +99,7 @@ class RemoteError(AiorlError):
             f"--- remote traceback ---\n{self.remote_traceback.rstrip()}"
         )
 
-    def __reduce__(self):  # keep every field when the error itself crosses a process boundary
+    def __reduce__(self) -> tuple[Any, ...]:  # keep every field when the error itself crosses a process boundary
         return (
             type(self),
             (
@@ -174,3 +187,63 @@ class AuthenticationError(AiorlError):
 
 class ProtocolError(AiorlError):
     """A message was malformed, truncated, or of an unknown protocol version."""
+
+
+# ---------------------------------------------------------------------------- wire codec
+#: The classes :func:`from_wire` rebuilds by name: aiorl's own. Any other type (a
+#: builtin ``ValueError`` included) arrives as a :class:`RemoteError` naming it, so a
+#: failure in another process is always recognisable as remote and nothing the sender
+#: names is ever imported or instantiated here.
+_WIRE_CLASSES: dict[str, type[AiorlError]] = {
+    cls.__name__: cls
+    for cls in (globals().get(name) for name in __all__)
+    if isinstance(cls, type) and issubclass(cls, AiorlError)
+}
+
+
+def to_wire(exc: BaseException, **extra: Any) -> dict[str, Any]:
+    """Describe ``exc`` as plain data for an ERROR reply.
+
+    A :class:`RemoteError` keeps its own worker, rank, original type and remote
+    traceback (forwarded unchanged); ``extra`` (e.g. ``error="RemoteError"``,
+    ``worker=``, ``rank=`` from a worker wrapping whatever its method raised)
+    overrides any field.
+    """
+    cls = type(exc)
+    meta: dict[str, Any] = {
+        "error": cls.__name__ if _WIRE_CLASSES.get(cls.__name__) is cls else "RemoteError",
+        "module": cls.__module__,
+        "type": f"{cls.__module__}.{cls.__qualname__}",
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(cls, exc, exc.__traceback__)),
+    }
+    if isinstance(exc, RemoteError) and "worker" not in extra:
+        meta.update(worker=exc.worker_name, rank=exc.rank, type=exc.exc_type,
+                    message=exc.message, traceback=exc.remote_traceback)
+    meta.update(extra)
+    return meta
+
+
+def from_wire(meta: Any) -> BaseException:
+    """Rebuild the exception that :func:`to_wire` described, without running any code
+    the sender chose: only aiorl's classes are rebuilt as themselves."""
+    if not isinstance(meta, dict):
+        return ProtocolError(f"malformed error reply: {meta!r:.200}")
+    name = meta.get("error")
+    cls = _WIRE_CLASSES.get(name) if isinstance(name, str) else None
+    message = _text(meta.get("message"))
+    if cls is None or issubclass(cls, RemoteError):
+        remote_cls = cls if cls is not None else RemoteError
+        rank = meta.get("rank")
+        return remote_cls(
+            _text(meta.get("worker", "?")),
+            rank if isinstance(rank, int) else -1,
+            _text(meta.get("type", name)),
+            message,
+            _text(meta.get("traceback")),
+        )
+    return cls(message)
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ("" if value is None else repr(value))

@@ -3,16 +3,57 @@
 A worker address is a root group name followed by a rank path, written
 ``group:rank:subrank``. ``"rollout"`` is the group itself, ``"rollout:3"`` its
 fourth rank, ``"rollout:3:0"`` the first child of that rank.
+
+Group names follow one grammar, checked wherever a name enters (``launch``,
+``WorkerAddress``, the registry's boundary)::
+
+    name := [A-Za-z0-9_] [A-Za-z0-9_.-]{0,127}      and no ".." anywhere
+
+Why so strict: a name travels into registry patterns (``"*"`` is the
+registry's wildcard, ``"@nodes"`` its node feed), file names (a worker's log
+is ``<log dir>/<group>_<rank>.log``, so ``/`` and ``..`` would escape the log
+directory), process environments and C strings (a NUL byte kills the worker
+at start). Everything outside the grammar raises :class:`ValueError` before
+any process or registry state is touched.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["WorkerAddress", "WorkerInfo"]
+__all__ = ["MAX_NAME_LENGTH", "MAX_RANK_DEPTH", "WorkerAddress", "WorkerInfo", "check_group_name"]
+
+#: The longest group name accepted (a log file name and an environment value carry it).
+MAX_NAME_LENGTH = 128
+#: The deepest rank path accepted (``group:rank:subrank:...``).
+MAX_RANK_DEPTH = 8
+
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+
+
+def check_group_name(name: object) -> str:
+    """Return ``name`` if it follows the group-name grammar (module docstring), else raise ValueError.
+
+    The message says which rule was broken, so a user can fix the name at once.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a worker group name must be a non-empty string, got {name!r}")
+    if ":" in name:
+        raise ValueError(
+            f"worker group name {name!r} may not contain ':' (it separates ranks in a worker address)"
+        )
+    if len(name) > MAX_NAME_LENGTH:
+        raise ValueError(f"worker group name {name[:40]!r}... is longer than {MAX_NAME_LENGTH} characters")
+    if not _NAME.fullmatch(name) or ".." in name:
+        raise ValueError(
+            f"invalid worker group name {name!r}: use letters, digits, '_', '.' and '-' "
+            "(ASCII), starting with a letter, digit or '_', without '..'"
+        )
+    return name
 
 
 @functools.total_ordering
@@ -26,14 +67,10 @@ class WorkerAddress:
     __slots__ = ("_root", "_path")
 
     def __init__(self, root_group_name: str, ranks: int | Sequence[int] = ()) -> None:
-        if not isinstance(root_group_name, str) or not root_group_name:
-            raise ValueError("a worker group name must be a non-empty string")
-        if ":" in root_group_name:
-            raise ValueError(
-                f"worker group name {root_group_name!r} may not contain ':' "
-                "(it separates ranks in a worker address)"
-            )
+        check_group_name(root_group_name)
         path = (ranks,) if isinstance(ranks, int) else tuple(ranks)
+        if len(path) > MAX_RANK_DEPTH:
+            raise ValueError(f"a rank path has at most {MAX_RANK_DEPTH} levels, got {len(path)}")
         for r in path:
             if not isinstance(r, int) or isinstance(r, bool) or r < 0:
                 raise ValueError(f"ranks must be non-negative integers, got {r!r}")
@@ -43,11 +80,13 @@ class WorkerAddress:
     @classmethod
     def from_name(cls, name: str) -> WorkerAddress:
         """Parse ``"g:0:1"`` back into an address (root ``g``, path ``[0, 1]``)."""
+        if not isinstance(name, str):
+            raise ValueError(f"a worker address must be a string, got {type(name).__name__}")
         root, *ranks = name.split(":")
-        try:
-            path = [int(r) for r in ranks]
-        except ValueError:
-            raise ValueError(f"invalid worker address {name!r}: ranks must be integers") from None
+        # Digits only: int() would also take " 1", "+1" and "1_0", names that differ from ours.
+        if not all(r.isascii() and r.isdigit() and len(r) <= 9 for r in ranks):
+            raise ValueError(f"invalid worker address {name!r}: ranks must be integers")
+        path = [int(r) for r in ranks]
         return cls(root, path)
 
     @property
@@ -100,7 +139,7 @@ class WorkerAddress:
     def __str__(self) -> str:
         return self.get_name()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[WorkerAddress], tuple[str, tuple[int, ...]]]:
         return (WorkerAddress, (self._root, self._path))
 
 

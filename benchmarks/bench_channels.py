@@ -9,10 +9,12 @@ Scenarios, each with producers and consumers in separate worker processes and
 the queue in its own process (the channel worker / Ray's queue actor):
 
 * small items (a ``(rank, i)`` tuple), 1 -> 1 and 4 -> 4, in items/s;
-* 1 MiB float32 CPU tensors, 1 -> 1 and 4 -> 4, in MB/s (10^6 bytes).
+* 1 MiB float32 CPU tensors, 1 -> 1 and 4 -> 4, in MB/s (10^6 bytes);
+* sequential put/get streaming 1 -> 1: small items, the producer awaiting each
+  ``put`` and the consumer each ``get`` in turn (no window in user code).
 
-aiorl producers keep up to ``window`` puts in flight (each put still completes
-only when its item is accepted). aiorl consumers are measured two ways:
+aiorl producers keep up to ``window`` puts in flight (a put completes when its
+item is accepted, at once while the producer holds credits for small items). aiorl consumers are measured two ways:
 ``get_batch`` (one request at a time, for 64 small items or 8 tensors) and ``get``
 with up to 256 gets in flight. The channel's maxsize is 64 for tensors (unbounded
 for small items). Every aiorl worker runs with the process tuning of
@@ -53,6 +55,11 @@ def _payload(kind: str) -> Any:
 
 # ---------------------------------------------------------------------- aiorl side
 class AiorlProducer(aiorl.Worker):
+    async def produce_sequentially(self, ch: Channel, n: int) -> None:
+        """One ``await ch.put(x)`` after the other: the plain streaming loop."""
+        for i in range(n):
+            await ch.put((self.rank, i), weight=1)
+
     async def produce(self, ch: Channel, n: int, kind: str, window: int) -> None:
         tensor = _payload(kind)  # one tensor, put repeatedly: it is never modified
         pending: list[Any] = []
@@ -69,6 +76,10 @@ class AiorlProducer(aiorl.Worker):
 class AiorlConsumer(aiorl.Worker):
     async def consume(self, ch: Channel, n: int, mode: str, batch: int) -> int:
         got = 0
+        if mode == "sequential":
+            for _ in range(n):
+                await ch.get()
+            return n
         if mode == "get_batch":
             while got < n:
                 got += len(await ch.get_batch(min(batch, n - got)))  # weight 1 each: exact
@@ -102,7 +113,10 @@ def run_aiorl(cluster: aiorl.Cluster, kind: str, mode: str, nprod: int, ncons: i
         for _ in range(repeats):
             start = time.perf_counter()
             consumed = cons.consume(ch, n // ncons, mode, 8 if kind == "tensor" else 64)
-            prods.produce(ch, n // nprod, kind, window).wait(600)
+            if mode == "sequential":
+                prods.produce_sequentially(ch, n // nprod).wait(600)
+            else:
+                prods.produce(ch, n // nprod, kind, window).wait(600)
             assert sum(consumed.wait(600)) == n
             times.append(time.perf_counter() - start)
         return times
@@ -158,6 +172,8 @@ def main() -> int:
     parser.add_argument("--ray-repeats", type=int, default=1,
                         help="repeats for Ray (slow: ~100x fewer items per second)")
     parser.add_argument("--no-ray", action="store_true", help="skip Ray even if installed")
+    parser.add_argument("--only", default="",
+                        help="run only the scenarios whose label contains this text")
     args = parser.parse_args()
     scale = 0.1 if args.quick else 1.0
     small_n, tensor_n = int(200_000 * scale), int(2_000 * scale)
@@ -182,7 +198,13 @@ def main() -> int:
     ]
     rows: list[dict[str, Any]] = []
     with aiorl.Cluster(num_nodes=1) as cluster:
+        if args.only in "sequential 1->1":
+            times = run_aiorl(cluster, "small", "sequential", 1, 1, small_n // 2, args.repeats)
+            rows.append(_row("sequential 1->1", "aiorl put/get", "small", small_n // 2, times))
+            _print_row(rows[-1])
         for label, kind, nprod, ncons in scenarios:
+            if args.only not in label:
+                continue
             n = small_n if kind == "small" else tensor_n
             for mode in ("get_batch", "get"):
                 times = run_aiorl(cluster, kind, mode, nprod, ncons, n, args.repeats)

@@ -1,8 +1,9 @@
-"""What CURVE authentication and encryption cost: call latency and 64 MB transfers.
+"""What authentication costs: call latency and 64 MB transfers, per transport and mechanism.
 
 Run: ``python benchmarks/bench_security.py``. Two processes, each with an aiorl
-Endpoint: without authentication, with PLAIN (ZAP-checked secret, no encryption;
-what embedded clusters use) and with CURVE (authentication and encryption). Writes
+Endpoint: over loopback TCP without authentication and with CURVE (authentication
+and encryption; what multi-machine clusters use), and over Unix sockets in a private
+directory without authentication and with PLAIN (what embedded clusters use). Writes
 ``benchmarks/results/security.json``.
 """
 
@@ -12,6 +13,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -20,15 +22,15 @@ from typing import Any
 import uvloop
 
 from aiorl.transport.endpoint import Endpoint
-from aiorl.transport.security import ClusterKeys
+from aiorl.transport.security import ClusterKeys, make_private_directory
 
 CALLS = 3000
 BIG = 64 * 1024 * 1024
 
 
-def _server(q: Any, keys: ClusterKeys | None) -> None:
+def _server(q: Any, keys: ClusterKeys | None, host: str) -> None:
     async def main() -> None:
-        ep = Endpoint("server", keys=keys)
+        ep = Endpoint("server", keys=keys, host=host)
         ep.handle("ping", lambda m: m.reply(None))
         ep.handle("sink", lambda m: m.reply(sum(len(memoryview(f)) for f in m.frames)))
         q.put(ep.address)
@@ -37,15 +39,15 @@ def _server(q: Any, keys: ClusterKeys | None) -> None:
     uvloop.run(main())
 
 
-def measure(keys: ClusterKeys | None, reps: int) -> dict[str, float]:
+def measure(keys: ClusterKeys | None, host: str, reps: int) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     q: Any = ctx.Queue()
-    proc = ctx.Process(target=_server, args=(q, keys), daemon=True)
+    proc = ctx.Process(target=_server, args=(q, keys, host), daemon=True)
     proc.start()
     address = q.get()
 
     async def client() -> dict[str, float]:
-        ep = Endpoint("client", keys=keys)
+        ep = Endpoint("client", keys=keys, host=host)
         await ep.request(address, "ping", timeout=10)
         lat, bulk = [], []
         payload = os.urandom(1024 * 1024) * 64
@@ -70,15 +72,18 @@ def measure(keys: ClusterKeys | None, reps: int) -> dict[str, float]:
 
 def main() -> int:
     reps = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    ipc = f"ipc://{make_private_directory('aiorl-bench-')}"
     modes = {
-        "none": measure(None, reps),
-        "plain": measure(ClusterKeys.generate("plain"), reps),
-        "curve": measure(ClusterKeys.generate("curve"), reps),
+        "tcp none": measure(None, "127.0.0.1", reps),
+        "tcp curve": measure(ClusterKeys.generate("curve"), "127.0.0.1", reps),
+        "ipc none": measure(None, ipc, reps),
+        "ipc plain": measure(ClusterKeys.generate("plain"), ipc, reps),
     }
-    print(f"{'metric':<30}" + "".join(f"{m:>12}" for m in modes) + f"{'curve/none':>12}")
+    shutil.rmtree(ipc.removeprefix("ipc://"), ignore_errors=True)
+    print(f"{'metric':<30}" + "".join(f"{m:>12}" for m in modes))
     for key, label in [("call_us", "sequential call (µs)"), ("transfer_64mb_ms", "64 MB request (ms)")]:
         cells = "".join(f"{modes[m][key]:>12.1f}" for m in modes)
-        print(f"{label:<30}{cells}{modes['curve'][key] / modes['none'][key]:>11.2f}x")
+        print(f"{label:<30}{cells}")
     os.makedirs("benchmarks/results", exist_ok=True)
     with open("benchmarks/results/security.json", "w") as f:
         json.dump(modes, f, indent=2)

@@ -184,12 +184,12 @@ class Producer(aiorl.Worker):
         return got, stats["async"].qsize, empty_raised
 
     def create_sync(self, name: str, group: str | None = None, rank: int | None = None) -> Channel:
-        ch = self.create_channel(name, group_affinity=group, group_rank_affinity=rank)
+        ch: Channel = self.create_channel(name, group_affinity=group, group_rank_affinity=rank)
         ch.put(f"from {self.worker_name}").wait(10)
         return ch
 
     async def create_lazily(self, name: str, item: Any) -> Channel:
-        ch = self.create_channel(name, maxsize=3)  # returns at once on the loop
+        ch: Channel = self.create_channel(name, maxsize=3)  # returns at once on the loop
         work = ch.put(item)  # waits for the channel worker to be ready
         await work
         return await ch  # awaiting the handle waits for readiness and gives it back
@@ -209,6 +209,33 @@ class Producer(aiorl.Worker):
         batch.cancel()
         await asyncio.sleep(0.2)  # the answers arrive for cancelled works and are returned
         return [await ch.get("race") for _ in range(3)]
+
+    async def put_until_blocked(self, ch: Channel, limit: int) -> int:
+        """``await ch.put(i)`` one after the other; how many completed before one blocked."""
+        for i in range(limit):
+            try:
+                await asyncio.wait_for(ch.put(i, weight=1), 0.5)
+            except TimeoutError:  # cancelled: withdrawn at the channel worker
+                return i
+        return limit
+
+    async def stream_out(self, ch: Channel, n: int) -> None:
+        for i in range(n):
+            await ch.put((self.rank, i), weight=1)
+        await ch.flush()
+
+    async def stream_in(self, ch: Channel, n: int) -> list[Any]:
+        return [await ch.get() for _ in range(n)]
+
+    async def gets_then_batch(self, ch: Channel) -> list[Any]:
+        """Streaming gets prefetch; a get_batch after them must still take the oldest items."""
+        for i in range(10):
+            await ch.put(i, weight=1, queue_name="mixed")
+        first = [await ch.get("mixed"), await ch.get("mixed"), await ch.get("mixed")]
+        batch = await ch.get_batch(3, "mixed")
+        after = await ch.get("mixed")
+        stats = await ch.statistics()
+        return [first, batch, after, stats["mixed"].qsize]
 
     async def pending_get(self, ch: Channel) -> str:
         try:
@@ -244,7 +271,7 @@ def test_payload_kinds_round_trip(cluster: aiorl.Cluster) -> None:
     ch = Channel.create(cluster, "kinds")
     try:
         big = torch.arange(256 * 1024, dtype=torch.float32)  # 1 MiB: zero-copy frames
-        payloads = [
+        payloads: list[Any] = [
             {"obj": [1, "two", (3.0, None)]},
             torch.tensor([1, 2, 3], dtype=torch.int64),
             big,
@@ -495,6 +522,75 @@ def test_cancelled_gets_lose_nothing_and_dead_consumers_return_items(
     finally:
         group.close()
         ch.destroy().wait(10)
+
+
+def test_credited_puts_still_block_at_maxsize(cluster: aiorl.Cluster) -> None:
+    ch = Channel.create(cluster, "credits", maxsize=5)
+    group = Producer.create_group().launch(cluster, NodePlacementStrategy([1]), name="credits-w")
+    try:
+        # Sequential awaited puts complete at once while credits last, and credits never
+        # exceed the room: the sixth put waits (and is withdrawn when its wait times out).
+        assert group.put_until_blocked(ch, 20).wait(30) == [5]
+        stats = ch.statistics().wait(10)["default"]
+        assert (stats.qsize, stats.waiting_putters) == (5, 0)
+        # The same from the driver's thread.
+        assert [ch.get().wait(10) for _ in range(5)] == [0, 1, 2, 3, 4]
+        for i in range(5):
+            ch.put(i).wait(10)
+        blocked = ch.put("sixth")
+        time.sleep(0.3)
+        assert not blocked.done()
+        assert ch.get().wait(10) == 0
+        blocked.wait(10)  # a get made room: the waiting put is admitted
+        assert [ch.get().wait(10) for _ in range(5)] == [1, 2, 3, 4, "sixth"]
+        ch.flush().wait(10)
+        assert ch.qsize() == 0
+    finally:
+        group.close()
+        ch.destroy().wait(10)
+
+
+def test_sequential_streaming_keeps_order_and_get_batch_rules(cluster: aiorl.Cluster) -> None:
+    n = 5000
+    ch = Channel.create(cluster, "streaming")
+    producer = Producer.create_group().launch(cluster, NodePlacementStrategy([0]), name="stream-p")
+    consumer = Producer.create_group().launch(cluster, NodePlacementStrategy([1]), name="stream-c")
+    try:
+        producer.wait_ready()
+        consumer.wait_ready()
+        start = time.monotonic()
+        got = consumer.stream_in(ch, n)
+        producer.stream_out(ch, n).wait(60)
+        assert got.wait(60) == [[(0, i) for i in range(n)]]
+        print(f"sequential put/get 1->1 across nodes: {n / (time.monotonic() - start):.0f} items/s")
+        # Prefetched items go back before a get_batch of the same process: it takes the
+        # oldest items, with the usual weight rule, and nothing is lost.
+        assert consumer.gets_then_batch(ch).wait(30) == [[[0, 1, 2], [3, 4, 5], 6, 3]]
+        assert [ch.get("mixed").wait(10) for _ in range(3)] == [7, 8, 9]
+    finally:
+        producer.close()
+        consumer.close()
+        ch.destroy().wait(10)
+
+
+def test_pipelined_puts_lost_with_the_channel_worker_fail_the_next_operation(
+        cluster: aiorl.Cluster) -> None:
+    ch = Channel.create(cluster, "pipelined")
+    ch.put(0).wait(10)  # answered, with credits for the next ones
+    ch.flush().wait(10)
+    pid, _ = _channel_pid(cluster, "pipelined")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        works = [ch.put(i) for i in range(1, 50)]
+        for w in works:
+            w.wait(5)  # done at once (credited), though the channel worker is stopped
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(1.0)  # the node agent reports the death; the handle learns it
+    with pytest.raises(PeerLostError, match="pipelined"):
+        ch.flush().wait(10)
+    with pytest.raises(PeerLostError):  # and later operations fail as for any dead channel
+        ch.put("after").wait(10)
 
 
 def test_invalid_arguments(cluster: aiorl.Cluster) -> None:

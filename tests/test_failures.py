@@ -326,9 +326,12 @@ def test_unknown_workers_and_groups_are_clear_errors_at_once(cluster):
         start = time.monotonic()
         errors = group.talk_to("no_such_group", 0).wait(60)[0]
         assert len(errors) == 3 and all("no worker group named 'no_such_group'" in e for e in errors)
-        assert all(e.startswith("LookupError") for e in errors)
+        # Specific classes, and still LookupErrors for code written for the built-in.
+        assert all(e.startswith("GroupNotFoundError") for e in errors)
+        assert issubclass(aiorl.GroupNotFoundError, LookupError)
         errors = group.talk_to("asker", 5).wait(30)[0]
         assert len(errors) == 3 and all("asker:5 does not exist" in e for e in errors)
+        assert all(e.startswith("WorkerNotFoundError") for e in errors)
         assert time.monotonic() - start < 20
         assert group.pid().wait(10)  # the worker is fine afterwards
     finally:

@@ -316,14 +316,14 @@ class P(aiorl.Worker):
     def drop_kept(self) -> None:
         del self._kept
 
-    async def p2p_stats(self) -> dict[str, Any]:
+    async def p2p_stats(self) -> Any:
         import gc
 
-        from aiorl.actors.p2p import get_p2p
+        from aiorl.p2p import get_p2p
 
         gc.collect()
         await asyncio.sleep(0.2)  # acks of released segments travel back
-        return get_p2p(self._runtime).stats()
+        return get_p2p(self._runtime).statistics()
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -463,31 +463,33 @@ def test_segments_are_reused_and_returned(cluster2: Any) -> None:
         recv = g.execute_on(1).lockstep_recv(0, 20)
         assert g.execute_on(0).lockstep_send(1, 20).wait(60) == [20]
         assert recv.wait(60) == [20]
-        pool = g.execute_on(0).p2p_stats().wait(30)[0]["dests"]["p2pseg:1"]
-        assert pool["shm"] is True and pool["same_node"] is True and pool["cma"] is None
-        assert 1 <= pool["segments"] <= 3, pool  # reused, not one per message
+        dest = g.execute_on(0).p2p_stats().wait(30)[0].senders["p2pseg:1"]
+        assert dest.same_node is True and dest.usable("shm") is True
+        assert dest.usable("cma") is None  # never asked: no send_tensor went out
+        shm = dest.paths["shm"]
+        assert 1 <= shm.resources <= 3, shm  # reused, not one per message
         # The receiver still holds the last tensor it got (a view of the segment) ...
-        assert pool["busy"] == 1, pool
+        assert shm.in_use == 1, shm
         # ... and once it lets go, the segment goes back to the sender.
         g.execute_on(1).drop_kept().wait(30)
-        pool = g.execute_on(0).p2p_stats().wait(30)[0]["dests"]["p2pseg:1"]
-        assert pool["busy"] == 0, pool
+        shm = g.execute_on(0).p2p_stats().wait(30)[0].senders["p2pseg:1"].paths["shm"]
+        assert shm.in_use == 0, shm
     finally:
         g.close()
 
 
 def test_send_tensor_is_pulled_with_one_copy_on_one_node(group: Any) -> None:
     # After the tests above, rank 0 has sent big send_tensor payloads to both peers.
-    dests = on(group, 0).p2p_stats().wait(30)[0]["dests"]
-    assert dests[f"{G}:{SAME}"]["cma"] in (True, False)  # probed (False where ptrace is barred)
-    assert dests[f"{G}:{CROSS}"]["cma"] is None  # never on another node
+    dests = on(group, 0).p2p_stats().wait(30)[0].senders
+    assert dests[f"{G}:{SAME}"].usable("cma") in (True, False)  # probed (False: ptrace barred)
+    assert dests[f"{G}:{CROSS}"].usable("cma") is None  # never on another node
 
 
 def test_other_node_uses_no_shared_memory(group: Any) -> None:
     on(group, 0).send_all(CROSS, ["tensor_big"]).wait(30)
     assert on(group, CROSS).recv_all(0, ["tensor_big"]).wait(30) == [[]]
-    dest = on(group, 0).p2p_stats().wait(30)[0]["dests"][f"{G}:{CROSS}"]
-    assert dest["same_node"] is False and dest["segments"] == 0
+    dest = on(group, 0).p2p_stats().wait(30)[0].senders[f"{G}:{CROSS}"]
+    assert dest.same_node is False and "shm" not in dest.paths and "cma" not in dest.paths
 
 
 def test_segment_pool_limit_and_reuse() -> None:

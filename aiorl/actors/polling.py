@@ -29,13 +29,16 @@ event loop; a plain method would wait behind ``run()`` on the single method
 thread. Subclasses that override them must keep them ``async def`` and await
 the base method (enforced when the subclass is defined).
 
-State machine, timing guarantees and cancellation: ``docs/lifecycle.md``.
+The lifecycle is one :class:`~aiorl.actors.lifecycle.Lifecycle` value, changed only
+through the pure transition table in ``aiorl/actors/lifecycle.py``. State machine,
+timing guarantees and cancellation: ``docs/lifecycle.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import logging
 import math
@@ -43,10 +46,11 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+from aiorl.actors.lifecycle import Action, Event, Lifecycle, Transition, transition
 from aiorl.actors.worker import Worker
 
 __all__ = ["PollResult", "PollingWorker"]
@@ -243,9 +247,24 @@ class PollingWorker(Worker):
       TensorBoard scalars (when ``tensorboard`` is installed).
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._lc_init()
+    # Class-level defaults: the lifecycle works also in a subclass whose __init__
+    # forgets super().__init__(). Assignments shadow them per instance.
+    _lifecycle: Lifecycle = Lifecycle.UNCONFIGURED  # changed only by _apply()
+    # Not lifecycle state: the last configure() attempt (start() re-raises its error),
+    # whether a run() is in progress, and polls started and not finished.
+    _configure_fut: asyncio.Future[None] | None = None
+    _run_active: bool = False
+    _inflight: int = 0
+    _poll_thread: _PollThread | None = None
+    _stats_interval: float = DEFAULT_STATS_INTERVAL
+    _sinks: _Sinks | None = None
+    _polls: int = 0
+    _samples: int = 0
+    _batches: int = 0
+    _running_s: float = 0.0  # time spent in the running state, summed over runs
+    _running_since: float | None = None
+    _last_report: tuple[float, int, int, int, float] | None = None  # t, counts, running_s
+    _next_report: float = 0.0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -259,48 +278,31 @@ class PollingWorker(Worker):
                     f"'async def' (and await super().{name}(...))"
                 )
 
-    def _lc_init(self) -> None:
-        # Called from __init__ and, lazily, by _lc() for subclasses that forget
-        # super().__init__(): the lifecycle must work either way.
-        self._lc_ready = True
-        self._configure_fut: asyncio.Future[None] | None = None
-        self._configured = False
-        self._running = False
-        self._exiting = False
-        self._ever_started = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None  # set while running or exiting
-        self._idle: asyncio.Event | None = None  # set while no poll is in flight
-        self._run_active = False
-        self._inflight = 0  # polls started and not finished
-        self._poll_thread: _PollThread | None = None
-        self._stats_interval = DEFAULT_STATS_INTERVAL
-        self._sinks: _Sinks | None = None
-        self._polls = 0
-        self._samples = 0
-        self._batches = 0
-        self._running_s = 0.0  # time spent in the running state, summed over runs
-        self._running_since: float | None = None
-        self._last_report: tuple[float, int, int, int, float] | None = None  # t, counts, running_s
-        self._next_report = 0.0
+    @functools.cached_property
+    def _wake(self) -> asyncio.Event:
+        """Set while the state gives ``run()`` something to do (:attr:`Lifecycle.wakes_run`).
 
-    def _lc(self) -> None:
-        if not getattr(self, "_lc_ready", False):
-            self._lc_init()
-        if self._wake is None:
-            self._loop = asyncio.get_running_loop()
-            # Created on first use, on the loop thread: asyncio primitives bind to the running loop.
-            self._wake = asyncio.Event()
-            self._idle = asyncio.Event()
-            self._idle.set()
-            if self._running or self._exiting:
-                self._wake.set()
+        Per instance, made on first use (an asyncio event binds to the loop that
+        first waits on it); :meth:`_apply` keeps it in step with the state.
+        """
+        wake = asyncio.Event()
+        if self._lifecycle.wakes_run:
+            wake.set()
+        return wake
+
+    @functools.cached_property
+    def _idle(self) -> asyncio.Event:
+        """Set while no poll is in flight (``pause(wait=True)`` waits on it)."""
+        idle = asyncio.Event()
+        if self._inflight == 0:
+            idle.set()
+        return idle
 
     # ------------------------------------------------------------------ subclass hooks
-    def _configure(self, config: Any) -> None:
+    def _configure(self, config: Any) -> Awaitable[None] | None:
         """Parse ``config``, allocate resources, start threads. Plain or ``async def``."""
 
-    def _poll(self) -> PollResult:
+    def _poll(self) -> PollResult | None | Awaitable[PollResult | None]:
         """Do one unit of work and say how much. Plain (poll thread) or ``async def`` (loop)."""
         raise NotImplementedError(f"{type(self).__name__} must implement _poll()")
 
@@ -312,32 +314,23 @@ class PollingWorker(Worker):
     @property
     def is_configured(self) -> bool:
         """``configure`` finished successfully."""
-        return getattr(self, "_configured", False)
+        return _succeeded(self._configure_fut)
 
     @property
     def is_running(self) -> bool:
         """Configured, started and neither paused nor exiting: ``run()`` polls."""
-        return self.is_configured and self._running and not self._exiting
+        return self._lifecycle is Lifecycle.RUNNING
 
     @property
     def is_exiting(self) -> bool:
         """``exit()`` was called: ``run()`` returns (or has returned)."""
-        return getattr(self, "_exiting", False)
+        return self._lifecycle.is_exiting
 
     @property
     def lifecycle_state(self) -> str:
         """One of ``unconfigured``, ``configuring``, ``configured`` (never started),
         ``running``, ``paused``, ``exiting`` (run() still finishing) or ``exited``."""
-        if not getattr(self, "_lc_ready", False):
-            return "unconfigured"
-        if self._exiting:
-            return "exiting" if self._run_active else "exited"
-        if not self._configured:
-            pending = self._configure_fut is not None and not self._configure_fut.done()
-            return "configuring" if pending else "unconfigured"
-        if self._running:
-            return "running"
-        return "paused" if self._ever_started else "configured"
+        return self._lifecycle.label
 
     # ------------------------------------------------------------------ control (event loop)
     async def configure(self, config: Any = None) -> None:
@@ -347,16 +340,16 @@ class PollingWorker(Worker):
         :class:`RuntimeError` after ``exit()`` and :class:`ValueError` for a bad
         ``log_level`` or ``stats_interval`` (checked before ``_configure`` runs).
         """
-        self._lc()
-        if self._exiting:
+        step = transition(self._lifecycle, Event.CONFIGURE)
+        if step.action is Action.REJECT_EXITING:
             raise RuntimeError(f"{self._display_name()} is exiting; it cannot be configured")
-        prev = self._configure_fut
-        if prev is not None and not (prev.done() and (prev.cancelled() or prev.exception())):
+        if step.action is Action.REJECT_CONFIGURED:
             raise RuntimeError(
                 f"{self._display_name()} is already configured (configure() runs once)")
         level, interval = _common_settings(config)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._configure_fut = fut
+        self._apply(step)
         try:
             if inspect.iscoroutinefunction(self._configure):
                 await self._configure(config)
@@ -367,21 +360,19 @@ class PollingWorker(Worker):
                     lambda: self._configure(config)))
         except asyncio.CancelledError:
             fut.cancel()
+            self._fire(Event.CONFIGURE_FAILED)
             raise
         except BaseException as exc:
             fut.set_exception(exc)
             fut.exception()  # retrieved: configure's caller gets it, start() re-reads it
+            self._fire(Event.CONFIGURE_FAILED)
             raise
         if level is not None:
             logging.getLogger("aiorl").setLevel(level)
         self._stats_interval = interval
         self._sinks = _Sinks(config, self._display_name(), self._group_name(), self._logger())
-        self._configured = True
         fut.set_result(None)
-        if self._exiting and not self._run_active:
-            self._release()  # exit() came while configuring: nothing will close the sinks later
-        if self._running and not self._exiting:
-            self._set_running_clock(True)
+        self._fire(Event.CONFIGURE_OK)
         self.log_debug("configured")
 
     async def start(self) -> None:
@@ -392,26 +383,21 @@ class PollingWorker(Worker):
         Raises :class:`RuntimeError` before ``configure()`` or after ``exit()``,
         and ``configure``'s own error if it failed.
         """
-        self._lc()
-        if self._exiting:
-            raise RuntimeError(f"{self._display_name()} is exiting; it cannot be started")
+        step = transition(self._lifecycle, Event.START)
         fut = self._configure_fut
-        if fut is None:
-            raise RuntimeError(f"{self._display_name()} must be configured before start()")
-        _raise_if_failed(fut, self._display_name())
-        if not self._running:
-            self._running = True
-            self._ever_started = True
-            assert self._wake is not None
-            self._wake.set()
-            if self._configured:
-                self._set_running_clock(True)
-        if not fut.done():
+        if step.action is Action.REJECT_EXITING:
+            raise RuntimeError(f"{self._display_name()} is exiting; it cannot be started")
+        if step.action is Action.REJECT_UNCONFIGURED:
+            # Unconfigured: never configured, or the last attempt failed.
+            raise _configure_error(fut, self._display_name()) or RuntimeError(
+                f"{self._display_name()} must be configured before start()")
+        self._apply(step)
+        if step.action is Action.AWAIT_CONFIGURE and fut is not None:
+            # asyncio.wait neither raises configure's error nor cancels configure.
             await asyncio.wait([fut])
-            if fut is self._configure_fut and (fut.cancelled() or fut.exception() is not None):
-                # Not left "wanting to run": a later successful configure must not start polling.
-                self._stop_running()
-            _raise_if_failed(fut, self._display_name())
+            error = _configure_error(fut, self._display_name())
+            if error is not None:
+                raise error
 
     async def pause(self, wait: bool = False) -> None:
         """Stop polling; ``run()`` idles on an event until ``start()`` or ``exit()``.
@@ -420,10 +406,8 @@ class PollingWorker(Worker):
         in the background. With ``wait=True``, returns only when no poll is in
         progress, e.g. before updating weights the poll uses.
         """
-        self._lc()
-        self._stop_running()
+        self._fire(Event.PAUSE)
         if wait:
-            assert self._idle is not None
             await self._idle.wait()
 
     async def exit(self) -> None:
@@ -432,15 +416,9 @@ class PollingWorker(Worker):
         Returns at once. Without a ``run()`` in progress the worker releases its
         poll thread and stats sinks here.
         """
-        self._lc()
-        if self._exiting:
-            return
-        self._set_running_clock(False)
-        self._exiting = True
-        assert self._wake is not None
-        self._wake.set()
-        if not self._run_active:
-            self._release()
+        self._fire(Event.EXIT)
+        if self._lifecycle is Lifecycle.EXITING and not self._run_active:
+            self._fire(Event.RUN_ENDED)  # no run() to wait for
 
     async def stats(self) -> dict[str, Any]:
         """Current counters, lifetime rates, state, and ``_stats()`` once configured.
@@ -450,7 +428,6 @@ class PollingWorker(Worker):
         ``samples_per_s``, ``batches_per_s`` (averages over the time spent
         running). ``_stats()`` keys are merged in; the built-in keys win a clash.
         """
-        self._lc()
         return await self._snapshot(lifetime=True)
 
     async def run(self) -> dict[str, Any]:
@@ -461,68 +438,68 @@ class PollingWorker(Worker):
         ``run()`` and ``start()`` may follow. Raises :class:`RuntimeError` if a
         ``run()`` is already in progress.
         """
-        self._lc()
         if self._run_active:
             raise RuntimeError(f"{self._display_name()}.run() is already in progress")
-        assert self._wake is not None
         self._run_active = True
-        poll_is_async = inspect.iscoroutinefunction(self._poll)
         try:
-            while not self._exiting:
-                if not self.is_running:
-                    # Idle without spinning: start() and exit() set the event.
-                    await self._wake.wait()
-                    if not (self.is_running or self._exiting):
-                        # Woken by start() before configure finished: wait for configure.
-                        await self._wait_configured()
-                    continue
-                try:
-                    self._account(await self._poll_once(poll_is_async))
-                    if time.monotonic() >= self._next_report:
-                        await self._report()
-                except asyncio.CancelledError:
-                    raise
-                except BaseException:
-                    self._logger().error("run() failed; %s is paused", self._display_name(),
-                                         exc_info=True)
-                    self._stop_running()
-                    raise
-            self._run_active = False  # so the final state reads "exited"
-            final = await self._snapshot(lifetime=True)
-            self._logger().info("exit: %s", _format(final))
-            return final
+            await self._poll_until_exit(inspect.iscoroutinefunction(self._poll))
         finally:
             self._run_active = False
-            if self._exiting:
-                self._release()
+            self._fire(Event.RUN_ENDED)  # exiting: "exited" from here on, resources released
+        final = await self._snapshot(lifetime=True)
+        self._logger().info("exit: %s", _format(final))
+        return final
 
     # ------------------------------------------------------------------ internals
-    def _stop_running(self) -> None:
-        if self._running:
-            self._running = False
-            assert self._wake is not None
-            if not self._exiting:
-                self._wake.clear()
-            self._set_running_clock(False)
+    def _fire(self, event: Event) -> None:
+        """Apply ``event``'s transition (for events the table never refuses)."""
+        self._apply(transition(self._lifecycle, event))
+
+    def _apply(self, step: Transition) -> None:
+        """Enter ``step.state``, keep the wake event and the running clock in step, act."""
+        self._lifecycle = step.state
+        if step.state.wakes_run:
+            self._wake.set()
+        else:
+            self._wake.clear()
+        self._set_running_clock(step.state is Lifecycle.RUNNING)
+        if step.action is Action.RELEASE:
+            self._release()
+
+    async def _poll_until_exit(self, poll_is_async: bool) -> None:
+        while not self.is_exiting:
+            if not self.is_running:
+                # Idle without spinning: start() and exit() set the event.
+                await self._wake.wait()
+                if not (self.is_running or self.is_exiting):
+                    # Woken by start() before configure finished: wait for configure.
+                    await self._wait_configured()
+                continue
+            try:
+                self._account(await self._poll_once(poll_is_async))
+                if time.monotonic() >= self._next_report:
+                    await self._report()
+            except asyncio.CancelledError:
+                raise
+            except BaseException:
+                self._logger().error("run() failed; %s is paused", self._display_name(),
+                                     exc_info=True)
+                self._fire(Event.POLL_FAILED)
+                raise
 
     async def _wait_configured(self) -> None:
         fut = self._configure_fut
-        if fut is None:
-            return
-        # asyncio.wait neither raises configure's error nor cancels it if run() is cancelled.
-        await asyncio.wait([fut])
-        if fut.cancelled() or fut.exception() is not None:
-            # configure failed and its caller has the error: idle until configured again.
-            self._running = False
-            if not self._exiting:
-                assert self._wake is not None
-                self._wake.clear()
+        if fut is not None:
+            # asyncio.wait neither raises configure's error nor cancels it if run() is cancelled;
+            # a failure has already made the worker unconfigured (and run() idles again).
+            await asyncio.wait([fut])
 
-    async def _poll_once(self, poll_is_async: bool) -> PollResult | None:
+    async def _poll_once(self, poll_is_async: bool) -> object:
+        """Run one ``_poll``; what it returned (checked by :meth:`_account`)."""
         self._poll_begun()
         if poll_is_async:
             try:
-                return await self._poll()  # type: ignore[misc]
+                return await cast(Awaitable[object], self._poll())
             finally:
                 self._poll_ended()
         cf = self._get_poll_thread().submit(self._poll)
@@ -534,24 +511,24 @@ class PollingWorker(Worker):
                 # run() was cancelled mid-poll and a thread cannot be interrupted: the poll
                 # stays "in progress" (pause(wait=True) waits for it) and is counted when done.
                 late = True
-                cf.add_done_callback(self._late_poll_done)
+                loop = asyncio.get_running_loop()
+                cf.add_done_callback(lambda done: self._late_poll_done(loop, done))
             raise
         finally:
             if not late:
                 self._poll_ended()
 
     def _poll_begun(self) -> None:
-        assert self._idle is not None
         self._inflight += 1
         self._idle.clear()
 
     def _poll_ended(self) -> None:
-        assert self._idle is not None
         self._inflight -= 1
         if self._inflight == 0:
             self._idle.set()
 
-    def _late_poll_done(self, cf: concurrent.futures.Future[Any]) -> None:
+    def _late_poll_done(self, loop: asyncio.AbstractEventLoop,
+                        cf: concurrent.futures.Future[Any]) -> None:
         """Done callback (poll thread) of a poll whose run() was cancelled."""
 
         def finish() -> None:
@@ -568,11 +545,10 @@ class PollingWorker(Worker):
             finally:
                 self._poll_ended()
 
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
+        if not loop.is_closed():
             loop.call_soon_threadsafe(finish)
 
-    def _account(self, result: PollResult | None) -> None:
+    def _account(self, result: object) -> None:
         if result is None:
             result = PollResult()
         elif not isinstance(result, PollResult):
@@ -597,7 +573,7 @@ class PollingWorker(Worker):
         return self._running_s + extra
 
     async def _user_stats(self) -> dict[str, Any]:
-        if not self._configured:
+        if not self.is_configured:
             return {}  # _stats typically reads what _configure created
         extra = self._stats()
         if inspect.isawaitable(extra):
@@ -675,16 +651,24 @@ class PollingWorker(Worker):
         return logging.getLogger(f"aiorl.worker.{type(self).__name__}")
 
 
-def _raise_if_failed(fut: asyncio.Future[None], name: str) -> None:
-    """Raise ``configure``'s error if the configuration ``fut`` stands for failed."""
-    if not fut.done():
-        return
+def _succeeded(fut: asyncio.Future[None] | None) -> bool:
+    """Whether the configuration ``fut`` stands for has finished successfully."""
+    return fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None
+
+
+def _configure_error(fut: asyncio.Future[None] | None, name: str) -> RuntimeError | None:
+    """The error ``start()`` raises if the configuration ``fut`` stands for failed, else None."""
+    if fut is None or not fut.done():
+        return None
     if fut.cancelled():
-        raise RuntimeError(f"configure() of {name} was cancelled; configure it again")
+        return RuntimeError(f"configure() of {name} was cancelled; configure it again")
     exc = fut.exception()
-    if exc is not None:
-        raise RuntimeError(f"configure() of {name} failed ({type(exc).__name__}: {exc}); "
-                           "configure it again") from exc
+    if exc is None:
+        return None
+    error = RuntimeError(f"configure() of {name} failed ({type(exc).__name__}: {exc}); "
+                         "configure it again")
+    error.__cause__ = exc  # as "raise error from exc" would
+    return error
 
 
 def _format(stats: Mapping[str, Any]) -> str:

@@ -11,16 +11,19 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiorl.names import WorkerAddress, WorkerInfo
+from aiorl.p2p import P2PEngine, get_p2p
 
 if TYPE_CHECKING:
-    from aiorl.runtime.work import AsyncWork
     from aiorl.group import WorkerGroupBuilder
     from aiorl.runtime.runtime import Runtime
+    from aiorl.runtime.work import AsyncWork
 
 __all__ = ["Worker", "WorkerContext"]
+
+_W = TypeVar("_W", bound="Worker")
 
 
 class WorkerContext:
@@ -111,7 +114,7 @@ class Worker:
         self._log(logging.ERROR, msg, *args)
 
     # ------------------------------------------------------------------ point-to-point
-    # Implemented in aiorl.actors.p2p; see API.md section 4 and docs/ordering.md.
+    # Implemented in aiorl.p2p; see API.md section 4 and docs/ordering.md.
     def send(self, obj: Any, dst_group_name: str, dst_rank: int | Sequence[int]) -> AsyncWork[None]:
         """Send ``obj`` (any picklable object, tensors, containers of tensors) to a worker."""
         return self._p2p().send(obj, dst_group_name, dst_rank)
@@ -128,9 +131,7 @@ class Worker:
         """Fill the preallocated ``tensor`` with the next ``send_tensor`` from the source."""
         return self._p2p().recv_tensor(tensor, src_group_name, src_rank)
 
-    def _p2p(self) -> Any:
-        from aiorl.actors.p2p import get_p2p
-
+    def _p2p(self) -> P2PEngine:
         return get_p2p(self._runtime)
 
     # ------------------------------------------------------------------ channels
@@ -145,17 +146,18 @@ class Worker:
         """Create (or connect to, if it exists) the channel ``name``, hosted near the affine worker."""
         from aiorl.channels import create_channel_from_worker
 
-        return create_channel_from_worker(self, name, group_affinity, group_rank_affinity, maxsize)
+        return create_channel_from_worker(self._runtime, self.worker_info, name, group_affinity,
+                                          group_rank_affinity, maxsize)
 
     def connect_channel(self, name: str) -> Any:
         """Connect to the existing channel ``name``."""
         from aiorl.channels import connect_channel_from_worker
 
-        return connect_channel_from_worker(self, name)
+        return connect_channel_from_worker(self._runtime, name)
 
     # ------------------------------------------------------------------ groups
     @classmethod
-    def create_group(cls, *args: Any, **kwargs: Any) -> WorkerGroupBuilder:
+    def create_group(cls: type[_W], *args: Any, **kwargs: Any) -> WorkerGroupBuilder[_W]:
         """Describe a group of this worker class, built with ``cls(*args, **kwargs)`` on each rank.
 
         Raises :class:`ValueError` if a public method of the class would be

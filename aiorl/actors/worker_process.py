@@ -20,18 +20,22 @@ import ctypes
 import gc
 import inspect
 import logging
-import os
 import signal
 import sys
 from typing import Any
 
 from aiorl.actors import worker as worker_mod
-from aiorl.actors.p2p import get_p2p
-from aiorl.runtime.runtime import Runtime, set_current_runtime
-from aiorl.names import WorkerAddress, WorkerInfo
+from aiorl.errors import to_wire
+from aiorl.names import WorkerInfo
+from aiorl.p2p import get_p2p
+from aiorl.protocol.ops import AgentOp, WorkerOp, WorkerState
+from aiorl.protocol.spawn import WorkerSpawn
 from aiorl.registry.client import RegistryClient
-from aiorl.transport import serialization
-from aiorl.transport.endpoint import Endpoint, Incoming, error_meta
+from aiorl.runtime import Runtime, set_current_runtime
+from aiorl.runtime.loop import LoopThread
+from aiorl.transport import security, serialization
+from aiorl.transport.endpoint import Endpoint, Incoming
+from aiorl.transport.security import ClusterKeys
 
 __all__ = ["WorkerServer", "run"]
 
@@ -48,7 +52,7 @@ class WorkerServer:
         self.method_thread = method_thread
         self._methods: dict[str, tuple[Any, bool]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        runtime.endpoint.handle("call", self._on_call)
+        runtime.endpoint.handle(WorkerOp.CALL, self._on_call)
 
     def _lookup(self, name: str) -> tuple[Any, bool]:
         entry = self._methods.get(name)
@@ -95,7 +99,7 @@ class WorkerServer:
         """
         if _EAGER_TASKS:
             task = asyncio.Task(self._serve_async(msg, coro), loop=self.runtime.loop,
-                                eager_start=True)
+                                eager_start=True)  # type: ignore[call-arg]  # 3.12+ only
         else:
             task = self.runtime.loop.create_task(self._serve_async(msg, coro))
         if not task.done():
@@ -136,40 +140,25 @@ def _configure_logging(name: str, level: str) -> None:
     )
 
 
-def _load_class(spec: dict[str, Any]) -> tuple[type, tuple[Any, ...], dict[str, Any]]:
-    for p in spec.get("sys_path", []):
+def _load_class(spec: WorkerSpawn) -> tuple[type, tuple[Any, ...], dict[str, Any]]:
+    for p in spec.launch.sys_path:
         if p not in sys.path:
             sys.path.append(p)
     import cloudpickle
 
-    return cloudpickle.loads(spec["payload"])
+    return cloudpickle.loads(spec.payload)  # type: ignore[no-any-return]
 
 
-async def _main(spec: dict[str, Any]) -> int:
+async def _main(spec: WorkerSpawn, listen: str) -> int:
     loop = asyncio.get_running_loop()
-    group, rank = spec["group"], int(spec["rank"])
-    name = f"{group}:{rank}"
-    _configure_logging(name, spec.get("log_level", "INFO"))
-    node = spec["node"]
-    endpoint = Endpoint(name, host=node["ip"])
-    registry = RegistryClient(endpoint, spec["registry"])
-    runtime = Runtime(loop, endpoint, registry, name)
-    get_p2p(runtime)  # p2p handlers exist before any peer can send to us
+    name, rank = spec.name, spec.launch.rank
+    _configure_logging(name, spec.launch.log_level)
+    endpoint = Endpoint(name, host=listen)
+    registry = RegistryClient(endpoint, spec.registry)
+    runtime = Runtime(LoopThread.adopt_running(), endpoint, registry, name)
+    get_p2p(runtime, spec.node.node_id)  # p2p handlers exist before any peer can send to us
     set_current_runtime(runtime)
-    info = WorkerInfo(
-        address=WorkerAddress(group, [rank]),
-        rank=rank,
-        group_world_size=int(spec["world_size"]),
-        node_rank=int(node["node_rank"]),
-        node_ip=node["ip"],
-        endpoint=endpoint.address,
-        pid=os.getpid(),
-        accelerator_type=node.get("accelerator_type", "cpu"),
-        available_accelerators=[int(a) for a in spec.get("visible_accelerators", []) if str(a).isdigit()],
-        hardware_ranks=list(spec.get("hardware_ranks", [])),
-        node_id=node["node_id"],
-        hostname=node.get("hostname", ""),
-    )
+    info = spec.worker_info(endpoint.address)
     method_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"aiorl-{name}")
     server = WorkerServer(runtime, info, method_thread)
     stop = asyncio.Event()
@@ -184,16 +173,18 @@ async def _main(spec: dict[str, Any]) -> int:
         server.instance = await loop.run_in_executor(method_thread, construct)
     except BaseException as exc:  # noqa: BLE001 - reported as WorkerInitError to the owner
         log.error("initialisation failed", exc_info=exc)
-        meta, _ = error_meta(exc, worker=name, rank=rank)
-        await registry.request("worker_state", {"info": info.to_wire(), "state": "failed", "detail": meta})
+        await registry.report_state(info, WorkerState.FAILED, to_wire(exc, worker=name, rank=rank))
         return 1
-    await registry.request("worker_state", {"info": info.to_wire(), "state": "ready"})
+    await registry.report_state(info, WorkerState.READY)
     # The agent keeps our info so it can report us again if the registry restarts.
-    endpoint.send_oneway(node["endpoint"], "worker_ready", {"info": info.to_wire()})
-    endpoint.handle("registry_restarted", lambda _m: loop.create_task(registry.resubscribe()))
+    endpoint.send_oneway(spec.node.endpoint, AgentOp.WORKER_READY, {"info": info.to_wire()})
+    def on_registry_restarted(_msg: Incoming) -> None:
+        loop.create_task(registry.resubscribe())
+
+    endpoint.handle(WorkerOp.REGISTRY_RESTARTED, on_registry_restarted)
     await stop.wait()
     method_thread.shutdown(wait=False, cancel_futures=True)
-    endpoint.close()
+    runtime.stop()  # closes the services (P2P engine, channel clients), registry client, endpoint
     return 0
 
 
@@ -217,10 +208,16 @@ def tune_process() -> None:
     mallopt(m_trim_threshold, 256 << 20)
 
 
-def run(spec: dict[str, Any]) -> int:
-    """Entry point in a freshly forked worker process; returns the exit code."""
+def run(spec: WorkerSpawn, *, keys: ClusterKeys | None, listen: str) -> int:
+    """Entry point in a freshly forked worker process; returns the exit code.
+
+    ``keys`` (None: insecure) and ``listen`` (the node's IP, or ``ipc://DIR``) come from
+    the node agent over the zygote's private channel: the worker's environment never
+    holds the secret, and every endpoint opened in this process uses these keys."""
     import uvloop
 
+    security.set_process_keys(keys)
+    security.scrub_key_variables()
     tune_process()
 
-    return uvloop.run(_main(spec))
+    return uvloop.run(_main(spec, listen))

@@ -4,9 +4,9 @@ Threads
     A handle can be used from any thread of a process that has an aiorl runtime
     (the driver's threads, a worker's method thread, a worker's event loop). The
     payload is pickled in the calling thread; everything else happens on the
-    runtime loop. From the loop thread an operation is queued directly (the fast
-    path); from other threads it goes through one locked inbox and at most one
-    loop wake-up per burst of calls.
+    runtime loop. From the loop thread an operation is handled directly (the fast
+    path); from other threads it goes through :meth:`Runtime.call_soon
+    <aiorl.runtime.Runtime.call_soon>` (one loop wake-up per burst of calls).
 
 Batching
     Operations issued to one channel during one turn of the loop leave as one
@@ -14,17 +14,26 @@ Batching
     in one message too (see :mod:`aiorl.channels._protocol`). Many puts or gets
     in flight therefore cost a few messages, not a round trip each.
 
+Pipelining
+    A put of an item without out-of-band buffers completes at once while the
+    process holds a *credit* for its queue (room the channel worker promised);
+    credits come back as the worker accepts items, and a full queue grants
+    none, so backpressure holds. Gets that follow each other closely prefetch
+    items already queued (:class:`_GetStream`). So ``await ch.put(x)`` and
+    ``await ch.get()`` in plain loops stream without a round trip per item.
+
 Ordering
     One process sends everything for one channel through one outbox, in call
     order, over one connection; so puts from one process enter their queue in
     the order they were made, and requests that observe the queue (``qsize``)
-    see the puts issued before them.
+    see the puts issued before them and the items this process prefetched.
 
 Failure
     The process watches the channel worker through the registry
     (:meth:`~aiorl.runtime.Runtime.resolve_worker`); when it dies the
     endpoint marks it lost and every pending operation fails with
-    :class:`~aiorl.errors.PeerLostError`.
+    :class:`~aiorl.errors.PeerLostError`, and so does the next operation if
+    pipelined puts had not yet reached their queue.
 
 Cancellation
     Cancelling a pending put or get (``work.cancel()``, ``wait(timeout)``
@@ -33,30 +42,40 @@ Cancellation
     place in its queue, so a cancelled get never loses or reorders an item.
 """
 
+# HOT PATH: Channel.put/get, _ClientCore.submit/_accept/_enqueue/_on_done and the
+# _GetStream methods run per item.
+
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
-import io
 import itertools
 import logging
-import pickle
-import sys
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine, Generator, Sequence
+from typing import Any
 
-from aiorl.runtime.work import AsyncChannelWork
-from aiorl.runtime.runtime import Runtime, current_runtime
 from aiorl.channels import _protocol as P
 from aiorl.channels._queue import QueueStats
-from aiorl.channels._server import ChannelWorker, group_name_for
-from aiorl.errors import PeerLostError, QueueEmpty, QueueFull, RemoteError, WorkerInitError
+from aiorl.channels._server import ChannelHost, group_name_for
+from aiorl.errors import (
+    GroupExistsError,
+    GroupNotFoundError,
+    NotFoundError,
+    PeerLostError,
+    QueueEmpty,
+    QueueFull,
+    RemoteError,
+    WorkerInitError,
+)
+from aiorl.group import WorkerGroupBuilder
+from aiorl.names import WorkerInfo
+from aiorl.placement import NodePlacementStrategy
+from aiorl.protocol.ops import WorkerState
+from aiorl.runtime import AsyncChannelWork, Runtime, Session, WorkerSession, current_runtime
 from aiorl.transport import serialization
-
-if TYPE_CHECKING:
-    from aiorl.actors.worker import Worker
 
 __all__ = ["Channel", "connect_channel_from_worker", "create_channel_from_worker"]
 
@@ -66,6 +85,15 @@ log = logging.getLogger("aiorl.channels")
 DEFAULT_CONNECT_TIMEOUT = 60.0
 
 _PARKABLE = frozenset((P.PUT, P.GET, P.GET_BATCH))  # kinds the channel worker may hold back
+#: Client-side only, never on the wire: a user's ``get``, served by its queue's _GetStream.
+_USER_GET = -1
+#: Operations that must see the items this process prefetched back in their queue first
+#: (``STATS`` too, for every queue of the channel).
+_SEES_PREFETCH = frozenset((P.GET_NOWAIT, P.GET_BATCH, P.INFO))
+#: Puts that complete at once while their queue's credits last (see _protocol, Credits).
+_CREDITED = frozenset((P.PUT, P.PUT_NOWAIT))
+
+Received = tuple[Any, tuple[float, int], Sequence[Any]]  # (payload, (weight, seq), frames)
 
 
 class _Op(asyncio.Future):  # type: ignore[type-arg]
@@ -75,14 +103,16 @@ class _Op(asyncio.Future):  # type: ignore[type-arg]
     allocation per operation, and overriding ``cancel`` catches every way a work
     gets cancelled (``work.cancel()``, ``wait(timeout)`` expiring, a task
     cancelled while awaiting it) without a done callback per operation.
-    Operations that nobody awaits (``CANCEL``, ``UNGET``) are never completed.
+    Operations that nobody awaits (``CANCEL``, ``UNGET``, the ``GET`` and
+    ``PREFETCH`` slots of a :class:`_GetStream`) are never completed.
     """
 
     __slots__ = ("core", "state", "kind", "queue", "number", "payload", "frames", "token",
-                 "address")
+                 "address", "stream")
 
     def __init__(self, core: _ClientCore, state: _ChannelState, kind: int, queue: str,
-                 number: Any, payload: Any, frames: Sequence[Any]) -> None:
+                 number: Any, payload: Any, frames: Sequence[Any],
+                 stream: _GetStream | None = None) -> None:
         super().__init__(loop=core.loop)
         self.core = core
         self.state = state
@@ -93,24 +123,76 @@ class _Op(asyncio.Future):  # type: ignore[type-arg]
         self.frames = frames
         self.token = 0
         self.address: str | None = None  # set once it is handed to an outbox
+        self.stream = stream  # the stream a GET/PREFETCH sent on behalf of users feeds
 
     def cancel(self, msg: Any = None) -> bool:
         if not super().cancel(msg=msg):
             return False
-        if self.kind in _PARKABLE:
+        if self.kind == _USER_GET:
+            self.core._withdraw_get(self)
+        elif self.kind in _PARKABLE:
             self.core._on_cancel(self)
         return True
 
 
 class _Outbox:
-    __slots__ = ("meta", "frames", "ops", "nbytes", "inline")
+    """What leaves for one channel worker at the end of this loop turn."""
+
+    __slots__ = ("meta", "frames", "ops", "nbytes", "inline", "credited")
 
     def __init__(self) -> None:
         self.meta: list[Any] = []
         self.frames: list[Any] = []
-        self.ops: list[_Op] = []
+        self.ops: list[_Op] = []  # the operations that await an answer, or are withdrawn
         self.nbytes = 0
         self.inline = 0
+        #: The channel whose credited puts (already complete, no _Op) are in ``meta``.
+        self.credited: _ChannelState | None = None
+
+
+class _GetStream:
+    """The gets of this process on one queue of one channel (loop thread only).
+
+    User gets wait in ``waiting``; the channel worker sees *slots* instead:
+    ``PREFETCH`` requests for up to ``depth`` items already queued while the
+    user's gets follow each other closely (streaming), and a parkable ``GET`` for
+    each waiting user get that no prefetch in flight can serve. Answers arrive in the order the slots were sent, whatever
+    their kind, and each item goes to the oldest waiting user get or, if none
+    waits, to ``ready`` for the next one; so the items reach the user gets in
+    queue order, as if each get had been sent alone. ``depth`` doubles while user
+    gets still have to wait and halves when a prefetch finds the queue empty.
+    Prefetched items go back to the queue (``UNGET``, at their places) after
+    :data:`~aiorl.channels._protocol.PREFETCH_IDLE` seconds without a get, and
+    before any other operation on the queue that must see them (``get_batch``,
+    ``get_nowait``, ``qsize``, ``statistics``).
+    """
+
+    __slots__ = ("state", "queue", "waiting", "ready", "demand", "requested", "requested_total",
+                 "settling", "depth", "last_get", "held", "timer")
+
+    def __init__(self, state: _ChannelState, queue: str) -> None:
+        self.state = state
+        self.queue = queue
+        self.waiting: collections.deque[_Op] = collections.deque()  # user gets, in call order
+        self.ready: collections.deque[Received] = collections.deque()  # prefetched items
+        self.demand: collections.deque[_Op] = collections.deque()  # GET slots not answered
+        self.requested: dict[_Op, int] = {}  # PREFETCH slots not answered -> items asked for
+        self.requested_total = 0
+        self.settling = 0  # slots withdrawn (CANCEL sent) whose answer has not arrived
+        self.depth = 0
+        self.last_get = -1e9  # when a user get was last issued or served
+        #: Operations on this queue held back until withdrawn and in-flight slots are
+        #: answered, so that they see the prefetched items back in the queue.
+        self.held: list[_Op] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def can_serve(self) -> bool:
+        """Whether a new user get takes a prefetched item now (nothing waits before it)."""
+        return bool(self.ready) and not self.waiting and self.held is None
+
+    def in_flight(self) -> int:
+        """Items that slots may still bring beyond what waiting user gets need."""
+        return len(self.demand) + self.requested_total - len(self.waiting)
 
 
 class _ChannelState:
@@ -123,57 +205,31 @@ class _ChannelState:
         self.backlog: list[_Op] = []  # operations issued before the address was known
         self.task: asyncio.Task[str] | None = None  # the resolution whose outcome counts
         self.ready_waiters: list[AsyncChannelWork[Any]] = []
-
-
-class _ItemPickler(pickle.Pickler):
-    """Pickle protocol 5 with aiorl's tensor reduction (see :mod:`aiorl.transport.serialization`).
-
-    :func:`serialization.dumps` builds its dispatch table on every call; items
-    are pickled once per put, so this class keeps one (rebuilt when torch is
-    first imported, since the table reduces tensors only once torch exists).
-    """
-
-    _table_for: tuple[bool, Any] = (False, None)  # (built, the torch module it was built with)
-
-
-def _item_dispatch_table() -> None:
-    torch = sys.modules.get("torch")
-    if _ItemPickler._table_for != (True, torch):
-        _ItemPickler.dispatch_table = serialization._dispatch_table()  # type: ignore[misc]
-        _ItemPickler._table_for = (True, torch)
+        self.credits: dict[str, int] = {}  # queue -> puts that may complete at once
+        self.unconfirmed = 0  # credited puts sent and not yet reported admitted
+        #: The error of a pipelined (credited) put, raised by the next operation.
+        self.failure: BaseException | None = None
+        self.streams: dict[str, _GetStream] = {}
 
 
 def encode_item(item: Any) -> tuple[Any, list[Any]]:
     """``(payload, frames)`` for an item: a small pickle inline, else ``(n, its n frames)``.
 
-    Same format as :func:`aiorl.transport.serialization.dumps` (buffers of at
-    least ``OOB_THRESHOLD`` bytes, e.g. tensor data, become zero-copy frames);
-    anything plain pickle refuses goes through ``serialization.dumps`` (cloudpickle).
+    The frames are the pickle and its out-of-band buffers from aiorl's one codec,
+    :func:`aiorl.transport.serialization.encode` (buffers of at least
+    ``OOB_THRESHOLD`` bytes, e.g. tensor data, become zero-copy frames). Raises
+    :class:`~aiorl.transport.serialization.SerializationError`.
     """
-    _item_dispatch_table()
-    buffers: list[Any] = []
-
-    def out_of_band(buf: pickle.PickleBuffer) -> bool:
-        if buf.raw().nbytes < serialization.OOB_THRESHOLD:
-            return True  # in-band: cheaper than a frame of its own
-        buffers.append(buf.raw())
-        return False
-
-    stream = io.BytesIO()
-    try:
-        _ItemPickler(stream, 5, buffer_callback=out_of_band).dump(item)
-    except Exception:
-        frames = serialization.dumps(item)  # cloudpickle fallback; raises SerializationError
-        if len(frames) == 1 and len(frames[0]) <= P.INLINE_MAX:
-            return bytes(frames[0]), []
-        return len(frames), frames
-    if not buffers and stream.tell() <= P.INLINE_MAX:
-        return stream.getvalue(), []
-    return 1 + len(buffers), [stream.getbuffer(), *buffers]
+    data, buffers = serialization.encode(item)
+    if not buffers and len(data) <= P.INLINE_MAX:
+        return data, []
+    return 1 + len(buffers), [data, *buffers]
 
 
 def decode_item(payload: Any, frames: Sequence[Any]) -> Any:
-    return serialization.loads(frames if payload.__class__ is int else [payload])
+    if payload.__class__ is int:
+        return serialization.decode(frames[0], frames[1:])
+    return serialization.decode(payload)
 
 
 class _ClientCore:
@@ -185,13 +241,14 @@ class _ClientCore:
         self.endpoint = runtime.endpoint
         self._states: dict[str, _ChannelState] = {}
         self._states_lock = threading.Lock()
+        self._by_address: dict[str, _ChannelState] = {}
         self._tokens = itertools.count(1)
         self._pending: dict[int, _Op] = {}
         self._outboxes: dict[str, _Outbox] = {}
         self._flush_scheduled = False
-        self._inbox: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
-        self._inbox_lock = threading.Lock()
-        self._inbox_scheduled = False
+        # The future of every put completed with a credit: shared, as it never changes.
+        self._accepted: asyncio.Future[None] = self.loop.create_future()
+        self._accepted.set_result(None)
         # Before any operation can be posted (call_soon keeps FIFO order).
         runtime.call_soon(self._install)
 
@@ -207,39 +264,27 @@ class _ClientCore:
             return st
 
     # ------------------------------------------------------------------ any thread
-    def on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop: now on the loop thread, else batched via the inbox."""
-        if _running_loop() is self.loop:
-            fn(*args)
-            return
-        with self._inbox_lock:
-            self._inbox.append((fn, args))
-            if self._inbox_scheduled:
-                return
-            self._inbox_scheduled = True
-        self.loop.call_soon_threadsafe(self._drain_inbox)
-
     def submit(self, state: _ChannelState, kind: int, queue: str, number: Any, payload: Any = 0,
                frames: Sequence[Any] = ()) -> AsyncChannelWork[Any]:
+        on_loop = self.runtime.on_loop_thread()
+        if on_loop and state.failure is None:  # the fast paths: no _Op, nothing to await
+            if kind in _CREDITED and self._put_credited(state, queue, number, payload, frames):
+                return AsyncChannelWork(self.loop, self._accepted)
+            if kind == _USER_GET:
+                stream = state.streams.get(queue)
+                if stream is not None and stream.can_serve():
+                    fut: asyncio.Future[Any] = self.loop.create_future()
+                    self._serve_ready(stream, fut)
+                    return AsyncChannelWork(self.loop, fut)
         op = _Op(self, state, kind, queue, number, payload, frames)
         work: AsyncChannelWork[Any] = AsyncChannelWork(self.loop, op)
-        if _running_loop() is self.loop:
+        if on_loop:
             self._accept(op)
         else:
-            self.on_loop(self._accept_from_thread, op, work)
+            self.runtime.call_soon(self._accept_from_thread, op, work)
         return work
 
     # ------------------------------------------------------------------ loop thread
-    def _drain_inbox(self) -> None:
-        with self._inbox_lock:
-            batch, self._inbox = self._inbox, []
-            self._inbox_scheduled = False
-        for fn, args in batch:
-            try:
-                fn(*args)
-            except Exception:
-                log.exception("channel operation failed on the loop")
-
     def _accept_from_thread(self, op: _Op, work: AsyncChannelWork[Any]) -> None:
         work._concurrent()  # link the thread-side mirror now: wait() then needs no extra hop
         self._accept(op)
@@ -247,6 +292,52 @@ class _ClientCore:
     def _accept(self, op: _Op) -> None:
         if op.done():  # cancelled before it could leave
             return
+        st = op.state
+        if st.failure is not None:  # an earlier pipelined put failed: this operation says so
+            exc, st.failure = st.failure, None
+            op.set_exception(exc)
+            return
+        kind = op.kind
+        if kind == _USER_GET:
+            self._accept_get(op)
+            return
+        if kind in _SEES_PREFETCH:
+            stream = st.streams.get(op.queue)
+            if stream is not None and not self._prefetch_returned(stream, op):
+                return
+        elif kind == P.STATS:
+            for stream in st.streams.values():
+                if not self._prefetch_returned(stream, op):
+                    return  # held: accepted again (and the other queues checked) once settled
+        elif kind in _CREDITED and self._put_credited(st, op.queue, op.number, op.payload,
+                                                      op.frames):
+            op.set_result(None)
+            return
+        self._issue(op)
+
+    def _put_credited(self, st: _ChannelState, queue: str, weight: float, payload: Any,
+                      frames: Sequence[Any]) -> bool:
+        """Send a put with a credit, complete already; False without a credit.
+
+        Only items with at most their own pickle in ``frames`` qualify: no user buffer
+        (tensor data sent zero-copy) that must stay untouched until it has been sent.
+        """
+        address = st.address
+        if address is None or len(frames) > 1:
+            return False
+        credits = st.credits.get(queue, 0)
+        if not credits:
+            return False
+        st.credits[queue] = credits - 1
+        st.unconfirmed += 1
+        box = self._box(address)
+        box.credited = st
+        self._add(address, box, (P.PUT_CREDITED, next(self._tokens), queue, weight, payload),
+                  frames)
+        return True
+
+    def _issue(self, op: _Op) -> None:
+        """Send ``op`` (or keep it until its channel is resolved); its answer is awaited."""
         op.token = token = next(self._tokens)
         self._pending[token] = op
         st = op.state
@@ -258,21 +349,29 @@ class _ClientCore:
 
     def _enqueue(self, address: str, op: _Op) -> None:
         op.address = address
+        box = self._box(address)
+        box.ops.append(op)
+        self._add(address, box, (op.kind, op.token, op.queue, op.number, op.payload), op.frames)
+
+    def _box(self, address: str) -> _Outbox:
         box = self._outboxes.get(address)
         if box is None:
             box = self._outboxes[address] = _Outbox()
             if not self._flush_scheduled:
                 self._flush_scheduled = True
                 self.loop.call_soon(self._flush)
-        payload = op.payload
-        box.meta.append((op.kind, op.token, op.queue, op.number, payload))
-        box.ops.append(op)
-        if op.frames:
-            box.frames.extend(op.frames)
-            box.nbytes += sum(len(f) for f in op.frames)
-        elif payload.__class__ is not int:
-            box.inline += len(payload)
-        if (len(box.ops) >= P.MAX_BATCH_OPS or box.inline >= P.MAX_INLINE_BYTES
+        return box
+
+    def _add(self, address: str, box: _Outbox, entry: tuple[Any, ...],
+             frames: Sequence[Any]) -> None:
+        """Add one wire entry to ``box``; send the box now once it is full."""
+        box.meta.append(entry)
+        if frames:
+            box.frames.extend(frames)
+            box.nbytes += sum(len(f) for f in frames)
+        elif entry[4].__class__ is not int:  # the payload: an inline pickle
+            box.inline += len(entry[4])
+        if (len(box.meta) >= P.MAX_BATCH_OPS or box.inline >= P.MAX_INLINE_BYTES
                 or box.nbytes >= P.MAX_BATCH_BYTES):
             self._send(address, self._outboxes.pop(address))
 
@@ -286,13 +385,27 @@ class _ClientCore:
         try:
             self.endpoint.send_oneway(address, P.OPS, box.meta, box.frames)
         except Exception as exc:  # PeerLostError for a dead channel; anything else is ours
+            lost = exc if isinstance(exc, PeerLostError) else PeerLostError(
+                f"could not send to channel worker {address}: {exc}")
+            if box.credited is not None:
+                self._pipelined_failed(box.credited, lost)
             for op in box.ops:
-                self._fail(op, exc if isinstance(exc, PeerLostError) else PeerLostError(
-                    f"channel {op.state.name!r}: could not send to {address}: {exc}"))
+                self._fail(op, lost)
 
     def _fail(self, op: _Op, exc: BaseException) -> None:
-        if self._pending.pop(op.token, None) is not None and not op.done():
+        if self._pending.pop(op.token, None) is None:
+            return
+        if op.stream is not None:
+            self._stream_failed(op.stream, exc)
+        elif not op.done():
             op.set_exception(exc)
+
+    def _pipelined_failed(self, st: _ChannelState, exc: BaseException) -> None:
+        """A put that already completed (with a credit) failed: the next operation raises it."""
+        if st.failure is None:
+            log.warning("channel %r: a pipelined put failed; the next operation on the channel "
+                        "(or flush()) raises it: %s", st.name, exc)
+            st.failure = exc
 
     def _on_cancel(self, op: _Op) -> None:
         """A parkable operation was cancelled locally: withdraw it at the channel worker."""
@@ -314,7 +427,7 @@ class _ClientCore:
         for token, status, info in meta:
             op = pending.pop(token, None)
             if status == P.ITEMS:
-                items = []
+                items: list[Received] = []
                 for payload, weight, seq in info:
                     if payload.__class__ is int:
                         items.append((payload, (weight, seq), frames[pos:pos + payload]))
@@ -322,7 +435,12 @@ class _ClientCore:
                     else:
                         items.append((payload, (weight, seq), ()))
                 if op is None or op.done():
-                    self._refused(peer, op, token, items)
+                    self._refused(peer, op, token, items)  # before held operations go out
+                    if op is not None and op.stream is not None:
+                        self._slot_withdrawn(op.stream)
+                    continue
+                if op.stream is not None:
+                    self._slot_items(op, items)
                     continue
                 try:
                     if op.kind == P.GET_BATCH:
@@ -335,9 +453,23 @@ class _ClientCore:
                     continue
                 op.set_result(value)
                 continue
-            if op is None or op.done():
+            if status == P.CREDIT:
+                self._on_credit(peer, info)
+                continue
+            if op is None:
+                if status == P.ERROR:  # a pipelined put the channel worker refused
+                    st = self._by_address.get(peer)
+                    if st is not None:
+                        self._pipelined_failed(st, RemoteError(
+                            f"{st.group}:0", 0, "ChannelError", str(info), ""))
+                continue
+            if op.done():
+                if op.stream is not None:  # CANCELLED: a withdrawn slot
+                    self._slot_withdrawn(op.stream)
                 continue  # CANCELLED after a local cancel, or a late answer nobody awaits
-            if status == P.OK:
+            if op.stream is not None:
+                self._slot_answered(op, status, info)
+            elif status == P.OK:
                 if op.kind == P.STATS:
                     op.set_result({
                         q: QueueStats(int(v[0]), float(v[1]), int(v[2]), int(v[3]), int(v[4]),
@@ -358,32 +490,238 @@ class _ClientCore:
                 op.set_exception(RemoteError(
                     f"{op.state.group}:0", 0, "ChannelError", str(info), ""))
 
-    def _refused(self, peer: str, op: _Op | None, token: int,
-                 items: list[tuple[Any, Any, Sequence[Any]]]) -> None:
+    def _on_credit(self, peer: str, info: Any) -> None:
+        st = self._by_address.get(peer)
+        if st is None:
+            return  # from a channel worker this process no longer uses
+        queue, granted, admitted = info
+        if granted:
+            st.credits[queue] = st.credits.get(queue, 0) + int(granted)
+        st.unconfirmed -= int(admitted)
+
+    def _refused(self, peer: str, op: _Op | None, token: int, items: list[Received]) -> None:
         """Items arrived for a get nobody waits for (it was cancelled): send them back."""
         if op is None:
             log.error("channel answer for unknown operation %s: %d item(s) dropped",
                       token, len(items))
             return
+        if items and not self.endpoint.is_lost(peer):
+            self._unget(peer, op.state, op.queue, items)
+
+    def _unget(self, address: str, st: _ChannelState, queue: str, items: Sequence[Received]) -> None:
         frames = [f for _, _, fs in items for f in fs]
-        unget = _Op(self, op.state, P.UNGET, op.queue, [place for _, place, _ in items],
-                    [p for p, _, _ in items], frames)
-        if not self.endpoint.is_lost(peer):
-            self._enqueue(peer, unget)
+        self._enqueue(address, _Op(self, st, P.UNGET, queue, [place for _, place, _ in items],
+                                   [p for p, _, _ in items], frames))
 
     def _on_lost(self, address: str, exc: BaseException) -> None:
         self._outboxes.pop(address, None)
-        with self._states_lock:
-            states = list(self._states.values())
-        for st in states:
-            if st.address == address:
-                # Resolve again on the next operation: that fails with PeerLostError while
-                # the channel is dead, and finds a channel re-created under the same name.
-                st.address = None
+        st = self._by_address.pop(address, None)
+        if st is not None:
+            # Resolve again on the next operation: that fails with PeerLostError while
+            # the channel is dead, and finds a channel re-created under the same name.
+            st.address = None
+            st.credits.clear()
+            if st.unconfirmed > 0:
+                self._pipelined_failed(st, PeerLostError(
+                    f"channel {st.name!r} is gone (its worker {st.group}:0 was lost) with "
+                    f"{st.unconfirmed} pipelined put(s) not yet in their queue: {exc}"))
+            st.unconfirmed = 0
+            for stream in st.streams.values():  # prefetched items were lost with it
+                self._stream_failed(stream, PeerLostError(
+                    f"channel {st.name!r} is gone (its worker {st.group}:0 was lost): {exc}"))
         for op in [op for op in self._pending.values() if op.address == address]:
             self._fail(op, PeerLostError(
                 f"channel {op.state.name!r} is gone (its worker {op.state.group}:0 was lost): "
                 f"{exc}"))
+
+    # ------------------------------------------------------------------ gets (loop thread)
+    def _stream(self, st: _ChannelState, queue: str) -> _GetStream:
+        stream = st.streams.get(queue)
+        if stream is None:
+            stream = st.streams[queue] = _GetStream(st, queue)
+        return stream
+
+    def _accept_get(self, op: _Op) -> None:
+        stream = self._stream(op.state, op.queue)
+        if stream.held is not None:
+            stream.held.append(op)
+            return
+        if stream.can_serve():
+            self._serve_ready(stream, op)
+            return
+        now = self.loop.time()
+        if now - stream.last_get < P.PREFETCH_IDLE:  # streaming, and it has to wait:
+            stream.depth = min(P.PREFETCH_MAX, max(2, stream.depth * 2))  # prefetch deeper
+        stream.last_get = now
+        stream.waiting.append(op)
+        self._top_up(stream)
+
+    def _serve_ready(self, stream: _GetStream, fut: asyncio.Future[Any]) -> None:
+        """Complete a user get with the oldest prefetched item (see _GetStream.can_serve)."""
+        stream.last_get = self.loop.time()
+        self._resolve(fut, stream.ready.popleft())
+        self._top_up(stream)
+
+    def _top_up(self, stream: _GetStream) -> None:
+        """Cover every waiting user get by a slot, and prefetch up to ``depth`` items.
+
+        A user get is covered by a prefetch in flight, or else by a parkable GET of its
+        own. A GET is sent only when no prefetch can serve the get, so no GET stays
+        parked at the channel worker for a get already served (it would take an item
+        that a getter of another process may be waiting for).
+        """
+        for _ in range(len(stream.waiting) - len(stream.demand) - stream.requested_total):
+            slot = _Op(self, stream.state, P.GET, stream.queue, 0, 0, (), stream)
+            stream.demand.append(slot)
+            self._issue(slot)
+        if not stream.depth:
+            return
+        wanted = stream.depth - len(stream.ready) - stream.in_flight()
+        if wanted >= max(1, stream.depth // 2):  # ask in chunks: fewer, fuller messages
+            slot = _Op(self, stream.state, P.PREFETCH, stream.queue, wanted, 0, (), stream)
+            stream.requested[slot] = wanted
+            stream.requested_total += wanted
+            self._issue(slot)
+        if stream.timer is None:
+            stream.timer = self.loop.call_later(P.PREFETCH_IDLE, self._idle, stream)
+
+    def _resolve(self, op: asyncio.Future[Any], item: Received) -> None:
+        payload, _, frames = item
+        try:
+            value = decode_item(payload, frames)
+        except BaseException as exc:  # noqa: BLE001 - the consumer learns why
+            op.set_exception(exc)
+            return
+        op.set_result(value)
+
+    def _slot_items(self, slot: _Op, items: list[Received]) -> None:
+        stream = slot.stream
+        assert stream is not None
+        if slot.kind == P.GET:
+            stream.demand.remove(slot)  # the oldest: answers come in order
+        else:
+            stream.requested_total -= stream.requested.pop(slot)
+            if not items:
+                stream.depth //= 2  # the queue ran dry: the consumer is not behind
+        for item in items:
+            self._item_arrived(stream, item)
+        if stream.held is None and stream.waiting:
+            self._top_up(stream)  # a prefetch brought less than the waiting gets need
+        self._settled(stream)
+
+    def _item_arrived(self, stream: _GetStream, item: Received) -> None:
+        waiting = stream.waiting
+        if waiting:
+            stream.last_get = self.loop.time()  # waiting for an item is not being idle
+            self._resolve(waiting.popleft(), item)
+        elif stream.held is None:
+            # Kept for the next get even if prefetching stopped meanwhile: returning it now
+            # and asking again would only churn. The idle timer returns what stays unused.
+            stream.ready.append(item)
+            if stream.timer is None:
+                stream.timer = self.loop.call_later(P.PREFETCH_IDLE, self._idle, stream)
+        elif stream.state.address is not None:  # held operations must see it in the queue
+            self._unget(stream.state.address, stream.state, stream.queue, [item])
+
+    def _slot_answered(self, slot: _Op, status: int, info: Any) -> None:
+        """A slot's answer without items (ERROR): the oldest waiting user get fails."""
+        stream = slot.stream
+        assert stream is not None
+        if slot.kind == P.GET:
+            stream.demand.remove(slot)
+        else:
+            stream.requested_total -= stream.requested.pop(slot)
+        if stream.waiting:
+            stream.waiting.popleft().set_exception(RemoteError(
+                f"{stream.state.group}:0", 0, "ChannelError", str(info), ""))
+        self._settled(stream)
+
+    def _slot_withdrawn(self, stream: _GetStream) -> None:
+        stream.settling -= 1
+        self._settled(stream)
+
+    def _withdraw_get(self, op: _Op) -> None:
+        """A user get was cancelled: forget it, and withdraw a GET slot it no longer needs."""
+        stream = op.state.streams.get(op.queue)
+        if stream is None:
+            return
+        if stream.held is not None and op in stream.held:
+            stream.held.remove(op)
+            return
+        if op in stream.waiting:
+            stream.waiting.remove(op)
+            if not stream.depth:
+                self._withdraw_slots(stream)
+
+    def _withdraw_slots(self, stream: _GetStream) -> None:
+        """Cancel the newest GET slots beyond what the waiting user gets need."""
+        while stream.demand and len(stream.demand) + stream.requested_total > len(stream.waiting):
+            slot = stream.demand.pop()
+            if slot.address is not None:
+                stream.settling += 1  # its answer (CANCELLED or the item) is still to come
+            slot.cancel()
+
+    def _return_prefetch(self, stream: _GetStream) -> None:
+        """Stop prefetching; prefetched items go back to their places in the queue."""
+        stream.depth = 0
+        self._withdraw_slots(stream)
+        if stream.ready:
+            items, stream.ready = list(stream.ready), collections.deque()
+            if stream.state.address is not None:
+                self._unget(stream.state.address, stream.state, stream.queue, items)
+
+    def _prefetch_returned(self, stream: _GetStream, op: _Op) -> bool:
+        """Before ``op`` (get_nowait, get_batch, qsize, statistics) sees the queue: return
+        prefetched items.
+
+        False if ``op`` was taken care of (served from prefetched items, or held
+        until slots in flight are answered and their items returned too).
+        """
+        if stream.held is not None:
+            stream.held.append(op)
+            return False
+        if op.kind == P.GET_NOWAIT and stream.ready and not stream.waiting:
+            self._resolve(op, stream.ready.popleft())
+            return False
+        self._return_prefetch(stream)
+        if stream.settling or stream.requested:
+            stream.held = [op]
+            return False
+        return True
+
+    def _settled(self, stream: _GetStream) -> None:
+        if stream.held is None or stream.settling or stream.requested:
+            return
+        held, stream.held = stream.held, None
+        self._return_prefetch(stream)  # what arrived meanwhile goes back first
+        for op in held:
+            self._accept(op)
+
+    def _idle(self, stream: _GetStream) -> None:
+        stream.timer = None
+        if stream.waiting:
+            return  # nothing is prefetched; the next arrival or get arms the timer again
+        idle_for = self.loop.time() - stream.last_get
+        if idle_for < P.PREFETCH_IDLE:
+            if stream.depth or stream.ready:
+                stream.timer = self.loop.call_later(
+                    max(P.PREFETCH_IDLE - idle_for, 0.001), self._idle, stream)
+            return
+        self._return_prefetch(stream)
+
+    def _stream_failed(self, stream: _GetStream, exc: BaseException) -> None:
+        """Its channel is lost (or cannot be resolved): every user get waiting fails."""
+        stream.demand.clear()
+        stream.requested.clear()
+        stream.requested_total = 0
+        stream.ready.clear()  # lost with the channel worker, like the items still queued
+        stream.settling = 0
+        stream.depth = 0
+        waiting, stream.waiting = stream.waiting, collections.deque()
+        held, stream.held = stream.held or [], None
+        for op in [*waiting, *held]:
+            if not op.done():
+                op.set_exception(exc)
 
     # ------------------------------------------------------------------ resolution (loop)
     def _ensure_resolving(self, st: _ChannelState) -> None:
@@ -400,6 +738,7 @@ class _ClientCore:
         if exc is None:
             if st.address is None:
                 st.address = task.result()
+                self._by_address[st.address] = st
             if st.task is task:
                 st.task = None
             backlog, st.backlog = st.backlog, []
@@ -430,7 +769,7 @@ class _ClientCore:
             st.ready_waiters.append(work)
             self._ensure_resolving(st)
 
-        self.on_loop(check)
+        self.runtime.call_soon(check)
         return work
 
     async def _connect(self, st: _ChannelState, timeout: float, launched: bool = False) -> str:
@@ -443,9 +782,10 @@ class _ClientCore:
             # This process may remember an earlier channel worker of this name that died
             # (the channel was destroyed and created again): ask the registry, which knows
             # the newest one; after our own launch, wait for it.
-            info = await self._lookup_ready(name, timeout if launched else 0.0)
-            if info is None or self.endpoint.is_lost(str(info["endpoint"])):
+            newest = await self._lookup_ready(name, timeout if launched else 0.0)
+            if newest is None or self.endpoint.is_lost(str(newest["endpoint"])):
                 raise
+            info = newest
         return str(info["endpoint"])
 
     async def _lookup_ready(self, name: str, wait: float) -> dict[str, Any] | None:
@@ -457,14 +797,13 @@ class _ClientCore:
         delay = 0.01
         while True:
             try:
-                reply = await self.runtime.registry.request("lookup", {"name": name})
-            except RemoteError:
-                reply = {}  # not registered (yet)
-            state = reply.get("state")
-            if state == "ready":
-                return dict(reply["info"])
-            if state == "failed":
-                d = reply.get("detail") or {}
+                record = await self.runtime.registry.lookup(name)
+            except NotFoundError:
+                record = None  # not registered (yet)
+            if record is not None and record.state == WorkerState.READY:
+                return record.info.to_wire()
+            if record is not None and record.state == WorkerState.FAILED:
+                d = record.detail
                 raise WorkerInitError(name, 0, str(d.get("type", "Exception")),
                                       str(d.get("message", "")), str(d.get("traceback", "")))
             if self.loop.time() + delay > deadline:
@@ -472,39 +811,29 @@ class _ClientCore:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
-    async def _create(self, st: _ChannelState, cluster: Any, maxsize: int,
+    async def _create(self, st: _ChannelState, session: Session, maxsize: int,
                       where: Callable[[], Coroutine[Any, Any, int]], timeout: float) -> str:
         launched = False
         if not await self._group_exists(st.group):
             node_rank = await where()
-            if hasattr(cluster, "refresh"):  # a ClusterView: its node list must be current
-                await cluster.refresh()
-            from aiorl.placement import NodePlacementStrategy
-
-            builder = ChannelWorker.create_group(st.name, maxsize)
-            launch = functools.partial(builder.launch, cluster, NodePlacementStrategy([node_rank]),
-                                       st.group)
+            if isinstance(session, WorkerSession):
+                await session.refresh()  # its node list must be current for the placement
+            builder = WorkerGroupBuilder(ChannelHost, (st.name, maxsize), {})
             try:
-                # launch() blocks on the loop via run_sync, so it runs on a helper thread.
-                await self.loop.run_in_executor(None, launch)
+                await builder.launch_async(session, NodePlacementStrategy([node_rank]), st.group)
                 launched = True
-            except RemoteError as exc:
-                if "already exists" not in str(exc.message):
-                    raise
-                # Another creator won the race: connect to its channel.
+            except GroupExistsError:
+                pass  # another creator won the race: connect to its channel
         return await self._connect(st, timeout, launched)
 
     async def _group_exists(self, group: str) -> bool:
         try:
-            await self.runtime.registry.request("lookup_group", {"group": group})
-        except RemoteError as exc:
-            if exc.exc_type.endswith("KeyError"):
-                return False
-            raise
+            await self.runtime.registry.lookup_group(group)
+        except GroupNotFoundError:
+            return False
         return True
 
 
-_running_loop = asyncio._get_running_loop  # C-level and cheap (the hot path asks every call)
 _cores: weakref.WeakKeyDictionary[Runtime, _ClientCore] = weakref.WeakKeyDictionary()
 _cores_lock = threading.Lock()
 
@@ -530,9 +859,8 @@ def _affinity_node(runtime: Runtime, group: str | None, rank: int | None, defaul
         if own is not None and name == own[0]:
             return own[1]  # ourselves: possibly still in __init__, so not yet registered
         try:
-            reply = await runtime.registry.request("lookup", {"name": name})
-            return int(reply["info"]["node_rank"])
-        except (RemoteError, KeyError, TypeError, ValueError):
+            return int((await runtime.registry.lookup(name)).info.node_rank)
+        except NotFoundError:
             pass  # not registered yet: wait until it is ready
         info = await runtime.resolve_worker(name, timeout, wait_for_group=True)
         return int(info["node_rank"])
@@ -632,15 +960,15 @@ class Channel:
         assert self._state is not None
         return core, self._state
 
-    def _start_create(self, cluster: Any, maxsize: int,
+    def _start_create(self, session: Session, maxsize: int,
                       where: Callable[[], Coroutine[Any, Any, int]], timeout: float) -> None:
         core, st = self._bind()
 
         def start() -> None:
             if st.address is None:
-                core._start(st, core._create(st, cluster, maxsize, where, timeout))
+                core._start(st, core._create(st, session, maxsize, where, timeout))
 
-        core.on_loop(start)
+        core.runtime.call_soon(start)
 
     def _start_connect(self, timeout: float) -> None:
         core, st = self._bind()
@@ -649,7 +977,7 @@ class Channel:
             if st.address is None and st.task is None:
                 core._start(st, core._connect(st, timeout))
 
-        core.on_loop(start)
+        core.runtime.call_soon(start)
 
     def _settle(self) -> Channel:
         core, _ = self._bind()
@@ -666,7 +994,7 @@ class Channel:
         core, st = self._bind()
         return core.ready(st)
 
-    def __await__(self) -> Any:
+    def __await__(self) -> Generator[Any, None, Channel]:
         yield from self.wait_ready().__await__()
         return self
 
@@ -686,13 +1014,20 @@ class Channel:
     def put(self, item: Any, weight: float = 0, queue_name: str = "default") -> AsyncChannelWork[None]:
         """Put ``item`` into queue ``queue_name``; the work completes once the item is accepted.
 
-        On a full queue the work waits (backpressure) until a get makes room;
-        puts from one process enter the queue in call order. ``item`` is pickled
-        now (tensors travel zero-copy: do not modify one until its put is done).
+        Accepted means: in the queue, or, while this process holds a *credit* for
+        the queue, promised room there. The channel worker grants credits for
+        free room only, so with credits a put completes at once and travels
+        pipelined; without (a full queue) the work waits (backpressure) until a
+        get makes room. Puts from one process enter the queue in call order.
+        ``item`` is pickled now; an item with out-of-band buffers (a tensor of
+        64 KiB or more, sent zero-copy) always waits for the channel worker's
+        answer, so it may be modified once its put is done.
 
         Raises :class:`~aiorl.transport.serialization.SerializationError` at once
         for an item that cannot be pickled; the work fails with
-        :class:`~aiorl.PeerLostError` if the channel worker dies.
+        :class:`~aiorl.PeerLostError` if the channel worker dies. If a pipelined
+        put cannot reach its queue, the next operation on the channel from this
+        process (or :meth:`flush`) fails with that error.
         """
         core, st = self._bind()
         payload, frames = encode_item(item)
@@ -702,7 +1037,8 @@ class Channel:
     def put_nowait(self, item: Any, weight: float = 0, queue_name: str = "default") -> Any:
         """Put ``item`` only if its queue has room, else raise :class:`~aiorl.QueueFull`.
 
-        From synchronous code this blocks for one round trip and returns None.
+        From synchronous code this blocks for one round trip (none while this process
+        holds a credit for the queue, see :meth:`put`) and returns None.
         On the runtime loop's thread (``async`` worker methods) it returns an
         :class:`~aiorl.AsyncChannelWork` to await, which raises ``QueueFull``.
         """
@@ -716,9 +1052,17 @@ class Channel:
         """Take the first item of ``queue_name``, waiting while the queue is empty.
 
         Waiting getters are served in the order their requests reached the channel.
+        Gets that follow each other closely prefetch items already queued, so a
+        loop of ``await ch.get()`` streams without a round trip per item.
         """
         core, st = self._bind()
-        return core.submit(st, P.GET, _check_queue(queue_name), 0)
+        return core.submit(st, _USER_GET, _check_queue(queue_name), 0)
+
+    def flush(self) -> AsyncChannelWork[None]:
+        """A work that completes once every put this process issued to the channel before
+        it is in its queue; it fails with the error of a pipelined put that could not be."""
+        core, st = self._bind()
+        return core.submit(st, P.FLUSH, "", 0)
 
     def get_nowait(self, queue_name: str = "default") -> Any:
         """Take the first item at once, or raise :class:`~aiorl.QueueEmpty`.
@@ -758,7 +1102,8 @@ class Channel:
             raise RuntimeError(
                 f"Channel.{what}() blocks and cannot run on the aiorl event loop's thread; "
                 "in async code use 'stats = await channel.statistics()'")
-        return core.submit(st, P.INFO, _check_queue(queue_name), 0).wait()
+        qsize, maxsize = core.submit(st, P.INFO, _check_queue(queue_name), 0).wait()
+        return int(qsize), int(maxsize)
 
     def qsize(self, queue_name: str = "default") -> int:
         """Items in ``queue_name`` now (0 for a queue never used). Synchronous code only."""
@@ -781,18 +1126,18 @@ class Channel:
 
         async def destroy() -> None:
             try:
-                await core.runtime.registry.request("close_group", {"group": st.group})
-            except RemoteError as exc:
-                if not exc.exc_type.endswith("KeyError"):
-                    raise
+                await core.runtime.registry.close_group(st.group)
+            except GroupNotFoundError:
+                pass  # destroyed already
             if st.address is not None:
+                st.unconfirmed = 0  # pipelined puts are dropped with the queues, as asked
                 core.endpoint.mark_peer_lost(st.address, f"channel {st.name!r} was destroyed")
 
         def start() -> None:
             task = core.loop.create_task(destroy())
             task.add_done_callback(work._complete_from)
 
-        core.on_loop(start)
+        core.runtime.call_soon(start)
         return work
 
 
@@ -817,7 +1162,8 @@ def _unpickle_channel(name: str) -> Channel:
 
 # ---------------------------------------------------------------------- inside workers
 def create_channel_from_worker(
-    worker: Worker,
+    runtime: Runtime,
+    info: WorkerInfo,
     name: str,
     group_affinity: str | None = None,
     group_rank_affinity: int | None = None,
@@ -825,34 +1171,31 @@ def create_channel_from_worker(
 ) -> Channel:
     """``Worker.create_channel``: create (or connect to) channel ``name`` from inside a worker.
 
-    The channel worker runs on the node of ``group_affinity:group_rank_affinity``
-    (rank 0 if only the group is given, this worker's group if only the rank is),
-    by default on this worker's node. From a plain method (the method thread)
-    this blocks until the channel is ready and raises creation errors; from an
-    ``async`` method (the event loop) it returns the handle at once, its
-    operations wait for readiness, and ``await`` on the handle waits explicitly.
+    ``runtime`` and ``info`` are the calling worker's. The channel worker runs on
+    the node of ``group_affinity:group_rank_affinity`` (rank 0 if only the group
+    is given, this worker's group if only the rank is), by default on this
+    worker's node. From a plain method (the method thread) this blocks until the
+    channel is ready and raises creation errors; from an ``async`` method (the
+    event loop) it returns the handle at once, its operations wait for
+    readiness, and ``await`` on the handle waits explicitly.
     """
-    from aiorl.cluster import current_cluster_view
-
-    runtime = worker._runtime
     maxsize = _check_maxsize(maxsize)
-    view = current_cluster_view()
+    session = WorkerSession.current()
     if group_affinity is None and group_rank_affinity is not None:
-        group_affinity = worker.worker_group_name
-    info = worker.worker_info
+        group_affinity = info.address.root_group_name
     where = _affinity_node(runtime, group_affinity, group_rank_affinity, int(info.node_rank),
-                           (worker.worker_name, int(info.node_rank)), DEFAULT_CONNECT_TIMEOUT)
+                           (info.name, int(info.node_rank)), DEFAULT_CONNECT_TIMEOUT)
     ch = Channel(name, runtime)
-    ch._start_create(view, maxsize, where, DEFAULT_CONNECT_TIMEOUT)
+    ch._start_create(session, maxsize, where, DEFAULT_CONNECT_TIMEOUT)
     return ch._settle()
 
 
-def connect_channel_from_worker(worker: Worker, name: str) -> Channel:
+def connect_channel_from_worker(runtime: Runtime, name: str) -> Channel:
     """``Worker.connect_channel``: connect to channel ``name`` from inside a worker.
 
     Waits (up to 60 s) for the channel to exist and be ready: blocking from a
     plain method, lazily (operations wait) from an ``async`` method.
     """
-    ch = Channel(name, worker._runtime)
+    ch = Channel(name, runtime)
     ch._start_connect(DEFAULT_CONNECT_TIMEOUT)
     return ch._settle()

@@ -33,6 +33,24 @@ with ``payload`` as above and ``seq`` the item's place in its queue; for ``STATS
 Every parked operation is answered exactly once: with its result, or with
 ``CANCELLED`` after a ``CANCEL`` found it still parked. A ``CANCEL`` that finds
 nothing (the answer is already on its way) is not answered.
+
+Credits (pipelined puts)
+    The channel worker grants each client, per queue, *credits*: room it
+    promises to accept items into. A client holding a credit sends its put as
+    ``PUT_CREDITED`` and completes it locally at once; such a put is never
+    answered, except with ``ERROR`` if it is malformed. Grants travel as answers
+    with token 0 and status ``CREDIT``, ``info = [queue_name, granted, admitted]``:
+    ``granted`` new credits, and ``admitted`` credited puts that entered the queue
+    since the last report (what ``FLUSH`` and a lost channel worker are judged by).
+    Credits are granted only for free room (``maxsize``), so a full queue grants
+    none and puts wait as uncredited ``PUT``s again. ``FLUSH`` is answered once no
+    credited put of that client is still waiting for room.
+
+Prefetch (streaming gets)
+    A client whose gets follow each other closely sends ``PREFETCH`` entries for
+    items already queued: they take nothing when the queue is empty (never
+    waiting, so they cannot take items that arrive for other getters), and what
+    they bring is kept for the client's next gets.
 """
 
 from __future__ import annotations
@@ -54,6 +72,11 @@ CANCEL = 5  #: withdraw the parked operation named by ``token``
 UNGET = 6
 STATS = 7
 INFO = 8
+PUT_CREDITED = 9  #: a put the client already completed with a credit (see Credits)
+FLUSH = 10  #: answered once every earlier credited put of this client is in its queue
+#: up to ``number`` items already queued, at once (never waits); answered ``ITEMS``,
+#: possibly none
+PREFETCH = 11
 
 # answer statuses
 OK = 0
@@ -62,6 +85,7 @@ EMPTY = 2
 CANCELLED = 3
 ERROR = 4
 ITEMS = 5  #: a successful get; its own status so frames can be skipped without knowing the op
+CREDIT = 6  #: a credit grant (token 0): ``[queue_name, granted, admitted]``
 
 #: Pickles up to this size travel inline in the message header instead of as a frame.
 INLINE_MAX = 32 * 1024
@@ -71,3 +95,12 @@ MAX_INLINE_BYTES = 256 * 1024
 MAX_BATCH_OPS = 1024
 #: ... or this many bytes in frames, so one message stays a reasonable size.
 MAX_BATCH_BYTES = 8 << 20
+
+#: The most credits one client holds per queue (an unbounded queue grants this many;
+#: a bounded one at most its free room). A producer runs at most this far ahead.
+CREDIT_WINDOW = 4096
+#: The most items a streaming consumer prefetches per queue.
+PREFETCH_MAX = 256
+#: Prefetched items a consumer has not asked for within this many seconds go back
+#: to their queue, so an idle consumer does not hold items others are waiting for.
+PREFETCH_IDLE = 0.005

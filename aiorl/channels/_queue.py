@@ -121,6 +121,10 @@ class WeightedQueue(Generic[T]):
     def full(self) -> bool:
         return self.maxsize > 0 and len(self._items) >= self.maxsize
 
+    def waiting_putters(self) -> int:
+        """Puts parked until the queue has room."""
+        return len(self._putters)
+
     def stats(self) -> QueueStats:
         return QueueStats(
             qsize=len(self._items),

@@ -1,32 +1,36 @@
-"""The channel worker: the process that hosts one channel's queues.
+"""The channel host: the worker process that holds one channel's queues.
 
 A channel is served by a one-rank worker group named ``channel.<name>``
-(:func:`group_name_for`). Its :class:`ChannelWorker` registers the channel
-operations on the worker's own endpoint, so items go straight from a producer's
-endpoint to this process and from here to a consumer's, one ZMQ message per
-direction per event-loop turn however many operations it carries (see
-:mod:`aiorl.channels._protocol`). Items are never unpickled here: the server
-stores and forwards the producer's frames (pickle stream plus out-of-band tensor
-buffers) as they arrived.
+(:func:`group_name_for`) whose instance is a :class:`ChannelHost`: a plain
+class (not an :class:`aiorl.Worker`, which lives in a layer above channels)
+that registers the channel operations on the process's endpoint, so items go
+straight from a producer's endpoint to this process and from here to a
+consumer's, one ZMQ message per direction per event-loop turn however many
+operations it carries (see :mod:`aiorl.channels._protocol`). Items are never
+unpickled here: the server stores and forwards the producer's frames (pickle
+stream plus out-of-band tensor buffers) as they arrived.
 
 All state lives on the worker's event loop; the queue rules themselves are in
-:mod:`aiorl.channels._queue`.
+:mod:`aiorl.channels._queue`. Besides answering operations, the server grants
+producers *credits* (room it promises to accept) so that their puts complete
+without a round trip each; see :class:`ChannelServer`.
 """
+
+# HOT PATH: _on_ops, _dispatch, _deliver and _flush run per item.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-from typing import Any
+from typing import Any, cast
 
-from aiorl.actors.worker import Worker
 from aiorl.channels import _protocol as P
 from aiorl.channels._queue import Done, Entry, WeightedQueue
 from aiorl.errors import QueueEmpty, QueueFull
 from aiorl.names import WorkerAddress
+from aiorl.runtime import current_runtime
 from aiorl.transport.endpoint import Endpoint, Incoming
 
-__all__ = ["GROUP_PREFIX", "ChannelServer", "ChannelWorker", "group_name_for"]
+__all__ = ["GROUP_PREFIX", "ChannelHost", "ChannelServer", "group_name_for"]
 
 log = logging.getLogger("aiorl.channels")
 
@@ -36,6 +40,7 @@ GROUP_PREFIX = "channel."
 #: One stored item: its pickle as bytes (sent inline) or the tuple of its frames.
 Item = Any
 Waiter = tuple[bytes, int]  # (client routing identity, client token)
+CreditKey = tuple[bytes, str]  # (client routing identity, queue name)
 
 
 def group_name_for(channel_name: str) -> str:
@@ -61,7 +66,18 @@ class _Chunk:
 
 
 class ChannelServer:
-    """Serves :data:`~aiorl.channels._protocol.OPS` on ``endpoint`` (its loop thread only)."""
+    """Serves :data:`~aiorl.channels._protocol.OPS` on ``endpoint`` (its loop thread only).
+
+    Credits: every client that puts into a queue holds up to
+    :data:`~aiorl.channels._protocol.CREDIT_WINDOW` credits for it, topped up at
+    the end of each loop turn in which its puts entered the queue. In a bounded
+    queue the credits of all clients together never exceed the free room
+    (``maxsize`` minus queued items, parked puts and credits already out), so a
+    full queue grants none and puts wait for room as uncredited ``PUT`` operations. A
+    credited put that still finds the queue full (another client's uncredited put
+    took the room) is parked like any put and admitted in order; it stays even if
+    its producer goes away, since the producer already counted it as accepted.
+    """
 
     def __init__(self, endpoint: Endpoint, name: str, maxsize: int = 0) -> None:
         self.endpoint = endpoint
@@ -71,6 +87,14 @@ class ChannelServer:
         self._parked: dict[Waiter, str] = {}  # waiting put/get -> its queue (for CANCEL)
         self._out: dict[bytes, list[_Chunk]] = {}
         self._flush_scheduled = False
+        # Credits (see the class docstring).
+        self._credits: dict[CreditKey, int] = {}  # granted and not yet used
+        self._credits_in_queue: dict[str, int] = {}  # the same, summed per queue
+        self._credited: set[Waiter] = set()  # credited puts not yet admitted
+        self._credited_parked: dict[bytes, int] = {}  # per client: credited puts not admitted
+        self._admitted: dict[CreditKey, int] = {}  # credited puts admitted, not yet reported
+        self._grant_due: set[CreditKey] = set()  # (client, queue) whose credits to top up
+        self._flushes: dict[bytes, list[int]] = {}  # FLUSH tokens waiting for credited puts
         endpoint.handle(P.OPS, self._on_ops)
 
     # ------------------------------------------------------------------ requests
@@ -90,7 +114,9 @@ class ChannelServer:
                     self._deliver(qname, self._queue(qname).unget(items))
                     continue
                 if payload.__class__ is int:  # the item owns that many frames
-                    payload, pos = tuple(frames[pos:pos + payload]), pos + payload
+                    count: int = payload
+                    payload = tuple(frames[pos:pos + count])
+                    pos += count
                 self._dispatch(identity, kind, token, qname, number, payload)
             except Exception as exc:  # a malformed entry fails that operation only
                 log.debug("channel %s: operation %r failed", self.name, entry[:4], exc_info=True)
@@ -100,7 +126,9 @@ class ChannelServer:
     def _dispatch(self, identity: bytes, kind: int, token: int, qname: str, number: Any,
                   item: Item) -> None:
         waiter = (identity, token)
-        if kind == P.PUT:
+        if kind == P.PUT_CREDITED:
+            self._put_credited(identity, waiter, qname, float(number), item)
+        elif kind == P.PUT:
             q = self._queue(qname)
             self._parked[waiter] = qname
             self._deliver(qname, q.put(item, float(number), waiter))
@@ -124,11 +152,11 @@ class ChannelServer:
             self._answer(identity, token, P.OK, None)
             self._deliver(qname, done)
         elif kind == P.GET_NOWAIT:
-            q = self.queues.get(qname)
+            existing = self.queues.get(qname)
             try:
-                if q is None:
+                if existing is None:
                     raise QueueEmpty(qname)
-                entry, done = q.get_nowait()
+                entry, done = existing.get_nowait()
             except QueueEmpty:
                 self._answer(identity, token, P.EMPTY, None)
                 return
@@ -142,13 +170,79 @@ class ChannelServer:
             if found:
                 self._answer(identity, token, P.CANCELLED, None)
             self._deliver(parked_in, done)
+        elif kind == P.PREFETCH:
+            existing = self.queues.get(qname)
+            taken: list[Entry] = []
+            while existing is not None and len(taken) < number and not existing.empty():
+                entry, done = existing.get_nowait()
+                taken.append(entry)
+                if done:  # parked putters admitted into the room it made
+                    self._deliver(qname, done)
+            self._answer_items(identity, token, qname, taken)
+        elif kind == P.FLUSH:
+            if self._credited_parked.get(identity):
+                self._flushes.setdefault(identity, []).append(token)
+            else:
+                self._answer(identity, token, P.OK, None)
         elif kind == P.STATS:
             self._answer(identity, token, P.OK, self.statistics())
         elif kind == P.INFO:
-            q = self.queues.get(qname)
-            self._answer(identity, token, P.OK, [q.qsize() if q is not None else 0, self.maxsize])
+            existing = self.queues.get(qname)
+            size = existing.qsize() if existing is not None else 0
+            self._answer(identity, token, P.OK, [size, self.maxsize])
         else:
             raise ValueError(f"unknown channel operation kind {kind!r}")
+
+    def _put_credited(self, identity: bytes, waiter: Waiter, qname: str, weight: float,
+                      item: Item) -> None:
+        """A put its producer already completed with a credit: accept it, never answer it."""
+        key = (identity, qname)
+        held = self._credits.get(key, 0)
+        if held:
+            self._credits[key] = held - 1
+            self._credits_in_queue[qname] -= 1
+        q = self._queue(qname)
+        if q.full():  # parked until there is room; _deliver admits it later
+            self._parked[waiter] = qname
+            self._credited.add(waiter)
+            self._credited_parked[identity] = self._credited_parked.get(identity, 0) + 1
+            self._deliver(qname, q.put(item, weight, waiter))
+            return
+        done = q.put(item, weight, waiter)  # admitted: done[0] is this put, then getters served
+        self._admitted[key] = self._admitted.get(key, 0) + 1
+        self._grant_due.add(key)
+        if len(done) > 1:
+            self._deliver(qname, done[1:])
+
+    def _credited_admitted(self, identity: bytes, key: CreditKey) -> None:
+        self._admitted[key] = self._admitted.get(key, 0) + 1
+        left = self._credited_parked.get(identity, 0) - 1
+        if left > 0:
+            self._credited_parked[identity] = left
+            return
+        self._credited_parked.pop(identity, None)
+        for token in self._flushes.pop(identity, ()):
+            self._answer(identity, token, P.OK, None)
+
+    def _grant_credits(self) -> None:
+        """Top up the credits of every (client, queue) whose puts entered a queue this turn."""
+        due, self._grant_due = self._grant_due, set()
+        for key in due:
+            identity, qname = key
+            held = self._credits.get(key, 0)
+            grant = P.CREDIT_WINDOW - held
+            if self.maxsize:
+                q = self.queues[qname]
+                room = (self.maxsize - q.qsize() - q.waiting_putters()
+                        - self._credits_in_queue.get(qname, 0))
+                grant = min(grant, room)
+            admitted = self._admitted.pop(key, 0)
+            if grant > 0:
+                self._credits[key] = held + grant
+                self._credits_in_queue[qname] = self._credits_in_queue.get(qname, 0) + grant
+            elif not admitted:
+                continue
+            self._answer(identity, 0, P.CREDIT, (qname, max(grant, 0), admitted))
 
     def statistics(self) -> dict[str, list[Any]]:
         """``queue name -> [qsize, weight, maxsize, waiting putters, waiting getters, reserved]``."""
@@ -161,13 +255,20 @@ class ChannelServer:
 
     # ------------------------------------------------------------------ answers
     def _deliver(self, qname: str, done: list[Done]) -> None:
-        for waiter, items in done:
-            identity, token = waiter  # type: ignore[misc]
-            self._parked.pop(waiter, None)  # type: ignore[arg-type]
-            if items is None:
-                self._answer(identity, token, P.OK, None)
-            else:
+        for completed, items in done:
+            waiter = cast(Waiter, completed)
+            identity, token = waiter
+            self._parked.pop(waiter, None)
+            if items is not None:
                 self._answer_items(identity, token, qname, items)
+                continue
+            key = (identity, qname)
+            self._grant_due.add(key)
+            if waiter in self._credited:
+                self._credited.discard(waiter)
+                self._credited_admitted(identity, key)
+            else:
+                self._answer(identity, token, P.OK, None)
 
     def _chunk(self, identity: bytes, inline: int = 0) -> _Chunk:
         chunks = self._out.get(identity)
@@ -184,15 +285,16 @@ class ChannelServer:
         self._chunk(identity).meta.append((token, status, info))
 
     def _answer_items(self, identity: bytes, token: int, qname: str, items: list[Entry]) -> None:
-        inline = sum(len(it) for it, _, _ in items if it.__class__ is bytes)  # type: ignore[arg-type]
+        stored: list[Any] = [item for item, _, _ in items]  # bytes, or a tuple of frames
+        inline = sum(len(item) for item in stored if item.__class__ is bytes)
         chunk = self._chunk(identity, inline)
-        info = []
-        for item, weight, seq in items:
+        info: list[tuple[Any, float, int]] = []
+        for item, (_, weight, seq) in zip(stored, items, strict=True):
             if item.__class__ is bytes:
                 info.append((item, weight, seq))
             else:
-                info.append((len(item), weight, seq))  # type: ignore[arg-type]
-                chunk.frames.extend(item)  # type: ignore[call-overload]
+                info.append((len(item), weight, seq))
+                chunk.frames.extend(item)
         chunk.meta.append((token, P.ITEMS, info))
         chunk.inline += inline
         chunk.handed_out.append((qname, items))
@@ -206,6 +308,8 @@ class ChannelServer:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        if self._grant_due:
+            self._grant_credits()
         out, self._out = self._out, {}
         for identity, chunks in out.items():
             for i, chunk in enumerate(chunks):
@@ -223,13 +327,20 @@ class ChannelServer:
         handed_out = [h for chunk in chunks for h in chunk.handed_out]
         log.warning("channel %s: a client went away; re-queueing %d undelivered answer(s)",
                     self.name, len(handed_out))
-        for waiter in [w for w in self._parked if w[0] == identity]:
+        self._flushes.pop(identity, None)
+        for key in [k for k in self._credits if k[0] == identity]:
+            self._credits_in_queue[key[1]] -= self._credits.pop(key)
+        for key in [k for k in self._admitted if k[0] == identity]:
+            del self._admitted[key]
+        # Its credited puts stay parked: the producer counted them as accepted.
+        for waiter in [w for w in self._parked if w[0] == identity and w not in self._credited]:
             qname = self._parked.pop(waiter)
             _, done = self.queues[qname].cancel(waiter)
             self._deliver(qname, done)
         # Most recent first: each unget goes to the front, so the original order is restored.
         for qname, items in reversed(handed_out):
             self._deliver(qname, self._queue(qname).unget(items))
+        self._schedule_flush()
 
 
 def _take_items(payloads: list[Any], places: list[Any], frames: list[Any],
@@ -237,34 +348,36 @@ def _take_items(payloads: list[Any], places: list[Any], frames: list[Any],
     """Decode an UNGET entry's items (``places`` = their ``[weight, seq]``)."""
     items: list[Entry] = []
     for payload, (weight, seq) in zip(payloads, places, strict=True):
+        item: Any = payload
         if payload.__class__ is int:
-            payload, pos = tuple(frames[pos:pos + payload]), pos + payload
-        items.append((payload, float(weight), int(seq)))
+            item = tuple(frames[pos:pos + payload])
+            pos += payload
+        items.append((item, float(weight), int(seq)))
     return items, pos
 
 
-class ChannelWorker(Worker):
-    """The worker that hosts a channel (launched by ``Channel.create``; not for direct use)."""
+class ChannelHost:
+    """The instance a channel's worker process hosts (``Channel.create`` launches it).
+
+    A plain class: the worker process builds it like any worker instance, and it
+    serves the channel through the process's runtime rather than through worker
+    methods (it has none).
+    """
 
     def __init__(self, channel_name: str, maxsize: int = 0) -> None:
-        super().__init__()
-        runtime = self._runtime
-        registered: concurrent.futures.Future[ChannelServer] = concurrent.futures.Future()
-
-        def setup() -> None:
-            try:
-                registered.set_result(ChannelServer(runtime.endpoint, channel_name, maxsize))
-            except BaseException as exc:  # noqa: BLE001 - re-raised in __init__ below
-                registered.set_exception(exc)
-
-        # __init__ runs on the method thread and the endpoint belongs to the loop: register
-        # there, and wait, so the handlers exist before this worker reports ready.
-        runtime.call_soon(setup)
-        self._server = registered.result(timeout=30)
-        # Process tuning (gc.freeze, mallopt) is done for every worker: worker_process.tune_process.
+        runtime = current_runtime()
+        if runtime is None:
+            raise RuntimeError("a ChannelHost runs inside an aiorl worker process; "
+                               "create channels with Channel.create or Worker.create_channel")
         self.channel_name = channel_name
         self.maxsize = maxsize
+        self.server: ChannelServer | None = None
+        # The worker process builds this instance on its method thread, while the endpoint
+        # belongs to the loop. ``call_soon`` queues the registration without blocking this
+        # thread, and the loop runs it before it learns that construction finished (both
+        # are loop callbacks, run in order), so the handlers exist before the worker
+        # reports ready and any client can send to it.
+        runtime.call_soon(self._serve, runtime.endpoint)
 
-    async def queue_statistics(self) -> dict[str, list[Any]]:
-        """The counters of every queue (see :meth:`ChannelServer.statistics`)."""
-        return self._server.statistics()
+    def _serve(self, endpoint: Endpoint) -> None:
+        self.server = ChannelServer(endpoint, self.channel_name, self.maxsize)

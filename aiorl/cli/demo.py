@@ -147,7 +147,9 @@ def _load_placement(path: str) -> dict[str, Any]:
     cfg = OmegaConf.to_container(raw, resolve=True)
     if not isinstance(cfg, dict):
         raise DemoError(f"{path}: expected a mapping with a cluster: section")
-    return cfg
+    # YAML allows non-string keys (`1:`, `true:`); the placement schema has string keys
+    # only, so any other key is reported by its text as unknown further on.
+    return {str(key): value for key, value in cfg.items()}
 
 
 def _plan(args: argparse.Namespace) -> _Plan:

@@ -27,7 +27,10 @@ def _status(args: argparse.Namespace) -> int:
     async def fetch() -> dict[str, Any]:
         endpoint = Endpoint("aiorl-status")
         try:
-            return await RegistryClient(endpoint, address).request("status", timeout=args.timeout)
+            # The reply is the mapping built by RegistryService._status.
+            reply: dict[str, Any] = await RegistryClient(endpoint, address).request(
+                "status", timeout=args.timeout)
+            return reply
         finally:
             endpoint.close()
 
@@ -73,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from aiorl.cli import demo
     except ImportError:
-        demo = None  # type: ignore[assignment]
-    if demo is not None:
+        pass  # a demo module that cannot load must not break `aiorl status` and `plan`
+    else:
         demo.add_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

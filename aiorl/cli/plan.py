@@ -84,7 +84,7 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the plan for ``args.config``; return 0, or 2 on an invalid config."""
     # Imported here, not at module level, so that `aiorl --help` stays fast.
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from aiorl.placement import ClusterSpec, ComponentPlacement, PlacementError, render_plan
@@ -96,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except Exception as exc:  # YAML syntax errors come from PyYAML with many types
         print(f"error: cannot parse {args.config}: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(cfg, DictConfig):  # a YAML list at the top level
+        print(f"error: {args.config}: expected a mapping with a cluster: section",
+              file=sys.stderr)
         return 2
     try:
         spec = ClusterSpec.from_config(

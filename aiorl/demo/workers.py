@@ -305,8 +305,11 @@ class TrainerWorker(Worker):
                 for src in range(1, world):
                     grads = await self.recv(group, src)
                     for p, g in zip(params, grads, strict=True):
+                        # backward() filled every .grad; zero_grad(set_to_none=False) keeps it.
+                        assert p.grad is not None
                         p.grad.add_(g)
                 for p in params:
+                    assert p.grad is not None
                     p.grad.div_(world)
             optimizer.step()
             self._version += 1

@@ -67,25 +67,50 @@ class WorkerGroupBuilder(Generic[W]):
         Raises :class:`ValueError` if a live group already has ``name``, and
         :class:`~aiorl.PlacementError` for a placement the cluster cannot hold.
         """
+        request, start = self._plan(cluster, placement_strategy, name, env)
+        runtime = cluster.runtime
+        runtime.run_sync(runtime.registry.request("create_group", request), timeout=30)
+        return start()
+
+    async def launch_async(
+        self,
+        cluster: Session,
+        placement_strategy: Any = None,
+        name: str | None = None,
+        *,
+        env: dict[str, str] | None = None,
+    ) -> WorkerGroup[W]:
+        """:meth:`launch` for code on the runtime loop's thread (channels launch their
+        host from there): it awaits the registry instead of blocking the loop."""
+        request, start = self._plan(cluster, placement_strategy, name, env)
+        await cluster.runtime.registry.request("create_group", request)
+        return start()
+
+    def _plan(self, cluster: Session, placement_strategy: Any, name: str | None,
+              env: dict[str, str] | None) -> tuple[dict[str, Any], Callable[[], WorkerGroup[W]]]:
+        """The registry's create_group request, and what starts the group once it succeeded."""
         from aiorl.placement import default_placement_strategy
 
-        if name is None:
-            name = self.cls.__name__
-        WorkerAddress(name)  # validates the name
+        group_name = name if name is not None else self.cls.__name__
+        WorkerAddress(group_name)  # validates the name
         spec = cluster.spec
         strategy = placement_strategy or default_placement_strategy(spec)
         placements = strategy.get_placement(spec)
         runtime = cluster.runtime
         payload = ship_class(self.cls, self.args, self.kwargs)
         request = {
-            "group": name, "world_size": len(placements), "owner": cluster.driver_id,
+            "group": group_name, "world_size": len(placements), "owner": cluster.driver_id,
             "worker_class": f"{self.cls.__module__}.{self.cls.__qualname__}",
         }
-        runtime.run_sync(runtime.registry.request("create_group", request), timeout=30)
-        cluster.groups[name] = request  # restored if the registry restarts
-        core = GroupCore(cluster, self.cls, name, len(placements))
-        runtime.call_soon(lambda: runtime.loop.create_task(core.start(placements, payload, env or {})))
-        return WorkerGroup(core)
+
+        def start() -> WorkerGroup[W]:
+            cluster.groups[group_name] = request  # restored if the registry restarts
+            core = GroupCore(cluster, self.cls, group_name, len(placements))
+            runtime.call_soon(
+                lambda: runtime.loop.create_task(core.start(placements, payload, env or {})))
+            return WorkerGroup(core)
+
+        return request, start
 
 
 class WorkerGroup(Generic[W]):

@@ -26,17 +26,30 @@ import glob
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from aiorl.node.zygote import read_message, set_parent_death_signal, write_message
+from aiorl.errors import AiorlError, ProtocolError, RegistryUnavailable
+from aiorl.names import WorkerInfo
+from aiorl.node.zygote import read_message, write_message
+from aiorl.protocol.fields import Fields
+from aiorl.protocol.ops import AgentOp, DriverOp, WorkerOp, WorkerState
+from aiorl.protocol.registry import (
+    GroupRef,
+    GroupSpec,
+    NodeInfo,
+    NodeRegistration,
+    WorkerExit,
+    parse_worker_info,
+)
+from aiorl.protocol.spawn import HostNode, SpawnReply, SpawnRequest, WorkerSpawn
 from aiorl.registry.client import RegistryClient
 from aiorl.transport import security
 from aiorl.transport.endpoint import Endpoint, Incoming
@@ -81,7 +94,7 @@ class _Child:
     pid: int
     log_path: str
     started: float
-    info: dict[str, Any] | None = None  # the worker's WorkerInfo once it reported ready
+    info: WorkerInfo | None = None  # once the worker reported ready
     output_to: str | None = None  # endpoint of the driver that wants this worker's output
     output_offset: int = 0  # how much of the log file has been forwarded
 
@@ -97,9 +110,19 @@ class NodeAgent:
         hardware: dict[str, int],
         labels: dict[str, str],
         log_dir: str,
+        keys: security.ClusterKeys | None,
+        listen: str | None = None,
+        owns_log_dir: bool = False,
     ) -> None:
         self.registry_address = registry
         self.host = host
+        #: The cluster's keys: given to our endpoint and, over the zygote's private
+        #: channel, to every worker (never through an environment variable).
+        self.keys = keys
+        #: Where this agent and its workers bind: ``ipc://DIR`` (embedded) or the node's IP.
+        self.listen = listen or host
+        #: A log directory this agent made for itself is removed on a clean stop.
+        self.owns_log_dir = owns_log_dir
         self.node_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.requested_rank = node_rank
         detected, acc_type = detect_accelerators()
@@ -109,6 +132,9 @@ class NodeAgent:
         self.labels = labels
         self.log_dir = log_dir
         self.children: dict[int, _Child] = {}
+        #: The groups of our workers, with their owners: a restarted registry learns them
+        #: from our registration, so it can expire a group whose driver died meanwhile.
+        self.groups: dict[str, GroupSpec] = {}
         self.node_rank = -1
         self._spawn_waiters: dict[int, asyncio.Future[int]] = {}
         self._spawn_ids = iter(range(1, 1 << 62))
@@ -118,13 +144,13 @@ class NodeAgent:
     # ------------------------------------------------------------------ startup
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.endpoint = Endpoint(f"node-{self.node_id}", host=self.host)
+        self.endpoint = Endpoint(f"node-{self.node_id}", host=self.listen, keys=self.keys)
         self.registry = RegistryClient(self.endpoint, self.registry_address)
-        self.endpoint.handle("spawn", self._on_spawn)
-        self.endpoint.handle("kill_group", self._on_kill_group)
-        self.endpoint.handle("free_port", lambda m: m.reply({"port": _free_port(self.host)}))
-        self.endpoint.handle("ping", lambda m: m.reply({"node_id": self.node_id}))
-        self.endpoint.handle("worker_ready", self._on_worker_ready)
+        self.endpoint.handle(AgentOp.SPAWN, self._on_spawn)
+        self.endpoint.handle(AgentOp.KILL_GROUP, self._on_kill_group)
+        self.endpoint.handle(AgentOp.FREE_PORT, lambda m: m.reply({"port": _free_port(self.host)}))
+        self.endpoint.handle(AgentOp.PING, lambda m: m.reply({"node_id": self.node_id}))
+        self.endpoint.handle(AgentOp.WORKER_READY, self._on_worker_ready)
         self._zygote_ready = loop.create_future()
         self._start_zygote()
         await self._register()
@@ -155,28 +181,32 @@ class NodeAgent:
         child.output_offset += end
         lines = data[:end].decode("utf-8", "replace").splitlines()
         try:
-            self.endpoint.send_oneway(child.output_to, "worker_output",
+            self.endpoint.send_oneway(child.output_to, DriverOp.WORKER_OUTPUT,
                                       {"name": child.name, "pid": child.pid, "lines": lines})
         except Exception:
             child.output_to = None  # the driver is gone; keep the output in the file only
 
     async def _register(self) -> None:
-        reply = await self.registry.request("register_node", {
-            "node_id": self.node_id,
-            "node_rank": self.requested_rank if self.node_rank < 0 else self.node_rank,
-            "ip": self.host,
-            "hostname": socket.gethostname(),
-            "cpus": os.cpu_count() or 1,
-            "num_accelerators": self.num_accelerators,
-            "accelerator_type": self.accelerator_type,
-            "hardware": self.hardware,
-            "labels": self.labels,
-            "endpoint": self.endpoint.address,
-            "pid": os.getpid(),
-        })
+        wanted = self.requested_rank if self.node_rank < 0 else self.node_rank
+        node = NodeInfo(
+            node_id=self.node_id,
+            endpoint=self.endpoint.address,
+            node_rank=-1 if wanted is None else wanted,
+            ip=self.host,
+            hostname=socket.gethostname(),
+            cpus=os.cpu_count() or 1,
+            num_accelerators=self.num_accelerators,
+            accelerator_type=self.accelerator_type,
+            hardware=self.hardware,
+            labels=self.labels,
+            pid=os.getpid(),
+        )
+        live_groups = {c.group for c in self.children.values()}
+        owned = tuple(spec for name, spec in self.groups.items() if name in live_groups)
+        reply = await self.registry.register_node(NodeRegistration(node, owned))
         rejoined = self.node_rank >= 0
-        self.node_rank = reply["node_rank"]
-        self._heartbeat_interval = reply["heartbeat_interval"]
+        self.node_rank = reply.node_rank
+        self._heartbeat_interval = reply.lease.heartbeat_interval
         log.info("joined %s as node rank %d", self.registry_address, self.node_rank)
         if rejoined:
             await self._replay_workers()
@@ -187,17 +217,21 @@ class NodeAgent:
         for child in list(self.children.values()):
             if child.info is None:
                 continue
-            await self.registry.request("worker_state", {"info": child.info, "state": "ready"})
+            await self.registry.report_state(child.info, WorkerState.READY)
             try:
-                self.endpoint.send_oneway(child.info["endpoint"], "registry_restarted")
+                self.endpoint.send_oneway(child.info.endpoint, WorkerOp.REGISTRY_RESTARTED)
             except Exception:
                 log.debug("could not notify %s of the registry restart", child.name)
 
     def _on_worker_ready(self, msg: Incoming) -> None:
-        info = msg.meta["info"]
-        for child in self.children.values():
-            if child.pid == info.get("pid"):
-                child.info = info
+        try:
+            info = parse_worker_info(Fields(msg.meta, "worker_ready").nested("info"))
+        except ProtocolError as exc:
+            log.warning("ignored a malformed worker_ready: %s", exc)
+            return
+        child = self.children.get(info.pid)
+        if child is not None and child.name == info.name:
+            child.info = info
 
     def _start_zygote(self) -> None:
         ours, theirs = socket.socketpair()
@@ -208,6 +242,8 @@ class NodeAgent:
             stdin=subprocess.DEVNULL,
         )
         theirs.close()
+        # What every worker shares and must not inherit through its environment.
+        write_message(ours, ("session", self.keys, self.listen))
         ours.setblocking(False)
         asyncio.get_running_loop().add_reader(ours.fileno(), self._on_zygote_readable)
 
@@ -258,48 +294,41 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ spawning
     def _on_spawn(self, msg: Incoming) -> None:
-        task = asyncio.get_running_loop().create_task(self._spawn(msg.meta, msg.frames))
+        request = SpawnRequest.from_wire(msg.meta)  # ProtocolError: answered by the endpoint
+        payload = bytes(msg.frames[0]) if msg.frames else b""
+        task = asyncio.get_running_loop().create_task(self._spawn(request, payload))
 
         def answer(t: asyncio.Task[list[int]]) -> None:
             if t.cancelled():
                 return  # the agent is shutting down; the caller learns it from the registry
-            if t.exception() is not None:
-                msg.reply_error(t.exception())  # type: ignore[arg-type]
+            error = t.exception()
+            if error is not None:
+                msg.reply_error(error)
             else:
-                msg.reply({"pids": t.result()})
+                msg.reply(SpawnReply(tuple(t.result())).to_wire())
 
         task.add_done_callback(answer)
 
-    async def _spawn(self, meta: dict[str, Any], frames: list[Any]) -> list[int]:
+    async def _spawn(self, request: SpawnRequest, payload: bytes) -> list[int]:
         assert self._zygote_ready is not None
         await self._zygote_ready
-        payload = bytes(frames[0]) if frames else b""
-        os.makedirs(self.log_dir, exist_ok=True)
+        os.makedirs(self.log_dir, mode=0o700, exist_ok=True)  # worker output is private
+        self.groups[request.group] = request.group_spec()
+        node = HostNode(self.node_id, self.node_rank, self.host, socket.gethostname(),
+                        self.accelerator_type, self.endpoint.address)
         pids = []
-        for spec in meta["workers"]:
-            name = f"{meta['group']}:{spec['rank']}"
-            spec = dict(spec)
-            spec.update(
-                group=meta["group"],
-                payload=payload,
-                registry=self.registry_address,
-                node={
-                    "node_id": self.node_id,
-                    "node_rank": self.node_rank,
-                    "ip": self.host,
-                    "hostname": socket.gethostname(),
-                    "accelerator_type": self.accelerator_type,
-                    "endpoint": self.endpoint.address,
-                },
-                log_path=os.path.join(self.log_dir, f"{name.replace(':', '_')}.log"),
-            )
+        for launch in request.workers:
+            # The group name's grammar (aiorl.names) keeps this path inside log_dir.
+            log_path = os.path.join(self.log_dir, f"{request.group}_{launch.rank}.log")
+            spec = WorkerSpawn(launch, request.group, request.world_size, payload,
+                               self.registry_address, node, log_path)
             spawn_id = next(self._spawn_ids)
             fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             self._spawn_waiters[spawn_id] = fut
             write_message(self._zygote_channel, ("spawn", spawn_id, spec))
             pid = await fut
-            self.children[pid] = _Child(name, meta["group"], pid, spec["log_path"], time.time(),
-                                        output_to=meta.get("output_to"))
+            self.children[pid] = _Child(spec.name, request.group, pid, log_path, time.time(),
+                                        output_to=request.output_to)
             pids.append(pid)
         return pids
 
@@ -307,30 +336,33 @@ class NodeAgent:
         child = self.children.pop(pid, None)
         if child is None or self._stopped.is_set():
             return  # shutting down: the registry learns from unregister_node instead
+        if not any(c.group == child.group for c in self.children.values()):
+            self.groups.pop(child.group, None)  # none of its workers left here
         self._forward_output(child)  # its last words reach the driver before the news
         exit_code = os.waitstatus_to_exitcode(status)
         sig = -exit_code if exit_code < 0 else 0
         tail = tail_lines(child.log_path)
         how = f"killed by {signal.Signals(sig).name}" if sig else f"exited with code {exit_code}"
         log.info("worker %s (pid %d) %s", child.name, pid, how)
-        report = {
-            "address": child.name, "pid": pid, "exit_code": exit_code, "signal": sig,
-            "stderr_tail": tail, "reason": f"worker {child.name} (pid {pid}) {how}",
-        }
+        report = WorkerExit(child.name, pid, exit_code, sig, tail,
+                            f"worker {child.name} (pid {pid}) {how}")
         asyncio.get_running_loop().create_task(self._report_exit(report))
 
-    async def _report_exit(self, report: dict[str, Any]) -> None:
+    async def _report_exit(self, report: WorkerExit) -> None:
         """Tell the registry; while it is unreachable (restarting), retry every second."""
         while not self._stopped.is_set():
             try:
-                await self.registry.request("worker_exited", report, timeout=5)
+                await self.registry.report_exit(report, timeout=5)
                 return
-            except Exception as exc:
-                log.warning("could not report %s's exit yet (%s); retrying", report["address"], exc)
+            except RegistryUnavailable as exc:
+                log.warning("could not report %s's exit yet (%s); retrying", report.address, exc)
                 await asyncio.sleep(1.0)
+            except AiorlError as exc:  # refused: retrying would be refused again
+                log.error("the registry refused the exit report of %s: %s", report.address, exc)
+                return
 
     def _on_kill_group(self, msg: Incoming) -> None:
-        group = msg.meta["group"]
+        group = GroupRef.from_wire(msg.meta).group
         victims = [c for c in self.children.values() if c.group == group]
         self._kill(victims)
         msg.reply({"killed": len(victims)})
@@ -366,7 +398,7 @@ class NodeAgent:
         for c in self.children.values():
             _signal_group(c.pid, signal.SIGKILL)
         try:
-            await self.registry.request("unregister_node", {"node_id": self.node_id}, timeout=1.0)
+            await self.registry.unregister_node(self.node_id, timeout=1.0)
         except Exception:
             pass
         self.registry.close()
@@ -374,6 +406,8 @@ class NodeAgent:
             self.zygote.kill()
         self.zygote.wait()
         self.endpoint.close()
+        if self.owns_log_dir and os.environ.get("AIORL_KEEP_LOGS") != "1":
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -408,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aiorl-node", description="Run an aiorl node agent.")
     parser.add_argument("--registry", default=os.environ.get("AIORL_REGISTRY"),
                         help="registry address, tcp://HOST:PORT (default: $AIORL_REGISTRY)")
+    parser.add_argument("--ipc-dir", default=None,
+                        help="bind this agent's and its workers' sockets as Unix sockets in DIR, "
+                             "a 0700 directory of this user (how an embedded Cluster runs)"),
     parser.add_argument("--host", default=None, help="this node's IP as others reach it")
     parser.add_argument("--node-rank", type=int, default=None, help="fixed node rank (stable order)")
     parser.add_argument("--accelerators", type=int, default=None,
@@ -415,7 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hardware", action="append", default=[], metavar="TYPE=COUNT",
                         help="custom hardware on this node, e.g. robot=2 (repeatable)")
     parser.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--log-dir", default=None, help="where worker logs go")
+    parser.add_argument("--log-dir", default=None,
+                        help="where worker logs go (default: a private directory under the "
+                             "user's runtime directory, removed when the agent stops)")
     parser.add_argument("--exit-on-stdin-close", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--key-file", default=None,
                         help="the cluster key file written by aiorl-registry (default: "
@@ -423,29 +462,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--insecure", action="store_true", help="no authentication")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    keys: security.ClusterKeys | None = None
     if args.insecure or os.environ.get(security.ENV_INSECURE) == "1":
         os.environ[security.ENV_INSECURE] = "1"
     elif args.key_file:
-        os.environ.update(security.ClusterKeys.load(args.key_file).to_env())
+        keys = security.ClusterKeys.load(args.key_file)
     else:
         keys = security.keys_from_environment()
         if keys is None:
             parser.error("no cluster key: pass --key-file (the file aiorl-registry wrote), set "
                          "$AIORL_KEY_FILE, or run everything with --insecure")
-        # Into the environment, so the zygote and every worker it forks inherit them.
-        os.environ.update(keys.to_env())
+    if keys is not None and keys.mechanism == "plain" and args.ipc_dir is None:
+        parser.error("the key file says mechanism=plain, which aiorl uses only inside one "
+                     "machine (it would send the secret over TCP): use mechanism=curve")
+    # The zygote and the workers must not inherit the secret: they get it on a private channel.
+    security.scrub_key_variables()
+    security.set_process_keys(keys)
     if not args.registry:
         parser.error("--registry (or $AIORL_REGISTRY) is required")
     host = args.host or (
-        "127.0.0.1" if args.registry.startswith(("tcp://127.", "tcp://localhost")) else local_ip()
+        "127.0.0.1" if args.registry.startswith(("tcp://127.", "tcp://localhost", "ipc://"))
+        else local_ip()
     )
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s [node {host}] %(levelname)s %(message)s")
-    log_dir = args.log_dir or os.path.join(tempfile.gettempdir(), f"aiorl-node-{os.getpid()}-logs")
+    log_dir = args.log_dir or security.make_private_directory("aiorl-node-logs-")
+    log.info("worker logs go to %s", log_dir)
     agent = NodeAgent(
         args.registry, host=host, node_rank=args.node_rank, accelerators=args.accelerators,
         hardware=_parse_kv(args.hardware, "--hardware", int), labels=_parse_kv(args.label, "--label"),
-        log_dir=log_dir,
+        log_dir=log_dir, keys=keys, owns_log_dir=args.log_dir is None,
+        listen=f"ipc://{args.ipc_dir}" if args.ipc_dir else None,
     )
 
     async def run() -> None:

@@ -31,7 +31,21 @@ import socket
 import struct
 import sys
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from aiorl.protocol.spawn import WorkerSpawn
+
+if TYPE_CHECKING:
+    from aiorl.transport.security import ClusterKeys
+
+
+class _Session(NamedTuple):
+    """What the agent tells its zygote once for every worker: the cluster's keys (None:
+    insecure) and where workers bind. They travel on this private channel so that no
+    worker finds the secret in its environment."""
+
+    keys: ClusterKeys | None
+    listen: str
 
 __all__ = ["read_message", "set_parent_death_signal", "write_message"]
 
@@ -65,9 +79,15 @@ def read_message(sock: socket.socket) -> Any:
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes, or None once the other side is gone. A peer that exits with unread
+    data in its buffer resets the connection instead of closing it: the same news (this
+    is what made closing a cluster log a ConnectionResetError traceback)."""
     buf = bytearray()
     while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
+        try:
+            chunk = sock.recv(n - len(buf))
+        except ConnectionResetError:
+            return None
         if not chunk:
             return None
         buf += chunk
@@ -87,7 +107,6 @@ def _preload() -> None:
         import torch._dynamo  # noqa: F401
     except Exception:
         pass
-    import zmq  # noqa: F401
 
     import aiorl.actors.worker_process  # noqa: F401
 
@@ -96,7 +115,7 @@ def _preload() -> None:
         importlib.import_module(name.strip())
 
 
-def _child(spec: dict[str, Any], channel: socket.socket, parent_pid: int) -> None:
+def _child(spec: WorkerSpawn, session: _Session, channel: socket.socket, parent_pid: int) -> None:
     """Runs in the forked child: detach, redirect output, become the worker."""
     code = 1
     try:
@@ -108,16 +127,16 @@ def _child(spec: dict[str, Any], channel: socket.socket, parent_pid: int) -> Non
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
-        log_fd = os.open(spec["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        log_fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         os.close(log_fd)
         sys.stdout = os.fdopen(1, "w", buffering=1)
         sys.stderr = os.fdopen(2, "w", buffering=1)
-        os.environ.update(spec.get("env", {}))
+        os.environ.update(spec.launch.env)
         from aiorl.actors import worker_process
 
-        code = worker_process.run(spec)
+        code = worker_process.run(spec, keys=session.keys, listen=session.listen)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
@@ -151,6 +170,7 @@ def serve(channel: socket.socket, parent_pid: int) -> None:
     sel.register(channel, selectors.EVENT_READ, "channel")
     sel.register(wake_r, selectors.EVENT_READ, "signal")
     my_pid = os.getpid()
+    session: _Session | None = None  # no worker starts before the agent said how
     while True:
         for key, _ in sel.select():
             if key.data == "signal":
@@ -163,8 +183,14 @@ def serve(channel: socket.socket, parent_pid: int) -> None:
             msg = read_message(channel)
             if msg is None:
                 return  # the agent is gone; PDEATHSIG takes our children with us
+            if msg[0] == "session":  # sent once, before any spawn
+                session = _Session(msg[1], msg[2])
+                continue
             op, spawn_id, spec = msg
             if op != "spawn":
+                continue
+            if session is None:
+                write_message(channel, ("spawn_failed", spawn_id, "the agent sent no session"))
                 continue
             try:
                 pid = os.fork()
@@ -172,7 +198,7 @@ def serve(channel: socket.socket, parent_pid: int) -> None:
                 write_message(channel, ("spawn_failed", spawn_id, repr(exc)))
                 continue
             if pid == 0:
-                _child(spec, channel, my_pid)
+                _child(spec, session, channel, my_pid)
             write_message(channel, ("spawned", spawn_id, pid))
 
 

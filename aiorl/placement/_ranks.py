@@ -112,8 +112,8 @@ def parse_rank_config(
         if len(text) == 0:
             raise PlacementError("empty rank list: give at least one rank")
         ranks = []
-        for item in text:
-            ranks.extend(parse_rank_config(item))
+        for element in text:
+            ranks.extend(parse_rank_config(element))
     else:
         raise PlacementError(
             f"{text!r} is not a rank string: use an integer, a string such as '0-3,5', or a list"

@@ -1,9 +1,19 @@
-"""The client side of the registry: requests with timeouts, watches, heartbeats.
+"""The client side of the registry: typed requests with timeouts, watches, heartbeats.
 
 One :class:`RegistryClient` per process, on the process's :class:`Endpoint`
-(so its loop and thread rules apply). Watches deliver each change of a worker
-to the callbacks registered for its name or its group; the client also keeps
-the last state it saw of every watched worker.
+(so its loop and thread rules apply). Each registry operation is a method
+taking and returning the typed messages of :mod:`aiorl.protocol.registry`
+(``create_group(spec)``, ``lookup(name) -> WorkerRecord``, ...); refusals
+arrive as the registry raised them, by class: :class:`GroupExistsError`,
+:class:`GroupNotFoundError`, :class:`WorkerNotFoundError`,
+:class:`NodeRankTakenError` (all :class:`RegistryError`), and
+:class:`ProtocolError` for a request the registry could not parse. Replies are
+checked as carefully as the registry checks requests. ``request()`` stays as
+the untyped, low-level call.
+
+Watches deliver each change of a worker to the callbacks registered for its
+name or its group; the client also keeps the last state it saw of every
+watched worker.
 """
 
 from __future__ import annotations
@@ -13,7 +23,37 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from aiorl.errors import PeerLostError, RegistryUnavailable
+from aiorl.errors import AuthenticationError, PeerLostError, ProtocolError, RegistryUnavailable
+from aiorl.names import WorkerInfo
+from aiorl.protocol.ops import RegistryEvent, RegistryOp, WorkerState
+from aiorl.protocol.registry import (
+    NODES_PATTERN,
+    DriverInfo,
+    DriverRef,
+    GroupRecord,
+    GroupRef,
+    GroupSpec,
+    Heartbeat,
+    HeartbeatReply,
+    Lease,
+    NoArgs,
+    NodeInfo,
+    NodeList,
+    NodeRef,
+    NodeRegistered,
+    NodeRegistration,
+    Pong,
+    StatusReport,
+    WatchRequest,
+    WatchSnapshot,
+    WireMessage,
+    WorkerChanged,
+    WorkerExit,
+    WorkerRecord,
+    WorkerRef,
+    WorkerStateReport,
+    root_of,
+)
 from aiorl.transport.endpoint import Endpoint
 
 __all__ = ["DEFAULT_TIMEOUT", "RegistryClient", "WorkerEvent"]
@@ -32,17 +72,17 @@ class RegistryClient:
         self.address = address
         self._watch_callbacks: dict[str, list[WorkerEvent]] = {}
         self._node_callbacks: list[Callable[[list[dict[str, Any]]], None]] = []
-        self.known: dict[str, dict[str, Any]] = {}  # worker name -> {"info", "state", "detail"}
+        self.known: dict[str, WorkerRecord] = {}  # worker name -> the last record seen
         self._heartbeat_task: asyncio.Task[None] | None = None
-        endpoint.on_event("worker", self._on_worker_event)
-        endpoint.on_event("nodes", self._on_nodes_event)
+        endpoint.on_event(RegistryEvent.WORKER, self._on_worker_event)
+        endpoint.on_event(RegistryEvent.NODES, self._on_nodes_event)
 
     async def request(self, op: str, meta: Any = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
         """Send ``op`` to the registry; returns the reply meta.
 
         Raises :class:`RegistryUnavailable` when no answer comes within ``timeout``;
-        error replies raise what the registry raised (``KeyError`` for unknown
-        names arrives as a RemoteError naming it).
+        error replies raise what the registry raised, by class (the typed methods
+        below say which).
         """
         try:
             reply_meta, _ = await self.endpoint.request(self.address, op, meta, timeout=timeout)
@@ -50,10 +90,82 @@ class RegistryClient:
             raise RegistryUnavailable(
                 f"the registry at {self.address} did not answer {op!r} within {timeout:g} s"
             ) from exc
+        except AuthenticationError as exc:  # whoever answers there is not our registry (yet)
+            raise RegistryUnavailable(f"{op!r} failed: {exc}") from exc
         return reply_meta
 
+    # ------------------------------------------------------------------ typed operations
+    async def _call(self, op: RegistryOp, request: WireMessage,
+                    timeout: float = DEFAULT_TIMEOUT) -> Any:
+        return await self.request(op, request.to_wire(), timeout)
+
+    async def register_node(self, registration: NodeRegistration,
+                            timeout: float = DEFAULT_TIMEOUT) -> NodeRegistered:
+        """Join (or re-join) as a node agent. Raises NodeRankTakenError for a held rank."""
+        reply = await self._call(RegistryOp.REGISTER_NODE, registration, timeout)
+        return NodeRegistered.from_wire(reply)
+
+    async def unregister_node(self, node_id: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+        await self._call(RegistryOp.UNREGISTER_NODE, NodeRef(node_id), timeout)
+
+    async def register_driver(self, driver: DriverInfo,
+                              timeout: float = DEFAULT_TIMEOUT) -> Lease:
+        return Lease.from_wire(await self._call(RegistryOp.REGISTER_DRIVER, driver, timeout))
+
+    async def unregister_driver(self, driver_id: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+        await self._call(RegistryOp.UNREGISTER_DRIVER, DriverRef(driver_id), timeout)
+
+    async def heartbeat(self, my_id: str, timeout: float = DEFAULT_TIMEOUT) -> bool:
+        """One heartbeat; False when the registry does not know ``my_id`` (re-register)."""
+        reply = await self._call(RegistryOp.HEARTBEAT, Heartbeat(my_id), timeout)
+        return HeartbeatReply.from_wire(reply).known
+
+    async def create_group(self, spec: GroupSpec, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Register a group. Raises GroupExistsError if a live group (of another owner, or
+        this owner's when not ``spec.restore``) has the name."""
+        await self._call(RegistryOp.CREATE_GROUP, spec, timeout)
+
+    async def close_group(self, name: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Tear a group down (its agents kill its workers). Raises GroupNotFoundError."""
+        await self._call(RegistryOp.CLOSE_GROUP, GroupRef(name), timeout)
+
+    async def report_state(self, info: WorkerInfo, state: WorkerState,
+                           detail: dict[str, Any] | None = None,
+                           timeout: float = DEFAULT_TIMEOUT) -> None:
+        """A worker is starting, ready or failed (``detail``: the error, for failed)."""
+        await self._call(RegistryOp.WORKER_STATE,
+                         WorkerStateReport(info, state, detail or {}), timeout)
+
+    async def report_exit(self, exit: WorkerExit, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """A node agent saw a worker process end."""
+        await self._call(RegistryOp.WORKER_EXITED, exit, timeout)
+
+    async def lookup(self, name: str, timeout: float = DEFAULT_TIMEOUT) -> WorkerRecord:
+        """The registry's record of worker ``name``. Raises WorkerNotFoundError."""
+        return WorkerRecord.from_wire(await self._call(RegistryOp.LOOKUP, WorkerRef(name), timeout))
+
+    async def lookup_group(self, name: str, timeout: float = DEFAULT_TIMEOUT) -> GroupRecord:
+        """Group ``name`` and its workers. Raises GroupNotFoundError."""
+        reply = await self._call(RegistryOp.LOOKUP_GROUP, GroupRef(name), timeout)
+        return GroupRecord.from_wire(reply)
+
+    async def unwatch(self, name: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Stop watching ``name`` (every callback registered for it)."""
+        self._watch_callbacks.pop(name, None)
+        await self._call(RegistryOp.UNWATCH, WatchRequest(name), timeout)
+
+    async def nodes(self, timeout: float = DEFAULT_TIMEOUT) -> tuple[NodeInfo, ...]:
+        """The live nodes, by rank."""
+        return NodeList.from_wire(await self._call(RegistryOp.NODES, NoArgs(), timeout)).nodes
+
+    async def status(self, timeout: float = DEFAULT_TIMEOUT) -> StatusReport:
+        return StatusReport.from_wire(await self._call(RegistryOp.STATUS, NoArgs(), timeout))
+
+    async def ping(self, timeout: float = DEFAULT_TIMEOUT) -> Pong:
+        return Pong.from_wire(await self._call(RegistryOp.PING, NoArgs(), timeout))
+
     # ------------------------------------------------------------------ watches
-    async def watch(self, name: str, callback: WorkerEvent) -> dict[str, dict[str, Any]]:
+    async def watch(self, name: str, callback: WorkerEvent) -> dict[str, WorkerRecord]:
         """Subscribe to changes of worker ``name``, group ``name`` or ``"*"``.
 
         ``callback`` runs for every current member (from the snapshot) and then for
@@ -62,21 +174,29 @@ class RegistryClient:
         self._watch_callbacks.setdefault(name, []).append(callback)
         # Always a fresh snapshot (the registry's subscriber set makes re-watching
         # idempotent): the local cache may hold workers of a closed group of this name.
-        reply = await self.request("watch", {"name": name})
-        snapshot = reply["workers"]
-        for stale in [n for n in self.known if (n == name or n.split(":")[0] == name)
-                      and n not in snapshot]:
+        snapshot = await self._snapshot(name)
+        for stale in [n for n in self.known if (n == name or root_of(n) == name)
+                      and n not in snapshot.workers]:
             del self.known[stale]
-        for wname, w in snapshot.items():
-            self.known[wname] = w
-            callback(wname, w["state"], w["info"], w.get("detail") or {})
-        return snapshot
+        self._deliver(snapshot, [callback])
+        return dict(snapshot.workers)
+
+    async def _snapshot(self, name: str) -> WatchSnapshot:
+        return WatchSnapshot.from_wire(await self._call(RegistryOp.WATCH, WatchRequest(name)))
+
+    def _deliver(self, snapshot: WatchSnapshot, callbacks: list[WorkerEvent]) -> None:
+        for wname, record in snapshot.workers.items():
+            wire = record.to_wire()
+            self.known[wname] = record
+            for cb in callbacks:
+                cb(wname, record.state, wire["info"], record.detail)
 
     async def watch_nodes(self, callback: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+        """Call ``callback`` with the live nodes (as wire maps) now and after every change."""
         self._node_callbacks.append(callback)
-        reply = await self.request("watch", {"name": "@nodes"})
-        callback(reply["nodes"])
-        return reply["nodes"]
+        nodes = [n.to_wire() for n in (await self._snapshot(NODES_PATTERN)).nodes]
+        callback(nodes)
+        return nodes
 
     async def resubscribe(self) -> None:
         """Issue every watch again (the registry restarted and forgot its subscribers).
@@ -85,31 +205,38 @@ class RegistryClient:
         registry was down is simply absent from it.
         """
         for name, callbacks in list(self._watch_callbacks.items()):
-            reply = await self.request("watch", {"name": name})
-            for wname, w in reply["workers"].items():
-                self.known[wname] = w
-                for cb in callbacks:
-                    cb(wname, w["state"], w["info"], w.get("detail") or {})
+            self._deliver(await self._snapshot(name), callbacks)
         if self._node_callbacks:
-            reply = await self.request("watch", {"name": "@nodes"})
+            nodes = [n.to_wire() for n in (await self._snapshot(NODES_PATTERN)).nodes]
             for cb in self._node_callbacks:
-                cb(reply["nodes"])
+                cb(nodes)
 
     def _on_worker_event(self, _peer: str, meta: Any, _frames: list[Any]) -> None:
-        name = meta["name"]
-        self.known[name] = meta
-        targets = self._watch_callbacks.get(name, []) + self._watch_callbacks.get(name.split(":")[0], [])
+        try:
+            record = WorkerChanged.from_wire(meta).record
+        except ProtocolError as exc:
+            log.warning("ignored a malformed worker event from the registry: %s", exc)
+            return
+        name = record.name
+        wire = record.to_wire()
+        self.known[name] = record
+        targets = self._watch_callbacks.get(name, []) + self._watch_callbacks.get(root_of(name), [])
         targets += self._watch_callbacks.get("*", [])
         for cb in targets:
             try:
-                cb(name, meta["state"], meta["info"], meta.get("detail") or {})
+                cb(name, record.state, wire["info"], record.detail)
             except Exception:
                 log.exception("worker watch callback failed for %s", name)
 
     def _on_nodes_event(self, _peer: str, meta: Any, _frames: list[Any]) -> None:
+        try:
+            nodes = [n.to_wire() for n in NodeList.from_wire(meta).nodes]
+        except ProtocolError as exc:
+            log.warning("ignored a malformed nodes event from the registry: %s", exc)
+            return
         for cb in self._node_callbacks:
             try:
-                cb(meta["nodes"])
+                cb(nodes)
             except Exception:
                 log.exception("node watch callback failed")
 
@@ -121,16 +248,25 @@ class RegistryClient:
         registry no longer knows us (it restarted), so the caller can register again."""
 
         async def beat() -> None:
+            failing = False  # one warning per run of failed beats, not one per beat
             while True:
                 await asyncio.sleep(interval)
                 try:
                     # A short timeout: after a registry restart the next beat should not wait
                     # behind one sent to the old process.
                     reply = await self.request("heartbeat", {"id": my_id}, timeout=max(interval * 2, 0.5))
+                    known = isinstance(reply, dict) and bool(reply.get("known"))
                 except RegistryUnavailable:
                     log.debug("heartbeat to %s got no answer", self.address)
                     continue
-                if not reply.get("known") and on_unknown is not None:
+                except Exception as exc:  # an ERROR reply: keep beating, the next may pass
+                    if not failing:
+                        log.warning("heartbeat to %s failed: %s; still trying", self.address,
+                                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                    failing = True
+                    continue
+                failing = False
+                if not known and on_unknown is not None:
                     try:
                         await on_unknown()
                     except Exception:

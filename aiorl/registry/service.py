@@ -1,18 +1,37 @@
 """The registry service (``aiorl-registry``): who is where, and who is alive.
 
-The registry holds three tables:
+The registry holds four tables:
 
 * **nodes**: one per node agent (id, rank, ip, hostname, cpus, accelerators,
   custom hardware, labels, agent endpoint), kept alive by heartbeats;
 * **drivers**: processes that own groups (a ``Cluster`` in a user's program),
   also kept alive by heartbeats;
-* **workers**: address -> :class:`~aiorl.names.WorkerInfo`, state and endpoint,
-  grouped by root group name.
+* **groups**: name -> size, class and owning driver;
+* **workers**: address -> :class:`~aiorl.protocol.registry.WorkerRecord` (info,
+  state, why it ended), grouped by root group name.
 
 Clients *watch* names (a worker, a group, or ``"*"``) and get each change
 pushed as a ``worker`` event, so nobody polls. When a node's or driver's
 heartbeats stop for ``expiry`` seconds it is declared dead: a dead node's
-workers are reported ``dead``; a dead driver's groups are torn down.
+workers are reported ``dead`` (the reason names every worker lost with it); a
+dead driver's groups are torn down.
+
+Hardening (docs/failures.md, docs/security.md):
+
+* Every request is parsed by its typed message's ``from_wire``
+  (:data:`aiorl.protocol.registry.SCHEMA`) before a handler runs; a malformed
+  one is answered with :class:`~aiorl.errors.ProtocolError` and never stored,
+  so no later scan of a table can trip over it.
+* The sweep (expiry) logs a failure and runs again; warnings are rate-limited.
+* The state is bounded: dead nodes leave the table at once; a worker that ended
+  leaves it ``grace`` seconds after its group is gone; a live worker whose group
+  has been gone for ``grace`` seconds is killed through its node; watches are
+  capped per client and dropped when the client disconnects.
+* Groups survive a registry restart even when their driver does not: node
+  agents re-register the groups of the workers they host, and a group whose
+  owner has not registered within ``2 * expiry`` is torn down (its workers
+  killed by their agents), so nothing is leaked and no later driver is answered
+  by an old group's processes.
 
 Nothing here unpickles: every request and reply is msgpack.
 """
@@ -22,364 +41,509 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import functools
 import logging
 import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
-import zmq
-
-from aiorl.errors import ProtocolError
+from aiorl.errors import (
+    GroupExistsError,
+    GroupNotFoundError,
+    NodeRankTakenError,
+    ProtocolError,
+    RegistryError,
+    WorkerNotFoundError,
+)
+from aiorl.names import WorkerAddress, WorkerInfo
+from aiorl.protocol.ops import AgentOp, RegistryEvent, RegistryOp, WorkerState
+from aiorl.protocol.registry import (
+    NODES_PATTERN,
+    SCHEMA,
+    WILDCARD,
+    DriverInfo,
+    DriverRef,
+    GroupRecord,
+    GroupRef,
+    GroupSpec,
+    GroupStatus,
+    Heartbeat,
+    HeartbeatReply,
+    Lease,
+    NoArgs,
+    NodeInfo,
+    NodeList,
+    NodeRef,
+    NodeRegistered,
+    NodeRegistration,
+    Pong,
+    StatusReport,
+    WatchRequest,
+    WatchSnapshot,
+    WireMessage,
+    WorkerChanged,
+    WorkerExit,
+    WorkerRecord,
+    WorkerRef,
+    WorkerStateReport,
+    root_of,
+)
 from aiorl.transport.endpoint import Endpoint, Incoming
 
-__all__ = ["RegistryService", "main"]
+__all__ = ["DEFAULT_GRACE", "RegistryService", "main"]
 
 log = logging.getLogger("aiorl.registry")
 
-#: Worker states, in the order a healthy worker passes through them.
-STARTING, READY, FAILED, DEAD = "starting", "ready", "failed", "dead"
+#: Seconds an ended worker stays listed after its group is gone (so a late watcher
+#: still learns why it ended), and a live worker may run without a group.
+DEFAULT_GRACE = 60.0
+#: Watch patterns one client may hold, and all clients together.
+MAX_WATCHES_PER_CLIENT = 10_000
+MAX_WATCHES = 200_000
+#: How many lost workers a dead node's reason names before "and N more".
+_NAMED_LOSSES = 16
+
+Handler = Callable[[Any, bytes], WireMessage | None]
+
+
+def _some(items: Iterable[str]) -> str:
+    """Up to 16 items, then how many more: one log line, whatever the count."""
+    listed = list(items)
+    more = f" and {len(listed) - _NAMED_LOSSES} more" if len(listed) > _NAMED_LOSSES else ""
+    return ", ".join(listed[:_NAMED_LOSSES]) + more
+
+
+class _RateLimitedLog:
+    """At most one warning per ``interval`` per kind of trouble, then a count of the rest.
+
+    5,000 malformed heartbeats must not become 5,000 tracebacks: the log would be
+    the denial of service."""
+
+    def __init__(self, interval: float = 1.0) -> None:
+        self.interval = interval
+        self._next: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warning(self, kind: str, message: str, *, exc_info: BaseException | None = None) -> None:
+        now = time.monotonic()
+        if now < self._next.get(kind, 0.0):
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return
+        more = self._suppressed.pop(kind, 0)
+        suffix = f" (and {more} more like it since the last warning)" if more else ""
+        log.warning("%s%s", message, suffix, exc_info=exc_info)
+        self._next[kind] = now + self.interval
 
 
 @dataclass
 class _Node:
-    info: dict[str, Any]
+    info: NodeInfo
     identity: bytes
     last_seen: float
-    alive: bool = True
 
 
 @dataclass
 class _Driver:
-    driver_id: str
-    info: dict[str, Any]
+    info: DriverInfo
     last_seen: float
 
 
 @dataclass
-class _Worker:
-    info: dict[str, Any]
-    state: str
-    detail: dict[str, Any] = field(default_factory=dict)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"info": self.info, "state": self.state, "detail": self.detail}
+class _Group:
+    spec: GroupSpec
+    orphan_since: float | None = None  # when its owner was last found missing
 
 
 @dataclass
-class _Group:
-    name: str
-    world_size: int
-    owner: str  # driver id
-    worker_class: str
-    created: float
-    closed: bool = False
+class _Worker:
+    record: WorkerRecord
+    since: float  # when it entered its current state (monotonic)
+    orphan_since: float | None = None  # when its group was first found missing
 
 
 class RegistryService:
     """The registry's state and request handlers, served on one :class:`Endpoint`."""
 
-    def __init__(self, endpoint: Endpoint, *, heartbeat_interval: float = 0.5, expiry: float = 3.0):
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        *,
+        heartbeat_interval: float = 0.5,
+        expiry: float = 3.0,
+        grace: float = DEFAULT_GRACE,
+    ) -> None:
         self.endpoint = endpoint
         self.heartbeat_interval = heartbeat_interval
         self.expiry = expiry
+        self.grace = grace
+        #: How long a group may wait for its owner to (re-)register before it is torn down.
+        self.orphan_grace = 2 * expiry
         self.nodes: dict[str, _Node] = {}
         self.drivers: dict[str, _Driver] = {}
         self.workers: dict[str, _Worker] = {}
         self.groups: dict[str, _Group] = {}
         self.watchers: dict[str, set[bytes]] = {}  # pattern -> client identities
+        self._watch_counts: dict[bytes, int] = {}  # client identity -> patterns it watches
         self.started = time.time()
-        for op, fn in {
-            "register_node": self._register_node,
-            "unregister_node": self._unregister_node,
-            "register_driver": self._register_driver,
-            "unregister_driver": self._unregister_driver,
-            "heartbeat": self._heartbeat,
-            "create_group": self._create_group,
-            "close_group": self._close_group,
-            "worker_state": self._worker_state,
-            "worker_exited": self._worker_exited,
-            "lookup": self._lookup,
-            "lookup_group": self._lookup_group,
-            "watch": self._watch,
-            "unwatch": self._unwatch,
-            "nodes": self._nodes,
-            "status": self._status,
-            "ping": lambda m: m.reply({"uptime": time.time() - self.started}),
-        }.items():
-            endpoint.handle(op, _checked(fn))
+        self._warn = _RateLimitedLog()
+        self.handlers: dict[RegistryOp, Handler] = {
+            RegistryOp.REGISTER_NODE: self._register_node,
+            RegistryOp.UNREGISTER_NODE: self._unregister_node,
+            RegistryOp.REGISTER_DRIVER: self._register_driver,
+            RegistryOp.UNREGISTER_DRIVER: self._unregister_driver,
+            RegistryOp.HEARTBEAT: self._heartbeat,
+            RegistryOp.CREATE_GROUP: self._create_group,
+            RegistryOp.CLOSE_GROUP: self._close_group,
+            RegistryOp.WORKER_STATE: self._worker_state,
+            RegistryOp.WORKER_EXITED: self._worker_exited,
+            RegistryOp.LOOKUP: self._lookup,
+            RegistryOp.LOOKUP_GROUP: self._lookup_group,
+            RegistryOp.WATCH: self._watch,
+            RegistryOp.UNWATCH: self._unwatch,
+            RegistryOp.NODES: self._nodes,
+            RegistryOp.STATUS: self._status,
+            RegistryOp.PING: self._ping,
+        }
+        for op, handler in self.handlers.items():
+            endpoint.handle(op, functools.partial(self._serve, op, handler))
         self._reaper = endpoint.loop.create_task(self._expire_loop())
 
+    def _serve(self, op: RegistryOp, handler: Handler, msg: Incoming) -> None:
+        """Parse, handle, answer: the one boundary every request crosses."""
+        try:
+            reply = handler(SCHEMA[op][0].from_wire(msg.meta), msg.identity)
+        except ProtocolError as exc:
+            self._warn.warning(f"malformed {op}", f"rejected a malformed {op} request: {exc}")
+            msg.reply_error(exc)
+        except RegistryError as exc:  # a refusal (exists, not found): the caller's business
+            msg.reply_error(exc)
+        except Exception as exc:  # a bug here must not stop the registry
+            self._warn.warning(f"failed {op}", f"registry handler {op} failed", exc_info=exc)
+            msg.reply_error(exc)
+        else:
+            msg.reply(None if reply is None else reply.to_wire())
+
     # ------------------------------------------------------------------ nodes and drivers
-    def _register_node(self, msg: Incoming) -> None:
-        info = dict(_require(msg.meta, "node_id", "endpoint"))
-        node_id = str(info["node_id"])
-        wanted = info.get("node_rank")
-        taken = {n.info["node_rank"] for nid, n in self.nodes.items() if n.alive and nid != node_id}
-        if wanted is not None and wanted >= 0:
-            if wanted in taken:
-                raise ValueError(f"node rank {wanted} is already taken by another live node")
-            rank = int(wanted)
+    def _register_node(self, req: NodeRegistration, identity: bytes) -> NodeRegistered:
+        info = req.node
+        taken = {n.info.node_rank for nid, n in self.nodes.items() if nid != info.node_id}
+        if info.node_rank >= 0:
+            if info.node_rank in taken:
+                raise NodeRankTakenError.from_message(
+                    f"node rank {info.node_rank} is already taken by another live node")
+            rank = info.node_rank
         else:
             rank = next(r for r in range(len(taken) + 1) if r not in taken)
-        info["node_rank"] = rank
-        self.nodes[node_id] = _Node(info, msg.identity, time.monotonic())
-        log.info("node %s joined as rank %d (%s, %s accelerators)", node_id, rank,
-                 info.get("ip"), info.get("num_accelerators", 0))
-        msg.reply({"node_rank": rank, "heartbeat_interval": self.heartbeat_interval,
-                   "expiry": self.expiry})
+        self.nodes[info.node_id] = _Node(replace(info, node_rank=rank), identity, time.monotonic())
+        for spec in req.groups:
+            self._restore_group(spec, by=f"node {rank}")
+        log.info("node %s joined as rank %d (%s, %d accelerators)", info.node_id, rank,
+                 info.ip, info.num_accelerators)
+        self._broadcast_nodes()
+        return NodeRegistered(rank, self._lease())
+
+    def _restore_group(self, spec: GroupSpec, by: str) -> None:
+        """A node agent hosts workers of ``spec`` (the registry restarted): know the group again.
+
+        Its owner gets ``orphan_grace`` seconds to register; otherwise the sweep tears
+        the group down."""
+        existing = self.groups.get(spec.group)
+        if existing is None:
+            self.groups[spec.group] = _Group(replace(spec, restore=False))
+        elif existing.spec.owner != spec.owner:
+            self._warn.warning("restore conflict", f"{by} hosts workers of group {spec.group!r} "
+                               f"owned by {spec.owner}, but the group now belongs to "
+                               f"{existing.spec.owner}; leaving it as it is")
+
+    def _unregister_node(self, req: NodeRef, identity: bytes) -> None:
+        node = self.nodes.pop(req.node_id, None)
+        if node is not None:
+            self._nodes_gone({node.info.node_id: (
+                node, f"node {node.info.node_rank} shut down (its node agent stopped)")})
+
+    def _register_driver(self, req: DriverInfo, identity: bytes) -> Lease:
+        self.drivers[req.driver_id] = _Driver(req, time.monotonic())
+        for group in self.groups.values():
+            if group.spec.owner == req.driver_id:
+                group.orphan_since = None
+        return self._lease()
+
+    def _unregister_driver(self, req: DriverRef, identity: bytes) -> None:
+        self.drivers.pop(req.driver_id, None)
+
+    def _lease(self) -> Lease:
+        return Lease(self.heartbeat_interval, self.expiry)
+
+    def _heartbeat(self, req: Heartbeat, identity: bytes) -> HeartbeatReply:
+        now = time.monotonic()
+        known = self.nodes.get(req.id) or self.drivers.get(req.id)
+        if known is not None:
+            known.last_seen = now
+        # Unknown (e.g. this registry restarted, or it declared the sender dead): re-register.
+        return HeartbeatReply(known is not None)
+
+    def _nodes_gone(self, gone: dict[str, tuple[_Node, str]]) -> None:
+        """Nodes that left the table (node id -> (node, why)): report each one's live workers
+        dead, with a reason that names them all, then tell the node watchers once.
+
+        One pass over the workers for all of them: a thousand silent nodes expiring in
+        one sweep must not cost a thousand passes."""
+        lost: dict[str, list[str]] = {}
+        for name, w in self.workers.items():
+            if w.record.info.node_id in gone and not w.record.state.is_final:
+                lost.setdefault(w.record.info.node_id, []).append(name)
+        for node_id, names in lost.items():
+            names.sort(key=WorkerAddress.from_name)
+            listed = ", ".join(names[:_NAMED_LOSSES])
+            if len(names) > _NAMED_LOSSES:
+                listed += f" and {len(names) - _NAMED_LOSSES} more"
+            reason = f"{gone[node_id][1]}; workers lost with it: {listed}"
+            for name in names:
+                self._set_state(name, WorkerState.DEAD, {"reason": reason})
+        for node, _ in gone.values():
+            self._unwatch_all(node.identity)
         self._broadcast_nodes()
 
-    def _unregister_node(self, msg: Incoming) -> None:
-        node = self.nodes.pop(str(_require(msg.meta, "node_id")["node_id"]), None)
-        msg.reply(None)
-        if node is not None:
-            self._node_gone(node, "its node agent shut down")
+    def _broadcast_nodes(self) -> None:
+        if self.watchers.get(NODES_PATTERN):
+            self._notify(NODES_PATTERN, RegistryEvent.NODES,
+                         NodeList(self._node_list()).to_wire())
 
-    def _register_driver(self, msg: Incoming) -> None:
-        meta = _require(msg.meta, "driver_id")
-        self.drivers[meta["driver_id"]] = _Driver(meta["driver_id"], dict(meta), time.monotonic())
-        msg.reply({"heartbeat_interval": self.heartbeat_interval, "expiry": self.expiry})
+    def _node_list(self) -> tuple[NodeInfo, ...]:
+        return tuple(sorted((n.info for n in self.nodes.values()), key=lambda i: i.node_rank))
 
-    def _unregister_driver(self, msg: Incoming) -> None:
-        driver_id = _require(msg.meta, "driver_id")["driver_id"]
-        self.drivers.pop(driver_id, None)
-        msg.reply(None)
+    def _nodes(self, req: NoArgs, identity: bytes) -> NodeList:
+        return NodeList(self._node_list())
 
-    def _heartbeat(self, msg: Incoming) -> None:
-        meta = _require(msg.meta, "id")
-        now = time.monotonic()
-        node = self.nodes.get(meta["id"])
-        if node is not None and node.alive:
-            node.last_seen = now
-            msg.reply({"known": True})
-            return
-        driver = self.drivers.get(meta["id"])
-        if driver is not None:
-            driver.last_seen = now
-            msg.reply({"known": True})
-            return
-        # Unknown (e.g. this registry restarted): the sender re-registers.
-        msg.reply({"known": False})
-
+    # ------------------------------------------------------------------ expiry
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval / 2)
-            now = time.monotonic()
-            for node in list(self.nodes.values()):
-                if node.alive and now - node.last_seen > self.expiry:
-                    node.alive = False
-                    log.warning("node %s missed heartbeats for %.1f s: declared dead",
-                                node.info["node_id"], now - node.last_seen)
-                    self._node_gone(node, f"node {node.info['node_rank']} stopped answering")
-                    self._broadcast_nodes()
-            for driver in list(self.drivers.values()):
-                if now - driver.last_seen > self.expiry:
-                    del self.drivers[driver.driver_id]
-                    log.warning("driver %s missed heartbeats: tearing down its groups", driver.driver_id)
-                    for group in list(self.groups.values()):
-                        if group.owner == driver.driver_id:
-                            self._teardown_group(group, "its driver disappeared")
+            try:
+                self.sweep(time.monotonic())
+            except Exception as exc:  # the sweep must outlive any bug: it is how the dead leave
+                self._warn.warning("sweep", "the registry's expiry sweep failed; it runs again",
+                                   exc_info=exc)
 
-    def _node_gone(self, node: _Node, reason: str) -> None:
-        node_id = node.info["node_id"]
+    def sweep(self, now: float) -> None:
+        """Declare silent nodes and drivers dead, expire orphans, forget what is long over."""
+        silent = [n for n in self.nodes.values() if now - n.last_seen > self.expiry]
+        if silent:
+            for node in silent:
+                del self.nodes[node.info.node_id]
+            log.warning("declared dead after %.1f s without heartbeats: %s", self.expiry,
+                        _some(f"node {n.info.node_rank} ({n.info.node_id})" for n in silent))
+            self._nodes_gone({n.info.node_id: (n, f"node {n.info.node_rank} ({n.info.ip}) stopped "
+                                                  f"answering (no heartbeat for "
+                                                  f"{now - n.last_seen:.1f} s)")
+                              for n in silent})
+        lost_drivers = {d.info.driver_id for d in self.drivers.values()
+                        if now - d.last_seen > self.expiry}
+        if lost_drivers:
+            for driver_id in lost_drivers:
+                del self.drivers[driver_id]
+            log.warning("drivers missed heartbeats, tearing down their groups: %s",
+                        _some(sorted(lost_drivers)))
+            for group in [g for g in self.groups.values() if g.spec.owner in lost_drivers]:
+                self._teardown_group(group, f"its driver {group.spec.owner} disappeared")
+        orphans = []
+        for group in self.groups.values():
+            if group.spec.owner in self.drivers:
+                group.orphan_since = None
+            elif group.orphan_since is None:
+                group.orphan_since = now
+            elif now - group.orphan_since > self.orphan_grace:
+                orphans.append(group)
+        if orphans:
+            log.warning("groups whose driver did not register within %.1f s, torn down: %s",
+                        self.orphan_grace,
+                        _some(f"{g.spec.group} (driver {g.spec.owner})" for g in orphans))
+            for group in orphans:
+                self._teardown_group(group, f"its driver {group.spec.owner} did not come back")
+        self._sweep_workers(now)
+
+    def _sweep_workers(self, now: float) -> None:
         for name, w in list(self.workers.items()):
-            if w.info.get("node_id") == node_id and w.state in (STARTING, READY):
-                self._set_state(name, DEAD, {"reason": reason})
+            if root_of(name) in self.groups:
+                w.orphan_since = None
+            elif w.record.state.is_final:
+                if now - w.since > self.grace:
+                    del self.workers[name]
+            elif w.orphan_since is None:
+                w.orphan_since = now
+            elif now - w.orphan_since > self.grace:
+                self._kill_orphan(name, w)
 
-    def _broadcast_nodes(self) -> None:
-        self._notify("@nodes", "nodes", {"nodes": self._node_list()})
-
-    def _node_list(self) -> list[dict[str, Any]]:
-        return sorted(
-            ({**n.info, "alive": n.alive} for n in self.nodes.values() if n.alive),
-            key=lambda i: i["node_rank"],
-        )
-
-    def _nodes(self, msg: Incoming) -> None:
-        msg.reply({"nodes": self._node_list()})
+    def _kill_orphan(self, name: str, w: _Worker) -> None:
+        """A live worker whose group has been gone for ``grace``: nobody can own it any more."""
+        node = self.nodes.get(w.record.info.node_id)
+        if node is not None:
+            self._send_kill(node, root_of(name))
+        self._set_state(name, WorkerState.DEAD, {"reason": f"worker {name} belongs to no group"})
 
     # ------------------------------------------------------------------ groups and workers
-    def _create_group(self, msg: Incoming) -> None:
-        meta = _require(msg.meta, "group", "world_size", "owner")
-        name = meta["group"]
-        existing = self.groups.get(name)
-        if existing is not None and not existing.closed and existing.owner != meta["owner"]:
-            raise ValueError(f"a worker group named {name!r} already exists")
-        if existing is not None and existing.owner == meta["owner"] and not meta.get("restore"):
-            raise ValueError(f"a worker group named {name!r} already exists")
-        self.groups[name] = _Group(name, int(meta["world_size"]), meta["owner"],
-                                   str(meta.get("worker_class", "")), time.time())
-        if not meta.get("restore"):
+    def _create_group(self, req: GroupSpec, identity: bytes) -> None:
+        existing = self.groups.get(req.group)
+        if existing is not None and (existing.spec.owner != req.owner or not req.restore):
+            raise GroupExistsError.from_message(f"a worker group named {req.group!r} already exists")
+        self.groups[req.group] = _Group(replace(req, restore=False))
+        if not req.restore:
             # Leftovers of a closed group of the same name. (A restore after a registry
             # restart keeps them: a tombstone may be the news its owner has not heard yet.)
-            for wname, w in list(self.workers.items()):
-                if _root(wname) == name and w.state in (DEAD, FAILED):
-                    del self.workers[wname]
-        msg.reply(None)
+            for name in [n for n, w in self.workers.items()
+                         if root_of(n) == req.group and w.record.state.is_final]:
+                del self.workers[name]
 
-    def _close_group(self, msg: Incoming) -> None:
-        name = _require(msg.meta, "group")["group"]
-        group = self.groups.get(name)
+    def _close_group(self, req: GroupRef, identity: bytes) -> None:
+        group = self.groups.get(req.group)
         if group is None:
-            raise KeyError(f"no worker group named {name!r}")
+            raise GroupNotFoundError.from_message(f"no worker group named {req.group!r}")
         self._teardown_group(group, "its group was closed")
-        msg.reply(None)
 
     def _teardown_group(self, group: _Group, reason: str) -> None:
-        group.closed = True
+        name = group.spec.group
+        del self.groups[name]
         for node in self.nodes.values():
-            if node.alive:
-                try:
-                    self.endpoint.send_oneway(node.info["endpoint"], "kill_group", {"group": group.name})
-                except Exception:
-                    log.warning("could not ask node %s to stop group %s", node.info["node_id"], group.name)
-        for name, w in list(self.workers.items()):
-            if _root(name) == group.name and w.state in (STARTING, READY):
-                self._set_state(name, DEAD, {"reason": reason})
-        del self.groups[group.name]
+            self._send_kill(node, name)
+        for wname in [n for n, w in self.workers.items()
+                      if root_of(n) == name and not w.record.state.is_final]:
+            self._set_state(wname, WorkerState.DEAD, {"reason": reason})
 
-    def _worker_state(self, msg: Incoming) -> None:
-        meta = _require(msg.meta, "info", "state")
-        info = meta["info"]
-        name = str(info["address"])
-        if meta["state"] not in (STARTING, READY, FAILED):
-            raise ValueError(f"unknown worker state {meta['state']!r}")
-        current = self.workers.get(name)
-        if current is not None and current.state == DEAD and current.info.get("pid") == info.get("pid"):
-            msg.reply(None)  # already reported dead (e.g. its node expired); do not resurrect
-            return
-        self.workers[name] = _Worker(info, STARTING)
-        self._set_state(name, meta["state"], meta.get("detail") or {})
-        msg.reply(None)
+    def _send_kill(self, node: _Node, group: str) -> None:
+        try:
+            self.endpoint.send_oneway(node.info.endpoint, AgentOp.KILL_GROUP, {"group": group})
+        except Exception as exc:
+            self._warn.warning("kill_group", f"could not ask node {node.info.node_id} to stop "
+                               f"group {group}: {exc}")
 
-    def _worker_exited(self, msg: Incoming) -> None:
-        meta = _require(msg.meta, "address", "pid")
-        name = meta["address"]
-        w = self.workers.get(name)
-        detail = {k: meta.get(k) for k in ("exit_code", "signal", "stderr_tail", "reason")}
-        if w is None:
+    def _worker_state(self, req: WorkerStateReport, identity: bytes) -> None:
+        current = self.workers.get(req.info.name)
+        if (current is not None and current.record.state == WorkerState.DEAD
+                and current.record.info.pid == req.info.pid):
+            return  # already reported dead (e.g. its node expired); do not resurrect
+        self._store(WorkerRecord(req.info, req.state, req.detail))
+
+    def _worker_exited(self, req: WorkerExit, identity: bytes) -> None:
+        current = self.workers.get(req.address)
+        if current is None:
             # Died before it could register: keep a tombstone so the owner learns why.
-            self.workers[name] = _Worker({"address": name, "pid": meta["pid"]}, STARTING)
-        elif w.info.get("pid") not in (None, meta["pid"]) or w.state in (DEAD, FAILED):
-            msg.reply(None)
-            return
-        self._set_state(name, DEAD, detail)
-        msg.reply(None)
+            address = WorkerAddress.from_name(req.address)
+            info = WorkerInfo(address, address.rank, 0, -1, "", "", pid=req.pid)
+            self._store(WorkerRecord(info, WorkerState.DEAD, req.detail()))
+        elif current.record.info.pid in (0, req.pid) and not current.record.state.is_final:
+            self._set_state(req.address, WorkerState.DEAD, req.detail())
 
-    def _set_state(self, name: str, state: str, detail: dict[str, Any]) -> None:
-        w = self.workers[name]
-        w.state = state
-        w.detail = detail
-        event = {"name": name, **w.to_wire()}
-        self._notify(name, "worker", event)
-        self._notify(_root(name), "worker", event)
-        self._notify("*", "worker", event)
+    def _set_state(self, name: str, state: WorkerState, detail: dict[str, Any]) -> None:
+        self._store(replace(self.workers[name].record, state=state, detail=detail))
 
-    def _lookup(self, msg: Incoming) -> None:
-        name = _require(msg.meta, "name")["name"]
-        w = self.workers.get(name)
+    def _store(self, record: WorkerRecord) -> None:
+        """Keep ``record`` and push it to whoever watches the worker, its group or ``*``."""
+        name = record.name
+        self.workers[name] = _Worker(record, time.monotonic())
+        event = WorkerChanged(record).to_wire()
+        for pattern in (name, root_of(name), WILDCARD):
+            self._notify(pattern, RegistryEvent.WORKER, event)
+
+    def _lookup(self, req: WorkerRef, identity: bytes) -> WorkerRecord:
+        w = self.workers.get(req.name)
         if w is None:
-            raise KeyError(f"no worker named {name!r} is registered")
-        msg.reply(w.to_wire())
+            raise WorkerNotFoundError.from_message(f"no worker named {req.name!r} is registered")
+        return w.record
 
-    def _lookup_group(self, msg: Incoming) -> None:
-        name = _require(msg.meta, "group")["group"]
-        group = self.groups.get(name)
+    def _lookup_group(self, req: GroupRef, identity: bytes) -> GroupRecord:
+        group = self.groups.get(req.group)
         if group is None:
-            raise KeyError(f"no worker group named {name!r}")
-        members = {n: w.to_wire() for n, w in self.workers.items() if _root(n) == name}
-        msg.reply({"world_size": group.world_size, "worker_class": group.worker_class,
-                   "owner": group.owner, "workers": members})
+            raise GroupNotFoundError.from_message(f"no worker group named {req.group!r}")
+        spec = group.spec
+        return GroupRecord(spec.world_size, spec.worker_class, spec.owner,
+                           {n: w.record for n, w in self._members(req.group)})
 
-    def _watch(self, msg: Incoming) -> None:
+    def _members(self, pattern: str) -> Iterable[tuple[str, _Worker]]:
+        return ((n, w) for n, w in self.workers.items()
+                if pattern == WILDCARD or n == pattern or root_of(n) == pattern)
+
+    # ------------------------------------------------------------------ watches
+    def _watch(self, req: WatchRequest, identity: bytes) -> WatchSnapshot:
         """Subscribe to a worker name, a group name, ``*`` or ``@nodes``; reply with a snapshot."""
-        pattern = str(_require(msg.meta, "name")["name"])
-        self.watchers.setdefault(pattern, set()).add(msg.identity)
-        if pattern == "@nodes":
-            msg.reply({"nodes": self._node_list()})
-            return
-        snapshot = {
-            n: w.to_wire() for n, w in self.workers.items()
-            if pattern == "*" or n == pattern or _root(n) == pattern
-        }
-        msg.reply({"workers": snapshot})
+        subscribers = self.watchers.get(req.name)
+        if subscribers is None or identity not in subscribers:
+            count = self._watch_counts.get(identity, 0)
+            if count >= MAX_WATCHES_PER_CLIENT or sum(self._watch_counts.values()) >= MAX_WATCHES:
+                raise ProtocolError(f"too many watches (at most {MAX_WATCHES_PER_CLIENT} per "
+                                    f"client and {MAX_WATCHES} in all)")
+            self.watchers.setdefault(req.name, set()).add(identity)
+            self._watch_counts[identity] = count + 1
+        if req.name == NODES_PATTERN:
+            return WatchSnapshot(nodes=self._node_list())
+        return WatchSnapshot(workers={n: w.record for n, w in self._members(req.name)})
 
-    def _unwatch(self, msg: Incoming) -> None:
-        pattern = str(_require(msg.meta, "name")["name"])
-        self.watchers.get(pattern, set()).discard(msg.identity)
-        msg.reply(None)
+    def _unwatch(self, req: WatchRequest, identity: bytes) -> None:
+        self._drop_watch(req.name, identity)
 
-    def _notify(self, pattern: str, op: str, meta: Any) -> None:
+    def _drop_watch(self, pattern: str, identity: bytes) -> None:
         subscribers = self.watchers.get(pattern)
-        if not subscribers:
+        if subscribers is None or identity not in subscribers:
             return
-        for identity in list(subscribers):
-            if not self.endpoint.push_event(identity, op, meta):
-                subscribers.discard(identity)  # the subscriber disconnected
+        subscribers.discard(identity)
+        if not subscribers:
+            del self.watchers[pattern]
+        left = self._watch_counts.pop(identity, 1) - 1
+        if left > 0:
+            self._watch_counts[identity] = left
 
-    def _status(self, msg: Incoming) -> None:
-        msg.reply({
-            "uptime": time.time() - self.started,
-            "nodes": self._node_list(),
-            "groups": [
-                {"name": g.name, "world_size": g.world_size, "worker_class": g.worker_class,
-                 "owner": g.owner,
-                 "ready": sum(1 for n, w in self.workers.items() if _root(n) == g.name and w.state == READY)}
-                for g in self.groups.values()
-            ],
-            "workers": [{"name": n, **w.to_wire()} for n, w in sorted(self.workers.items())],
-            "drivers": [d.info for d in self.drivers.values()],
-        })
+    def _unwatch_all(self, identity: bytes) -> None:
+        if identity not in self._watch_counts:
+            return  # watches nothing: no need to scan the patterns
+        for pattern in [p for p, subs in self.watchers.items() if identity in subs]:
+            self._drop_watch(pattern, identity)
+
+    def _notify(self, pattern: str, event: RegistryEvent, meta: Any) -> None:
+        for identity in list(self.watchers.get(pattern, ())):
+            if not self.endpoint.push_event(identity, event, meta):
+                self._unwatch_all(identity)  # the subscriber disconnected
+
+    # ------------------------------------------------------------------ status
+    def _status(self, req: NoArgs, identity: bytes) -> StatusReport:
+        ready: dict[str, int] = {}
+        for n, w in self.workers.items():
+            if w.record.state == WorkerState.READY:
+                ready[root_of(n)] = ready.get(root_of(n), 0) + 1
+        return StatusReport(
+            uptime=time.time() - self.started,
+            nodes=self._node_list(),
+            groups=tuple(GroupStatus(g.spec.group, g.spec.world_size, g.spec.worker_class,
+                                     g.spec.owner, ready.get(g.spec.group, 0))
+                         for g in self.groups.values()),
+            workers=tuple(w.record for _, w in sorted(self.workers.items())),
+            drivers=tuple(d.info for d in self.drivers.values()),
+        )
+
+    def _ping(self, req: NoArgs, identity: bytes) -> Pong:
+        return Pong(time.time() - self.started)
 
     def close(self) -> None:
         self._reaper.cancel()
         self.endpoint.close()
 
 
-def _root(name: str) -> str:
-    return name.split(":", 1)[0]
-
-
-def _require(meta: Any, *keys: str) -> dict[str, Any]:
-    if not isinstance(meta, dict):
-        raise ProtocolError(f"request meta must be a map, got {type(meta).__name__}")
-    missing = [k for k in keys if k not in meta]
-    if missing:
-        raise ProtocolError(f"request is missing field(s) {', '.join(missing)}")
-    return meta
-
-
-def _checked(fn: Any) -> Any:
-    """Turn any exception in a handler into an error reply; the service keeps running."""
-
-    def run(msg: Incoming) -> None:
-        try:
-            fn(msg)
-        except Exception as exc:
-            if not isinstance(exc, (ProtocolError, KeyError, ValueError)):
-                log.exception("registry handler %s failed", msg.op)
-            msg.reply_error(exc)
-
-    return run
-
-
 async def serve(host: str, port: int, *, expiry: float, ready_line: bool, keys: Any,
-                exit_on_stdin_close: bool = False) -> None:
+                exit_on_stdin_close: bool = False, grace: float = DEFAULT_GRACE) -> None:
     deadline = time.monotonic() + 10
     while True:
         try:
             endpoint = Endpoint("registry", host=host, port=port, keys=keys)
             break
-        except zmq.ZMQError as exc:
+        except Exception as exc:  # zmq.ZMQError (only the transport layer names zmq)
             # A restarted registry may find its port still held by the old socket for a moment.
-            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+            if getattr(exc, "errno", None) != errno.EADDRINUSE or time.monotonic() > deadline:
                 raise
             log.warning("port %d is busy; retrying", port)
             await asyncio.sleep(0.2)
-    service = RegistryService(endpoint, expiry=expiry)
+    service = RegistryService(endpoint, expiry=expiry, grace=grace)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -407,6 +571,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=6380, help="TCP port (0 = any free port)")
     parser.add_argument("--expiry", type=float, default=3.0,
                         help="seconds without heartbeats before a node or driver is declared dead")
+    parser.add_argument("--grace", type=float, default=DEFAULT_GRACE,
+                        help="seconds an ended worker stays listed once its group is gone, and a "
+                             "live worker may run without a group before it is stopped")
     parser.add_argument("--print-address", action="store_true",
                         help="print AIORL_REGISTRY=<address> once listening")
     parser.add_argument("--key-file", default=None,
@@ -432,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         keys = security.load_or_create(
             args.key_file or os.environ.get(security.ENV_KEY_FILE) or security.DEFAULT_KEY_FILE)
     uvloop.run(serve(args.host, args.port, expiry=args.expiry, ready_line=args.print_address,
-                     keys=keys, exit_on_stdin_close=args.exit_on_stdin_close))
+                     keys=keys, exit_on_stdin_close=args.exit_on_stdin_close, grace=args.grace))
     return 0
 
 

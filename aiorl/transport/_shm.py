@@ -234,9 +234,6 @@ class SegmentMap:
         self.maps[seg_id] = mm
         return mm
 
-    def get(self, seg_id: int) -> mmap.mmap:
-        return self.maps[seg_id]
-
     def drop(self, seg_id: int) -> None:
         # Not closed explicitly: arrays handed to the user may still view it; the
         # mapping is unmapped when the last of them is gone.

@@ -34,6 +34,19 @@ Failure
     :class:`~aiorl.errors.PeerLostError` and makes later requests fail at once.
     Who decides that a peer is lost (the registry, a node agent) lives above.
 
+    A failed handshake (the peer speaks another mechanism, refuses our
+    credentials, or cannot prove it holds the cluster key) makes libzmq drop the
+    connection for good. Each outgoing socket is watched for handshake events;
+    after such a failure, pending requests to that peer fail with
+    :class:`~aiorl.errors.AuthenticationError`, new ones fail the same way at once,
+    and the socket is rebuilt after a backoff (0.1 s doubling to 2 s) until a
+    handshake succeeds again. ZMQ exceptions never leave this module.
+
+Errors
+    ERROR replies carry :func:`aiorl.errors.to_wire` data (type name, message,
+    traceback text) and are rebuilt by :func:`aiorl.errors.from_wire`; nothing in
+    an error reply is ever unpickled.
+
 Threads
     An endpoint belongs to its event loop's thread. Other threads use
     :meth:`Endpoint.call_soon_threadsafe`.
@@ -47,21 +60,33 @@ import logging
 import os
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
-from aiorl import errors
-from aiorl.errors import PeerLostError, ProtocolError
-from aiorl.transport import security, serialization
+from aiorl.errors import (
+    AiorlError,
+    AuthenticationError,
+    PeerLostError,
+    ProtocolError,
+    from_wire,
+    to_wire,
+)
+from aiorl.transport import security
 from aiorl.transport.security import ClusterKeys
-from aiorl.transport.sockets import bind_random_port, make_socket
+from aiorl.transport.sockets import (
+    HANDSHAKE_FAILED_EVENTS,
+    IPC_PREFIX,
+    bind_endpoint,
+    make_socket,
+    monitor_handshakes,
+)
 from aiorl.transport.wire import Kind, decode_header, encode_batch, encode_header, split_batch
 
-__all__ = ["Endpoint", "Incoming", "Reply", "error_from_meta", "error_meta"]
+__all__ = ["Endpoint", "Incoming", "Reply"]
 
 log = logging.getLogger("aiorl.transport")
 
@@ -73,7 +98,7 @@ _REQUEST, _REPLY, _ERROR, _ONEWAY, _EVENT, _BATCH = (
 
 # The Cython socket methods, called directly: pyzmq's Python "sugar" layer (enum flags,
 # per-part dispatch) cost ~5 us per message here, more than the send itself.
-_RawSocket = zmq.Socket.__mro__[1]
+_RawSocket: Any = zmq.Socket.__mro__[1]
 _raw_send = _RawSocket.send
 _raw_get = _RawSocket.get
 _EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
@@ -81,7 +106,7 @@ _EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq
 _ZERO_COPY_BYTES = 64 * 1024
 
 
-def send_parts(sock: zmq.Socket, parts: Sequence[Any]) -> None:
+def send_parts(sock: zmq.Socket[Any], parts: Sequence[Any]) -> None:
     """Send one multipart message without blocking (HWMs are unlimited, see sockets.py)."""
     last = len(parts) - 1
     for i, part in enumerate(parts):
@@ -132,7 +157,7 @@ class Incoming:
         self,
         endpoint: Endpoint,
         identity: bytes,
-        kind: Kind,
+        kind: int,  # a Kind value, as a plain int (see wire.Header)
         request_id: int,
         op: str,
         meta: Any,
@@ -163,60 +188,8 @@ class Incoming:
         if self.kind != _REQUEST or self._answered:
             return
         self._answered = True
-        meta, frames = error_meta(exc, **extra)
-        self.endpoint._send_router(self.identity, _ERROR, self.request_id, self.op, meta, frames)
-
-
-def error_meta(exc: BaseException, **extra: Any) -> tuple[dict[str, Any], list[Any]]:
-    """Describe ``exc`` for the wire: msgpack meta plus, when picklable, the exception itself."""
-    meta: dict[str, Any] = {
-        "error": type(exc).__name__ if isinstance(exc, errors.AiorlError) else "RemoteError",
-        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-    }
-    meta.update(extra)
-    try:
-        frames = serialization.dumps(exc)
-    except Exception:
-        frames = []
-    return meta, frames
-
-
-def error_from_meta(meta: Any, frames: list[Any]) -> BaseException:
-    """Rebuild the exception an ERROR reply describes."""
-    if not isinstance(meta, dict):
-        return ProtocolError(f"malformed error reply: {meta!r}")
-    name = meta.get("error", "RemoteError")
-    message = str(meta.get("message", ""))
-    cause: BaseException | None = None
-    if frames:
-        try:
-            loaded = serialization.loads(frames)
-            if isinstance(loaded, BaseException):
-                cause = loaded
-        except Exception:
-            cause = None  # the type may not exist here; the text below still says what happened
-    cls = getattr(errors, str(name), None)
-    if isinstance(cls, type) and issubclass(cls, errors.RemoteError):
-        return cls(
-            str(meta.get("worker", "?")),
-            int(meta.get("rank", -1)),
-            str(meta.get("type", "Exception")),
-            message,
-            str(meta.get("traceback", "")),
-            cause,
-        )
-    if isinstance(cls, type) and issubclass(cls, errors.AiorlError):
-        return cause if isinstance(cause, cls) else cls(message)
-    return errors.RemoteError(
-        str(meta.get("worker", "?")),
-        int(meta.get("rank", -1)),
-        str(meta.get("type", name)),
-        message,
-        str(meta.get("traceback", "")),
-        cause,
-    )
+        self.endpoint._send_router(self.identity, _ERROR, self.request_id, self.op,
+                                   to_wire(exc, **extra), ())
 
 
 class _Watched:
@@ -233,7 +206,7 @@ class _Watched:
 
     def __init__(
         self,
-        sock: zmq.Socket,
+        sock: zmq.Socket[Any],
         on_message: Callable[[list[Any]], None],
         loop: asyncio.AbstractEventLoop,
         routed: bool = False,
@@ -288,10 +261,10 @@ class _Watched:
         key = parts[0] if self.routed else b""
         corked = self._corked
         if corked is not None:
-            corked.setdefault(key, []).append(parts[1:] if self.routed else list(parts))
+            corked.setdefault(key, []).append(list(parts[1:]) if self.routed else list(parts))
             return
         if self._hot:
-            self._corked = {key: [parts[1:] if self.routed else list(parts)]}
+            self._corked = {key: [list(parts[1:]) if self.routed else list(parts)]}
             return
         self._hot = True
         self.loop.call_soon(self._end_of_turn)
@@ -361,16 +334,50 @@ class _Watched:
             self.sock.close()
 
 
+#: Rebuilding a socket after a failed handshake waits this long, doubling up to the cap.
+_REBUILD_FIRST_S = 0.1
+_REBUILD_MAX_S = 2.0
+#: Handshakes that break off without detail, in a row, before a warning.
+_BROKEN_HANDSHAKES_WARN = 5
+
+_HANDSHAKE_FAILURES: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        "it speaks another security mechanism (is one side --insecure, or not an aiorl "
+        "process of this cluster?)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "it refused this cluster's credentials",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        "the handshake broke off (under CURVE: the peer does not hold this cluster's key)",
+}
+
+
 class _Peer:
-    """The outgoing side toward one remote endpoint."""
+    """The outgoing side toward one remote endpoint: a DEALER, and a monitor of its handshakes.
 
-    __slots__ = ("address", "watched", "pending", "lost")
+    ``refused`` is set while the connection is down after a failed handshake (until
+    the rebuilt socket is made); ``backoff`` is the next rebuild delay, reset by a
+    successful handshake."""
 
-    def __init__(self, address: str, watched: _Watched) -> None:
+    __slots__ = ("address", "watched", "monitor", "pending", "lost", "refused", "backoff",
+                 "rebuild", "broken_handshakes")
+
+    def __init__(self, address: str) -> None:
         self.address = address
-        self.watched = watched
+        self.watched: _Watched | None = None
+        self.monitor: _Watched | None = None
         self.pending: dict[int, asyncio.Future[Reply]] = {}
         self.lost: BaseException | None = None
+        self.refused: AuthenticationError | None = None
+        self.backoff = 0.0
+        self.rebuild: asyncio.TimerHandle | None = None
+        self.broken_handshakes = 0  # in a row, of the kind libzmq retries by itself
+
+    def close_sockets(self) -> None:
+        for watched in (self.watched, self.monitor):
+            if watched is not None:
+                watched.close()
+        if self.rebuild is not None:
+            self.rebuild.cancel()
+            self.rebuild = None
 
 
 class Endpoint:
@@ -378,11 +385,14 @@ class Endpoint:
 
     Args:
         name: a readable name for logs and routing ids (e.g. ``"rollout:3"``).
-        host: interface to bind the ROUTER on.
-        port: port to bind (0 = any free port).
+        host: interface to bind the ROUTER on, or ``ipc://DIR`` for a Unix socket in
+            the private directory DIR (see :func:`~aiorl.transport.sockets.bind_endpoint`).
+        port: port to bind (0 = any free port; ignored for ``ipc://``).
         loop: the event loop that owns the endpoint (default: the running loop).
-        keys: the cluster's CURVE keys; by default those of the environment
+        keys: the cluster's keys; by default this process's
             (:func:`~aiorl.transport.security.keys_from_environment`); None = insecure.
+            ``plain`` keys work only over ``ipc://``: PLAIN hands the secret to whoever
+            answers an address, which over TCP may be anyone who took a freed port.
     """
 
     def __init__(
@@ -398,10 +408,19 @@ class Endpoint:
         self.keys: ClusterKeys | None = (
             security.keys_from_environment() if keys is _FROM_ENVIRONMENT else keys  # type: ignore[assignment]
         )
+        if not host.startswith(IPC_PREFIX):
+            _refuse_plain_over_tcp(self.keys, f"bind {name} on {host}")
         self.loop = loop or asyncio.get_running_loop()
         self._identity = f"{name}/{os.getpid()}/{uuid.uuid4().hex[:8]}".encode()
         router = make_socket(zmq.ROUTER, keys=self.keys)
-        self.address = bind_random_port(router, host, port)
+        try:
+            self.address = bind_endpoint(router, host, port)
+        except BaseException:
+            router.close(0)
+            raise
+        #: The IP at which other processes reach this machine (for side channels such as
+        #: a TCPStore): the bound host, or loopback for an ``ipc://`` endpoint (one machine).
+        self.ip = "127.0.0.1" if host.startswith(IPC_PREFIX) else host
         self._dropped = _DropLog(name)
         self._router = _Watched(router, self._on_router_message, self.loop, routed=True)
         self._loop_thread = threading.get_ident()  # built on its loop's thread (see Threads)
@@ -496,8 +515,8 @@ class Endpoint:
         """
         fut: asyncio.Future[Reply] = self.loop.create_future()
         p = self._peer(peer)
-        if p.lost is not None:
-            fut.set_exception(_copy_lost(p.lost))
+        if p.lost is not None or p.refused is not None:
+            fut.set_exception(_copy_failure(p))
             return fut
         rid = next(self._request_ids)
         p.pending[rid] = fut
@@ -508,37 +527,101 @@ class Endpoint:
         return fut
 
     def send_oneway(self, peer: str, op: str, meta: Any = None, frames: Sequence[Any] = ()) -> None:
-        """Send a message that expects no reply. Raises PeerLostError for a lost peer."""
+        """Send a message that expects no reply. Raises PeerLostError for a lost peer and
+        AuthenticationError while the peer's handshake fails."""
         p = self._peer(peer)
-        if p.lost is not None:
-            raise _copy_lost(p.lost)
+        if p.lost is not None or p.refused is not None:
+            raise _copy_failure(p)
         self._send_dealer(p, _ONEWAY, 0, op, meta, frames)
+        if p.refused is not None:
+            raise _copy_failure(p)
 
     def _send_dealer(
         self, p: _Peer, kind: int, rid: int, op: str, meta: Any, frames: Sequence[Any]
     ) -> None:
         parts = [encode_header(kind, rid, op, meta), *frames]
-        if kind == _ONEWAY:
-            # One-way streams (p2p data, output lines) batch themselves where it pays;
-            # holding them to the end of the turn measured 30 % slower for p2p.
-            p.watched.send_direct(parts)
-        else:
-            p.watched.send(parts)
+        watched = p.watched
+        assert watched is not None  # callers checked p.refused
+        try:
+            if kind == _ONEWAY:
+                # One-way streams (p2p data, output lines) batch themselves where it pays;
+                # holding them to the end of the turn measured 30 % slower for p2p.
+                watched.send_direct(parts)
+            else:
+                watched.send(parts)
+        except zmq.Again:
+            # A DEALER has nowhere to send only once libzmq dropped its connection after a
+            # failed handshake (whose event may not have been read yet).
+            self._handshake_failed(p, "it dropped the connection during the handshake")
 
     def _peer(self, address: str) -> _Peer:
         p = self._peers.get(address)
         if p is None:
             if self.closed:
                 raise PeerLostError(f"endpoint {self.name} is closed")
-            sock = make_socket(zmq.DEALER, identity=self._identity, keys=self.keys)
-            sock.connect(address)
-            p = _Peer(address, None)  # type: ignore[arg-type]
-            p.watched = _Watched(sock, lambda frames, p=p: self._on_dealer_message(p, frames), self.loop)
+            if not address.startswith(IPC_PREFIX):
+                _refuse_plain_over_tcp(self.keys, f"connect to {address}")
+            p = _Peer(address)
+            self._connect(p)
             lost = self._lost.get(address)
             if lost is not None:
                 p.lost = lost
             self._peers[address] = p
         return p
+
+    def _connect(self, p: _Peer) -> None:
+        """Give ``p`` a fresh DEALER (same routing id: the server hands the old one's place
+        over) and a monitor of its handshakes."""
+        sock = make_socket(zmq.DEALER, identity=self._identity, keys=self.keys)
+        monitor = monitor_handshakes(sock)
+        sock.connect(p.address)
+        p.refused = None
+        p.monitor = _Watched(monitor, lambda frames: self._on_handshake_event(p, frames), self.loop)
+        p.watched = _Watched(sock, lambda frames: self._on_dealer_message(p, frames), self.loop)
+
+    def _on_handshake_event(self, p: _Peer, frames: list[Any]) -> None:
+        event = parse_monitor_message(frames)["event"]
+        if not event & HANDSHAKE_FAILED_EVENTS:  # succeeded
+            if p.backoff or p.broken_handshakes >= _BROKEN_HANDSHAKES_WARN:
+                log.warning("%s: authenticated %s again", self.name, p.address)
+            p.backoff = 0.0
+            p.broken_handshakes = 0
+            return
+        reason = _HANDSHAKE_FAILURES.get(int(event), "the handshake failed")
+        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            # libzmq retries this connection by itself and keeps what is queued. A peer
+            # restarting mid-handshake and an impostor look alike here: fail nothing, and
+            # warn only when it keeps happening.
+            p.broken_handshakes += 1
+            if p.broken_handshakes == _BROKEN_HANDSHAKES_WARN:
+                log.warning("%s: %d handshakes in a row with %s broke off: %s", self.name,
+                            p.broken_handshakes, p.address, reason)
+            return
+        self._handshake_failed(p, reason)
+
+    def _handshake_failed(self, p: _Peer, reason: str) -> None:
+        """libzmq gave up on ``p``'s connection: fail what waits on it, rebuild it later."""
+        if p.refused is not None or p.lost is not None or self.closed:
+            return
+        delay = p.backoff = min(max(p.backoff * 2, _REBUILD_FIRST_S), _REBUILD_MAX_S)
+        error = AuthenticationError(
+            f"{self.name} could not authenticate {p.address}: {reason}; retrying in {delay:g} s")
+        if delay == _REBUILD_FIRST_S:
+            log.warning("%s", error)
+        else:
+            log.debug("%s", error)
+        p.close_sockets()
+        p.refused = error
+        pending, p.pending = p.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(_copy_failure(p))
+        p.rebuild = self.loop.call_later(delay, self._rebuild, p)
+
+    def _rebuild(self, p: _Peer) -> None:
+        p.rebuild = None
+        if self._peers.get(p.address) is p and not self.closed:
+            self._connect(p)
 
     def _on_dealer_message(self, p: _Peer, frames: list[Any], nested: bool = False) -> None:
         try:
@@ -568,7 +651,7 @@ class Endpoint:
         if header.kind == _REPLY:
             fut.set_result((header.meta, frames[1:]))
         elif header.kind == _ERROR:
-            fut.set_exception(error_from_meta(header.meta, frames[1:]))
+            fut.set_exception(from_wire(header.meta))  # data only: never unpickled
         else:
             fut.set_exception(ProtocolError(f"unexpected {Kind(header.kind).name} in reply to a request"))
 
@@ -594,7 +677,7 @@ class Endpoint:
                 if not fut.done():
                     fut.set_exception(_copy_lost(exc))
             # Nothing more will be read from or written to a dead peer's connection.
-            p.watched.close()
+            p.close_sockets()
             del self._peers[address]
         for cb in list(self._peer_lost_callbacks):
             try:
@@ -617,7 +700,7 @@ class Endpoint:
                 if not fut.done():
                     fut.set_exception(_copy_lost(exc))
                     fut.exception()  # closing: an abandoned request need not warn
-            p.watched.close()
+            p.close_sockets()
             # Layers above (channels, p2p) fail what they hold for this peer too.
             for cb in list(self._peer_lost_callbacks):
                 try:
@@ -630,6 +713,21 @@ class Endpoint:
 
 def _copy_lost(exc: BaseException) -> PeerLostError:
     return PeerLostError(str(exc))
+
+
+def _copy_failure(p: _Peer) -> AiorlError:
+    """A fresh copy of why ``p`` cannot be reached (each waiter gets its own exception)."""
+    if p.lost is not None:
+        return _copy_lost(p.lost)
+    return AuthenticationError(str(p.refused))
+
+
+def _refuse_plain_over_tcp(keys: ClusterKeys | None, action: str) -> None:
+    if keys is not None and keys.mechanism == "plain":
+        raise AuthenticationError(
+            f"cannot {action} with the PLAIN mechanism: PLAIN sends the cluster secret to "
+            "whoever answers the address, so aiorl uses it only over ipc:// sockets in a "
+            "private directory (embedded clusters); across machines use mechanism=curve")
 
 
 def _expire(p: _Peer, rid: int, op: str, timeout: float) -> None:

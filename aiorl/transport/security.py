@@ -1,32 +1,34 @@
-"""Cluster keys and CURVE authentication.
+"""Cluster keys, authentication, and the private directories of a session.
 
-Every socket that can carry pickles is a ZMQ CURVE socket: traffic is encrypted
-and a server (ROUTER) accepts a client (DEALER) only if the client proves it
-holds the cluster's secret key. The check runs in libzmq's ZAP handshake,
-before any message reaches aiorl, so an unauthenticated peer can never get a
-byte unpickled. Refused handshakes are logged.
+Pickle over a socket is code execution, in both directions: a server unpickles
+requests, a client unpickles replies. So every socket authenticates its peer
+*both ways* before a message is read (the threat model is in docs/security.md):
 
-One key pair per cluster: all members (registry, node agents, workers,
-drivers) hold the same pair. It comes from, in order:
+* Multi-machine clusters use ``curve``: one CURVE key pair per cluster, held by
+  every member (registry, node agents, workers, drivers). A server admits only
+  clients that hold the pair (checked by ZAP, in libzmq, before any message is
+  delivered), and every client pins the cluster's public key as the server key,
+  so a process that took over a peer's address without the secret key fails the
+  handshake and receives nothing. Every message is encrypted.
+* Embedded clusters (every process on this machine) use ``plain`` over
+  ``ipc://`` sockets inside a private directory (mode 0700, created by the
+  driver under the user's runtime directory). The directory is what
+  authenticates the server: only this user (and root) can create a socket
+  there, so nobody else can squat an address, and only they can connect. The
+  PLAIN secret on top is a second check on the client. PLAIN is never used over
+  TCP: it hands the secret to whoever answers the address.
 
-1. an explicit :class:`ClusterKeys` (an embedded ``Cluster`` makes fresh ones);
-2. ``$AIORL_CURVE_PUBLIC`` and ``$AIORL_CURVE_SECRET`` (how agents and
-   workers of an embedded cluster receive them);
-3. the key file named by ``$AIORL_KEY_FILE`` or ``--key-file``
-   (``aiorl-registry`` writes one on first start; copy it to every node).
+Keys come from, in order: an explicit :class:`ClusterKeys` (an embedded
+``Cluster`` makes fresh ones and hands them to its processes in a 0600 key file;
+a node agent hands them to its workers over its private channel to the zygote,
+see :func:`set_process_keys`); ``$AIORL_CURVE_PUBLIC`` / ``$AIORL_CURVE_SECRET``;
+the key file named by ``$AIORL_KEY_FILE`` or ``--key-file`` (``aiorl-registry``
+writes one on first start; copy it to every node). Processes that received keys
+remove those variables from their environment, so workers never inherit them.
 
-Two mechanisms, chosen per cluster (``mechanism`` in the key file, or
-``$AIORL_AUTH_MECHANISM``):
-
-* ``curve`` (the default for clusters started by hand): authentication and
-  encryption of every message. It costs time: see ``benchmarks/bench_security.py``.
-* ``plain``: the ZAP handshake checks the cluster secret, then messages travel
-  unencrypted. An embedded ``Cluster`` uses it, since all of its traffic stays
-  on loopback, which only the local root can read, and root owns the processes
-  anyway. Use it across machines only on a network you trust against sniffing:
-  the secret crosses the wire once per connection.
-
-``AIORL_INSECURE=1`` turns authentication off (a private test network only).
+``AIORL_INSECURE=1`` / ``--insecure`` turns authentication off (a private test
+network only); an embedded cluster's sockets then still live in the private
+directory.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import stat
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,9 +50,13 @@ from aiorl.errors import AuthenticationError
 __all__ = [
     "ClusterKeys",
     "DEFAULT_KEY_FILE",
+    "check_private_directory",
     "enable_server",
     "keys_from_environment",
     "load_or_create",
+    "make_private_directory",
+    "scrub_key_variables",
+    "set_process_keys",
 ]
 
 log = logging.getLogger("aiorl.security")
@@ -82,10 +90,6 @@ class ClusterKeys:
         public, secret = zmq.curve_keypair()
         return cls(public, secret, mechanism)
 
-    def to_env(self) -> dict[str, str]:
-        return {ENV_PUBLIC: self.public.decode(), ENV_SECRET: self.secret.decode(),
-                ENV_MECHANISM: self.mechanism}
-
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the key file, readable by its owner only."""
         p = Path(path)
@@ -114,8 +118,32 @@ class ClusterKeys:
         return f"ClusterKeys(public={self.public.decode()!r})"
 
 
+_UNSET = object()
+_process_keys: ClusterKeys | None | object = _UNSET
+
+
+def set_process_keys(keys: ClusterKeys | None) -> None:
+    """Make ``keys`` (None: insecure) what every endpoint of this process uses by default.
+
+    A worker receives its keys from its node agent in its start message, not in its
+    environment; this is how its endpoints (and any a library opens in it) find them."""
+    global _process_keys
+    _process_keys = keys
+
+
+def scrub_key_variables() -> None:
+    """Remove the key variables from this process's environment, so that the processes
+    it starts do not inherit the secret. (The kernel's copy of the environment this
+    process was started with, /proc/PID/environ, is readable by this user only.)"""
+    for name in (ENV_PUBLIC, ENV_SECRET):
+        os.environ.pop(name, None)
+
+
 def keys_from_environment() -> ClusterKeys | None:
-    """Keys from ``$AIORL_CURVE_*`` or ``$AIORL_KEY_FILE``; None when ``AIORL_INSECURE=1``."""
+    """This process's keys (:func:`set_process_keys`), else ``$AIORL_CURVE_*`` or a key
+    file (``$AIORL_KEY_FILE``, then the default); None when ``AIORL_INSECURE=1``."""
+    if _process_keys is not _UNSET:
+        return _process_keys  # type: ignore[return-value]
     if os.environ.get(ENV_INSECURE) == "1":
         return None
     public, secret = os.environ.get(ENV_PUBLIC), os.environ.get(ENV_SECRET)
@@ -141,16 +169,58 @@ def load_or_create(path: str | os.PathLike[str]) -> ClusterKeys:
     return keys
 
 
+# ---------------------------------------------------------------------------- private dirs
+#: Longest base directory for session directories: a Unix socket path inside one
+#: (``BASE/aiorl-XXXXXXXX/PID-XXXXXXXX``) must fit in sun_path (107 bytes on Linux).
+_MAX_BASE_LEN = 70
+
+
+def _runtime_base() -> str:
+    """The user's runtime directory ($XDG_RUNTIME_DIR: private, on tmpfs, cleared at
+    logout) when it is usable, else the temporary directory."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and len(runtime) <= _MAX_BASE_LEN:
+        try:
+            check_private_directory(runtime)
+            return runtime
+        except AuthenticationError:
+            log.debug("$XDG_RUNTIME_DIR %s is not a private directory; using the temp dir", runtime)
+    base = tempfile.gettempdir()
+    return base if len(base) <= _MAX_BASE_LEN else "/tmp"
+
+
+def make_private_directory(prefix: str) -> str:
+    """Create a fresh directory only this user can enter (mode 0700, random name, created
+    atomically so nobody can have prepared it) under the user's runtime directory."""
+    return tempfile.mkdtemp(prefix=prefix, dir=_runtime_base())
+
+
+def check_private_directory(path: str) -> None:
+    """Raise :class:`AuthenticationError` unless ``path`` is a directory owned by this
+    user that nobody else can enter: then nobody else can create, replace or connect
+    to a Unix socket inside it."""
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise AuthenticationError(f"cannot use {path} for private sockets: {exc}") from None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise AuthenticationError(
+            f"{path} is not a private directory (a directory of uid {os.getuid()} with mode "
+            f"0700; found uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):o})")
+
+
 # ---------------------------------------------------------------------------- ZAP
 _auth_lock = threading.Lock()
-_authenticators: dict[int, Any] = {}  # id(context) -> authenticator (one per context)
+#: id(context) -> (context, its authenticator). The context is kept and compared, so that a
+#: new context that reuses a dead one's id (after a fork, say) gets its own authenticator.
+_authenticators: dict[int, tuple[Any, Any]] = {}
 _allowed: dict[bytes, bytes] = {}  # cluster public key -> secret, for every cluster served here
 
 
 def _authenticator_class() -> type:
     from zmq.auth.thread import ThreadAuthenticator
 
-    class ClusterAuthenticator(ThreadAuthenticator):  # type: ignore[misc, valid-type]
+    class ClusterAuthenticator(ThreadAuthenticator):
         """Admits clients that hold one of this process's cluster keys; logs refusals.
 
         Replaces pyzmq's PLAIN check, which logs passwords at debug level."""
@@ -176,19 +246,20 @@ class _ClusterKeyCheck:
         return False
 
 
-def enable_server(sock: zmq.Socket, keys: ClusterKeys) -> None:
+def enable_server(sock: zmq.Socket[Any], keys: ClusterKeys) -> None:
     """Make ``sock`` a server that admits only holders of ``keys`` (ZAP-checked)."""
     ctx = sock.context
     with _auth_lock:
         _allowed[keys.public] = keys.secret
-        if id(ctx) not in _authenticators:
+        known = _authenticators.get(id(ctx))
+        if known is None or known[0] is not ctx:
             auth = _authenticator_class()(ctx, log=logging.getLogger("aiorl.security.zap"))
             auth.start()
             auth.configure_curve_callback(domain=ZAP_DOMAIN.decode(),
                                           credentials_provider=_ClusterKeyCheck())
             # Passwords are checked by ClusterAuthenticator; this only enables PLAIN here.
             auth.configure_plain(domain=ZAP_DOMAIN.decode(), passwords={"-": "-"})
-            _authenticators[id(ctx)] = auth
+            _authenticators[id(ctx)] = (ctx, auth)
     sock.zap_domain = ZAP_DOMAIN
     if keys.mechanism == "plain":
         sock.plain_server = True
@@ -198,8 +269,9 @@ def enable_server(sock: zmq.Socket, keys: ClusterKeys) -> None:
         sock.curve_server = True
 
 
-def enable_client(sock: zmq.Socket, keys: ClusterKeys) -> None:
-    """Make ``sock`` a client presenting ``keys`` to servers of the same cluster."""
+def enable_client(sock: zmq.Socket[Any], keys: ClusterKeys) -> None:
+    """Make ``sock`` a client presenting ``keys`` to servers of the same cluster; under
+    CURVE it also pins the cluster's public key as the only server key it accepts."""
     if keys.mechanism == "plain":
         sock.plain_username = keys.public
         sock.plain_password = keys.secret

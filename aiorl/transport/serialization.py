@@ -1,14 +1,31 @@
-"""Pickle protocol 5 with out-of-band buffers, and cloudpickle where pickle gives up.
+"""The one codec of aiorl: pickle protocol 5, out-of-band buffers, one tensor reducer.
 
-``dumps(obj)`` returns a list of frames: the pickle stream first, then every
-buffer larger than :data:`OOB_THRESHOLD` as its own frame, so that ZMQ can send
-it without copying. Smaller buffers stay in the stream, where one copy is cheaper
-than one more frame. ``loads(frames)`` reverses it.
+Every payload that crosses a process boundary (calls and replies, channel items,
+point-to-point messages) is pickled here, by one policy:
 
-Contiguous CPU tensors are reduced to their raw bytes plus dtype and shape, so a
-large tensor travels as one zero-copy frame instead of torch's default
-``torch.save``-style byte string. Anything plain pickle cannot handle (lambdas,
-classes defined in ``__main__``, closures) is retried with cloudpickle.
+* **Out-of-band buffers.** :func:`encode` returns the pickle stream and every buffer
+  of at least ``oob_threshold`` bytes (default :data:`OOB_THRESHOLD`) separately,
+  so that the caller can send it as a zero-copy frame or place it in shared memory.
+  Smaller buffers stay in the stream, where one copy is cheaper than a frame.
+* **One tensor reducer.** A dense CPU tensor becomes its dtype, shape,
+  ``requires_grad``, whether it is a ``Parameter``, and its raw bytes (a
+  ``PickleBuffer``), rebuilt without a copy where the receiver's buffer is writable.
+  Two per-call switches serve point-to-point messages: ``strict`` rejects
+  non-contiguous tensors at once (``ValueError``; otherwise torch's own reduction
+  keeps their strides), and a ``cuda_sink`` list collects CUDA tensors, which are
+  pickled as placeholders and travel by NCCL or CUDA IPC (otherwise torch's own
+  reduction copies them through the host).
+* **One pickler per thread**, reused: building a pickler and its stream costs more
+  than pickling a small object. Its dispatch table is a single dict, updated in
+  place when torch is imported or ``copyreg`` gains an entry, so a tensor pickled
+  after a late ``import torch`` still uses the reducer above.
+* **cloudpickle** where plain pickle gives up (lambdas, classes defined in
+  ``__main__``, closures); :class:`SerializationError` (a ``TypeError``) when
+  neither can.
+
+Measurements behind the threshold: ``benchmarks/bench_serialization.py`` (a round
+trip ties at 64 KiB, 404 vs 416 µs; out of band wins from 256 KiB, 674 vs 1,101 µs,
+and by 3.7x at 4 MiB).
 """
 
 from __future__ import annotations
@@ -18,17 +35,25 @@ import copyreg
 import io
 import pickle
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import cloudpickle
 
-__all__ = ["OOB_THRESHOLD", "SerializationError", "dumps", "loads"]
+__all__ = [
+    "ATOMIC_TYPES",
+    "OOB_THRESHOLD",
+    "SerializationError",
+    "byte_view",
+    "decode",
+    "dumps",
+    "encode",
+    "loads",
+    "tensor_from_buffer",
+]
 
-#: Buffers at least this large travel as separate, zero-copy frames. Below it,
-#: copying into the pickle stream costs no more than a frame of its own
-#: (benchmarks/bench_serialization.py: a round trip ties at 64 KiB, 404 vs 416 µs;
-#: out of band wins from 256 KiB, 674 vs 1,101 µs, and by 3.7x at 4 MiB).
+#: Buffers at least this large travel as separate, zero-copy frames.
 OOB_THRESHOLD = 64 * 1024
 
 
@@ -36,98 +61,275 @@ class SerializationError(TypeError):
     """An object could not be pickled (by pickle nor cloudpickle)."""
 
 
-def tensor_from_buffer(dtype: Any, shape: Sequence[int], data: Any) -> Any:
-    """A tensor of ``dtype`` and ``shape`` over the bytes of ``data``.
+class _NotContiguous(ValueError):
+    """Raised from inside pickling (strict mode) so that the cloudpickle retry does not hide it."""
 
-    No copy unless ``data`` is read-only (shared with :mod:`aiorl.actors._p2p_codec`).
-    """
+
+# ----------------------------------------------------------------------------- tensors
+def byte_view(t: Any) -> Any:
+    """The bytes of a contiguous CPU tensor as a flat uint8 numpy array (no copy)."""
     import torch
 
-    mv = memoryview(data)
-    if mv.readonly:
-        # torch.frombuffer needs a writable buffer; received frames are read-only.
-        mv = memoryview(bytearray(mv))
-    if mv.nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    t = torch.frombuffer(mv, dtype=torch.uint8)
+    flat = t.detach() if t.requires_grad else t
+    if flat.is_conj() or flat.is_neg():  # lazy conjugate/negative views: materialize
+        flat = flat.resolve_conj().resolve_neg()
+    if flat.dim() != 1:
+        flat = flat.view(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return flat.numpy()
+
+
+def not_contiguous_error(t: Any) -> ValueError:
+    """The error for a non-contiguous tensor where aiorl needs its bytes in one piece."""
+    return ValueError(
+        f"cannot send a non-contiguous tensor (shape {tuple(t.shape)}, "
+        f"stride {tuple(t.stride())}); call .contiguous() first"
+    )
+
+
+def tensor_from_buffer(dtype: Any, shape: Sequence[int], data: Any) -> Any:
+    """A tensor of ``dtype`` and ``shape`` over the bytes of ``data`` (copied if read-only)."""
+    import numpy as np
+    import torch
+
+    if isinstance(data, np.ndarray) and data.flags.writeable:
+        # from_numpy keeps the array (and a shared-memory lease's finalizer) alive.
+        t = torch.from_numpy(data)
+    else:
+        mv = memoryview(data)
+        if mv.readonly:
+            # torch.frombuffer needs a writable buffer; received frames are read-only.
+            mv = memoryview(bytearray(mv))
+        if mv.nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        t = torch.frombuffer(mv, dtype=torch.uint8)
     return (t if dtype == torch.uint8 else t.view(dtype)).reshape(shape)
 
 
-def _rebuild_tensor(dtype: Any, shape: tuple[int, ...], data: Any) -> Any:
-    # Named in pickle streams (the wire format): keep it, delegate the work.
-    return tensor_from_buffer(dtype, shape, data)
+def _rebuild_tensor(
+    dtype: Any, shape: Sequence[int], requires_grad: bool, data: Any, param: bool
+) -> Any:
+    """Unpickling side of :func:`_reduce_tensor` (named in pickle streams: the wire format)."""
+    t = tensor_from_buffer(dtype, shape, data)
+    if param:
+        import torch
+
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _cuda_placeholder(index: int) -> Any:
+    """Unpickling side of a CUDA tensor sent out of band: the tensor it was received into."""
+    return _tls.cuda_in[index]
 
 
 def _reduce_tensor(t: Any) -> Any:
-    # Not shared with p2p's reducer: that one keeps autograd/Parameter/CUDA tensors its own way
-    # and rejects non-contiguous ones, where this one defers all of them to torch.
-    if t.device.type != "cpu" or not t.is_contiguous() or t.requires_grad or t.is_sparse:
-        return t.__reduce_ex__(5)  # torch's own path (CUDA, autograd, sparse, strided)
-    flat = t.detach().reshape(-1).view(__import__("torch").uint8)
-    return _rebuild_tensor, (t.dtype, tuple(t.shape), pickle.PickleBuffer(flat.numpy()))
+    import torch
+
+    if t.layout != torch.strided or t.is_quantized or t.device.type not in ("cpu", "cuda"):
+        return t.__reduce_ex__(5)  # torch's own format; rare kinds
+    enc = _tls.encoder
+    if not t.is_contiguous():
+        if enc is not None and enc.strict:
+            raise _NotContiguous(str(not_contiguous_error(t)))
+        return t.__reduce_ex__(5)  # keeps the strides
+    if t.device.type == "cuda":
+        sink = enc.cuda_out if enc is not None else None
+        if sink is None:
+            return t.__reduce_ex__(5)  # through the host, torch's way
+        sink.append(t)
+        return _cuda_placeholder, (len(sink) - 1,)
+    return _rebuild_tensor, (
+        t.dtype,
+        tuple(t.shape),
+        t.requires_grad,
+        pickle.PickleBuffer(byte_view(t)),
+        isinstance(t, torch.nn.Parameter),
+    )
 
 
-def _tensor_table() -> dict[type, Any]:
-    torch = sys.modules.get("torch")  # no tensors can exist unless torch was imported
-    return {torch.Tensor: _reduce_tensor} if torch is not None else {}
+# ----------------------------------------------------------------------------- dispatch table
+class _CodecState(threading.local):
+    """Per thread: the encoder in use (the reducer reads its settings) and, while unpickling,
+    the CUDA tensors that placeholders stand for."""
+
+    encoder: _Encoder | None = None
+    cuda_in: Sequence[Any] = ()
 
 
-_table_cache: dict[bool, dict[type, Any]] = {}
+_tls = _CodecState()
+
+#: The dispatch table of every aiorl pickler. One dict, updated in place (C picklers keep a
+#: reference to it, taken at construction): see :func:`_sync_table`.
+_TABLE: dict[Any, Any] = dict(copyreg.dispatch_table)
+_synced_copyreg_size = len(copyreg.dispatch_table)
+_torch_registered = False
+_sync_lock = threading.Lock()
 
 
-def _dispatch_table() -> dict[type, Any]:
-    # Cached per "torch imported yet?"; rebuilt never otherwise (copyreg rarely changes
-    # after start-up, and a stale entry would only cost speed, not correctness).
-    key = "torch" in sys.modules
-    table = _table_cache.get(key)
-    if table is None:
-        table = _table_cache[key] = {**copyreg.dispatch_table, **_tensor_table()}
-    return table
+def _sync_table() -> None:
+    """Add the tensor reducer once torch is imported, and what ``copyreg`` gained since."""
+    global _synced_copyreg_size, _torch_registered
+    with _sync_lock:
+        _TABLE.update(copyreg.dispatch_table)
+        _synced_copyreg_size = len(copyreg.dispatch_table)
+        torch = sys.modules.get("torch")
+        if torch is not None and hasattr(torch, "nn"):  # fully imported
+            _TABLE[torch.Tensor] = _reduce_tensor
+            _TABLE[torch.nn.Parameter] = _reduce_tensor
+            _torch_registered = True
+
+
+def _dispatch_table() -> dict[Any, Any]:
+    """The live dispatch table (for picklers built elsewhere: they see later updates too)."""
+    if len(copyreg.dispatch_table) != _synced_copyreg_size or (
+        not _torch_registered and "torch" in sys.modules
+    ):
+        _sync_table()
+    return _TABLE
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, file: Any, **kwargs: Any) -> None:
-        # The C pickler reads dispatch_table once, in __init__: set it first.
-        self.dispatch_table = _dispatch_table()
-        super().__init__(file, **kwargs)
+    dispatch_table = _TABLE  # the C pickler reads it at construction
 
 
-class _CloudPickler(cloudpickle.CloudPickler):
-    def __init__(self, file: Any, **kwargs: Any) -> None:
-        self.dispatch_table = collections.ChainMap(
-            _tensor_table(), cloudpickle.CloudPickler.dispatch_table)
-        super().__init__(file, **kwargs)
+class _CloudPickler(cloudpickle.CloudPickler):  # type: ignore[misc]  # untyped base
+    dispatch_table = collections.ChainMap(_TABLE, cloudpickle.CloudPickler.dispatch_table)
+
+
+class _Encoder:
+    """A pickler, its stream, its out-of-band buffers and the settings of the current dump.
+
+    One per thread, reused: building a pickler costs more than pickling a small object.
+    """
+
+    __slots__ = ("stream", "pickler", "bufs", "threshold", "strict", "cuda_out", "busy")
+
+    def __init__(self, pickler_cls: Any) -> None:
+        self.stream = io.BytesIO()
+        self.bufs: list[memoryview] = []
+        self.threshold = OOB_THRESHOLD
+        self.strict = False  # a non-contiguous tensor raises (instead of torch's reduction)
+        self.cuda_out: list[Any] | None = None  # CUDA tensors sent out of band
+        self.busy = False
+        self.pickler = pickler_cls(self.stream, 5, buffer_callback=self._out_of_band)
+
+    def _out_of_band(self, pb: pickle.PickleBuffer) -> bool:
+        raw = pb.raw()
+        if raw.nbytes < self.threshold:
+            return True  # serialize in band
+        self.bufs.append(raw)
+        return False
+
+
+# ----------------------------------------------------------------------------- public
+#: Types whose pickle can hold neither out-of-band buffers nor tensors (exact types only:
+#: a subclass may reduce to anything). Most small messages are one of these.
+ATOMIC_TYPES = frozenset({int, float, bool, str, bytes, type(None)})
+
+
+def encode(
+    obj: Any,
+    oob_threshold: int = OOB_THRESHOLD,
+    *,
+    strict: bool = False,
+    cuda_sink: list[Any] | None = None,
+) -> tuple[bytes, list[memoryview]]:
+    """The pickle of ``obj`` and its out-of-band buffers (each ``>= oob_threshold`` bytes).
+
+    ``strict``: a non-contiguous tensor anywhere in ``obj`` raises :class:`ValueError`.
+    ``cuda_sink``: CUDA tensors are appended to it and pickled as placeholders
+    (:func:`decode` with ``cuda=`` puts the received tensors back).
+    Raises :class:`SerializationError` naming the type when nothing can pickle ``obj``.
+    """
+    if len(copyreg.dispatch_table) != _synced_copyreg_size or (
+        not _torch_registered and "torch" in sys.modules
+    ):
+        _sync_table()
+    if obj.__class__ in ATOMIC_TYPES:  # no buffers, no tensors inside: the C pickler alone
+        return pickle.dumps(obj, 5), []
+    state = _tls
+    enc = state.encoder
+    if enc is None or enc.busy:  # first use on this thread, or re-entered from a __reduce__
+        return _encode_with_new_encoder(obj, oob_threshold, strict, cuda_sink)
+    enc.threshold = oob_threshold
+    enc.strict = strict
+    enc.cuda_out = cuda_sink
+    enc.busy = True
+    bufs: list[memoryview] = []
+    enc.bufs = bufs
+    pickler, stream = enc.pickler, enc.stream
+    try:
+        pickler.dump(obj)
+        return stream.getvalue(), bufs
+    except _NotContiguous as exc:
+        raise ValueError(str(exc)) from None
+    except Exception:
+        state.encoder = None  # a failed dump may leave the pickler in any state
+        return _encode_with_cloudpickle(obj, oob_threshold, strict, cuda_sink)
+    finally:
+        pickler.clear_memo()
+        stream.seek(0)
+        stream.truncate()
+        enc.busy = False
+        enc.cuda_out = None
+
+
+def _encode_with_new_encoder(
+    obj: Any, oob_threshold: int, strict: bool, cuda_sink: list[Any] | None
+) -> tuple[bytes, list[memoryview]]:
+    state = _tls
+    outer = state.encoder
+    state.encoder = _Encoder(_Pickler)
+    try:
+        return encode(obj, oob_threshold, strict=strict, cuda_sink=cuda_sink)
+    finally:
+        if outer is not None:  # re-entered: the outer dump goes on with its own encoder
+            state.encoder = outer
+
+
+def _encode_with_cloudpickle(
+    obj: Any, oob_threshold: int, strict: bool, cuda_sink: list[Any] | None
+) -> tuple[bytes, list[memoryview]]:
+    """Lambdas, local classes, closures: cloudpickle can do what pickle cannot."""
+    if cuda_sink is not None:
+        cuda_sink.clear()
+    state = _tls
+    outer = state.encoder
+    enc = state.encoder = _Encoder(_CloudPickler)
+    enc.threshold, enc.strict, enc.cuda_out = oob_threshold, strict, cuda_sink
+    try:
+        enc.pickler.dump(obj)
+        return enc.stream.getvalue(), enc.bufs
+    except _NotContiguous as exc:
+        raise ValueError(str(exc)) from None
+    except Exception as exc:
+        raise SerializationError(
+            f"cannot serialize object of type {type(obj).__qualname__}: {type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        state.encoder = outer
+
+
+def decode(data: Any, buffers: Sequence[Any] = (), cuda: Sequence[Any] = ()) -> Any:
+    """Inverse of :func:`encode`; ``cuda`` are the tensors its CUDA placeholders stand for."""
+    if not cuda:
+        return pickle.loads(data, buffers=buffers)
+    state = _tls
+    state.cuda_in = cuda
+    try:
+        return pickle.loads(data, buffers=buffers)
+    finally:
+        state.cuda_in = ()
 
 
 def dumps(obj: Any, oob_threshold: int = OOB_THRESHOLD) -> list[Any]:
-    """Serialize ``obj`` into ``[pickle_bytes, *large_buffers]``.
-
-    Raises :class:`SerializationError` naming the object's type when neither
-    pickle nor cloudpickle can serialize it.
-    """
-    buffers: list[pickle.PickleBuffer] = []
-
-    def keep_large(buf: pickle.PickleBuffer) -> bool:
-        if buf.raw().nbytes < oob_threshold:
-            return True  # true = serialize in-band
-        buffers.append(buf)
-        return False
-
-    stream = io.BytesIO()
-    pickler = _Pickler(stream, protocol=5, buffer_callback=keep_large)
-    try:
-        pickler.dump(obj)
-    except Exception:
-        buffers.clear()
-        stream = io.BytesIO()
-        cp = _CloudPickler(stream, protocol=5, buffer_callback=keep_large)
-        try:
-            cp.dump(obj)
-        except Exception as exc:
-            raise SerializationError(
-                f"cannot serialize object of type {type(obj).__qualname__}: {exc}"
-            ) from exc
-    return [stream.getbuffer(), *(b.raw() for b in buffers)]
+    """Serialize ``obj`` into ``[pickle_bytes, *large_buffers]`` (see :func:`encode`)."""
+    data, bufs = encode(obj, oob_threshold)
+    return [data, *bufs]
 
 
 def loads(frames: Sequence[Any]) -> Any:

@@ -7,23 +7,40 @@ switched on for a cluster) apply everywhere at once.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket as _socket
 import threading
+import uuid
+from typing import Any
 
 import zmq
 
 from aiorl.transport import security
 from aiorl.transport.security import ClusterKeys
 
-__all__ = ["bind_random_port", "get_context", "local_ip", "make_socket"]
+__all__ = [
+    "HANDSHAKE_FAILED_EVENTS",
+    "IPC_PREFIX",
+    "bind_endpoint",
+    "get_context",
+    "local_ip",
+    "make_socket",
+    "monitor_handshakes",
+]
+
+IPC_PREFIX = "ipc://"
+HANDSHAKE_FAILED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+HANDSHAKE_EVENTS = HANDSHAKE_FAILED_EVENTS | zmq.EVENT_HANDSHAKE_SUCCEEDED
+_monitor_ids = itertools.count()
 
 _ctx_lock = threading.Lock()
 _ctx_pid: int | None = None
-_ctx: zmq.Context | None = None
+_ctx: zmq.Context[zmq.Socket[Any]] | None = None
 
 
-def get_context() -> zmq.Context:
+def get_context() -> zmq.Context[zmq.Socket[Any]]:
     """The process's ZMQ context, created anew after a fork (contexts do not survive fork)."""
     global _ctx, _ctx_pid
     with _ctx_lock:
@@ -36,11 +53,12 @@ def get_context() -> zmq.Context:
 
 def make_socket(
     kind: int, *, identity: bytes | None = None, keys: ClusterKeys | None = None
-) -> zmq.Socket:
+) -> zmq.Socket[Any]:
     """Create a socket of ZMQ type ``kind`` with the runtime's standard options.
 
-    With ``keys``, a ROUTER becomes a CURVE server admitting only holders of the
-    cluster key and a DEALER a CURVE client presenting it (see security.py).
+    With ``keys``, a ROUTER becomes a server admitting only holders of the cluster
+    key and a DEALER a client presenting it and, under CURVE, accepting only a
+    server that proves it holds the cluster key too (see security.py).
 
     Unlimited high-water marks: flow control is done by the protocols above
     (credits in channels, request/reply in calls), and a dropped or blocked
@@ -71,13 +89,41 @@ def make_socket(
     return sock
 
 
-def bind_random_port(sock: zmq.Socket, host: str, port: int = 0) -> str:
-    """Bind ``sock`` on ``host`` (port 0 = any free port) and return its ``tcp://`` address."""
+def bind_endpoint(sock: zmq.Socket[Any], location: str, port: int = 0) -> str:
+    """Bind ``sock`` and return the address peers connect to.
+
+    ``location`` is either a host interface (``tcp://HOST:PORT``; port 0 = any free
+    port) or ``ipc://DIR``: a Unix socket with a fresh name inside DIR, which must be
+    a private directory (owner only, see :func:`security.check_private_directory`),
+    so that only this user can bind there or connect.
+    """
+    if location.startswith(IPC_PREFIX):
+        directory = location[len(IPC_PREFIX):]
+        security.check_private_directory(directory)
+        address = f"{IPC_PREFIX}{directory}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        sock.bind(address)
+        return address
     if port:
-        sock.bind(f"tcp://{host}:{port}")
-        return f"tcp://{host}:{port}"
-    chosen = sock.bind_to_random_port(f"tcp://{host}", min_port=20000, max_port=60000)
-    return f"tcp://{host}:{chosen}"
+        sock.bind(f"tcp://{location}:{port}")
+        return f"tcp://{location}:{port}"
+    chosen = sock.bind_to_random_port(f"tcp://{location}", min_port=20000, max_port=60000)
+    return f"tcp://{location}:{chosen}"
+
+
+def monitor_handshakes(sock: zmq.Socket[Any]) -> zmq.Socket[Any]:
+    """A PAIR socket that receives ``sock``'s handshake events (succeeded / failed).
+
+    libzmq gives up on a connection for good after a failed handshake (a mechanism
+    mismatch, refused credentials, a server without the expected key); these events
+    are how the endpoint learns it must rebuild the socket. Read them with
+    :func:`zmq.utils.monitor.parse_monitor_message`.
+    """
+    address = f"inproc://aiorl-monitor-{next(_monitor_ids)}"
+    sock.monitor(address, HANDSHAKE_EVENTS)
+    pair = get_context().socket(zmq.PAIR)
+    pair.setsockopt(zmq.LINGER, 0)
+    pair.connect(address)
+    return pair
 
 
 def local_ip() -> str:

@@ -40,7 +40,7 @@ MAX_HEADER_BYTES = 1 << 20
 class Kind(enum.IntEnum):
     REQUEST = 1  #: expects a REPLY or ERROR with the same request id
     REPLY = 2
-    ERROR = 3  #: meta is {"type", "message", "traceback", ...}; payload may hold the pickled exception
+    ERROR = 3  #: meta is aiorl.errors.to_wire data (type, message, traceback); no payload
     ONEWAY = 4  #: no reply
     EVENT = 5  #: pushed by a server to a client that subscribed
     BATCH = 6  #: several messages in one: meta lists each one's frame count (see below)
@@ -60,7 +60,8 @@ _packb = msgpack.Packer(use_bin_type=True).pack
 
 
 def encode_header(kind: int, request_id: int, op: str, meta: Any = None) -> bytes:
-    return _packb((PROTOCOL_VERSION, kind, request_id, op, meta))
+    header: bytes = _packb((PROTOCOL_VERSION, kind, request_id, op, meta))
+    return header
 
 
 def decode_header(frame: bytes | memoryview) -> Header:

@@ -1,0 +1,332 @@
+# HOT PATH: send/recv entry points run per message.
+"""Worker-to-worker point-to-point messages: ``send``/``recv`` and ``send_tensor``/``recv_tensor``.
+
+One :class:`P2PEngine` per process runtime (:func:`get_p2p`). Control goes worker to
+worker over the runtime's ZMQ endpoint (never through the registry); payloads take the
+fastest path that fits (:mod:`aiorl.p2p.sender` explains the choice,
+:mod:`aiorl.p2p.paths` lists the paths). The engine holds a
+:class:`~aiorl.p2p.sender.Sender` per destination and an :class:`~aiorl.p2p.inbox.Inbox`
+per source, routes the endpoint's ops and peer losses to them, and owns nothing else.
+
+Ordering (``docs/ordering.md``): every message of a (sender, receiver) pair is announced
+by one control message on the sender's single connection to the receiver, in call
+order, whatever its kind or path; the receiver matches control messages to posted
+receives first-in first-out per sender.
+
+Threads: every public method may be called from the event loop (no thread hop) or from
+another thread such as a worker's method thread. Validation and pickling happen at call
+time on the caller's thread, so errors (non-contiguous tensors, unpicklable objects) are
+raised synchronously; the rest runs on the loop, reached through the runtime's
+``submit`` (FIFO, so calls from one thread keep their order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiorl.errors import PeerLostError, RegistryUnavailable
+from aiorl.names import WorkerAddress
+from aiorl.p2p.inbox import Inbox, InboxStatistics
+from aiorl.p2p.message import (
+    OutMessage,
+    PostedRecv,
+    check_buffer,
+    encode_object,
+    encode_tensor,
+)
+from aiorl.p2p.proto import (
+    OP_ACK,
+    OP_BATCH,
+    OP_DATA,
+    OP_DONE,
+    OP_DROP,
+    OP_HELLO,
+    RESOLVE_RETRY_S,
+)
+from aiorl.p2p.sender import Sender, SenderStatistics
+from aiorl.runtime import AsyncWork, Runtime
+from aiorl.runtime.promise import reject
+from aiorl.runtime.waiter import BlockingWaiter
+from aiorl.transport.endpoint import Incoming
+
+__all__ = ["P2PEngine", "P2PStatistics", "get_p2p"]
+
+log = logging.getLogger("aiorl.p2p")
+
+
+@dataclass(frozen=True)
+class P2PStatistics:
+    """What the engine of one process holds, by peer name (for tests and debugging)."""
+
+    senders: Mapping[str, SenderStatistics]
+    inboxes: Mapping[str, InboxStatistics]
+
+
+def _worker_name(group: str, rank: int | Sequence[int]) -> str:
+    if type(rank) is int and rank >= 0 and type(group) is str and group and ":" not in group:
+        return f"{group}:{rank}"
+    return WorkerAddress(group, rank).get_name()
+
+
+class P2PEngine:
+    """The point-to-point engine of one process. Obtain it with :func:`get_p2p`.
+
+    ``node_id`` is this worker's node (None in a driver): payload paths that need one
+    node (shared memory, CMA, CUDA IPC) apply only toward workers of the same node.
+    """
+
+    def __init__(self, runtime: Runtime, node_id: str | None) -> None:
+        self.runtime = runtime
+        self.loop: asyncio.AbstractEventLoop = runtime.loop
+        self.endpoint = runtime.endpoint
+        self.name: str = runtime.name
+        self.pid = os.getpid()
+        self.node_id = node_id or None
+        self.waiter: BlockingWaiter = runtime.waiter
+        self._closed = False
+        self._senders: dict[str, Sender] = {}
+        self._inboxes: dict[str, Inbox] = {}
+        self._sender_by_address: dict[str, Sender] = {}
+        self._inbox_by_address: dict[str, Inbox] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        # Bound once: on every call's path.
+        self._on_loop = runtime.on_loop_thread
+        self._submit = runtime.submit
+        ep = self.endpoint
+        ep.handle(OP_DATA, self._on_data)
+        ep.handle(OP_BATCH, self._on_batch)
+        ep.handle(OP_ACK, self._on_ack)
+        ep.handle(OP_DONE, self._on_ack)
+        ep.handle(OP_DROP, self._on_drop)
+        ep.handle(OP_HELLO, self._on_hello)
+        ep.on_peer_lost(self._on_peer_lost)
+        runtime.on_close(self.close)
+
+    # ------------------------------------------------------------------ public API
+    def send(self, obj: Any, dst_group_name: str, dst_rank: int | Sequence[int]) -> AsyncWork[None]:
+        """Send ``obj`` to worker ``dst_group_name:dst_rank``; done when ``obj`` may be reused.
+
+        Raises at once :class:`ValueError` for a non-contiguous tensor and
+        :class:`~aiorl.transport.serialization.SerializationError` (a TypeError)
+        for an object that cannot be pickled.
+        """
+        return self._start_send(_worker_name(dst_group_name, dst_rank), encode_object(obj))
+
+    def send_tensor(
+        self, tensor: Any, dst_group_name: str, dst_rank: int | Sequence[int]
+    ) -> AsyncWork[None]:
+        """Send one contiguous tensor into the receiver's preallocated buffer (``recv_tensor``)."""
+        import torch
+
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+            raise TypeError(
+                f"send_tensor needs a dense torch.Tensor, got {type(tensor).__qualname__}"
+            )
+        name = _worker_name(dst_group_name, dst_rank)
+        msg = encode_tensor(tensor)
+        msg.raw = True
+        return self._start_send(name, msg)
+
+    def recv(self, src_group_name: str, src_rank: int | Sequence[int]) -> AsyncWork[Any]:
+        """Receive the next message from ``src_group_name:src_rank`` (whatever was sent)."""
+        return self._start_recv(_worker_name(src_group_name, src_rank), None)
+
+    def recv_tensor(
+        self, buf: Any, src_group_name: str, src_rank: int | Sequence[int]
+    ) -> AsyncWork[Any]:
+        """Fill ``buf`` with the next message from the source; the work's result is ``buf``.
+
+        The message must carry as many bytes as ``buf`` holds (a ``send_tensor`` of a
+        tensor of the same size, or a ``send`` of one); its bytes are taken as ``buf``'s
+        dtype and shape.
+        """
+        check_buffer(buf)
+        return self._start_recv(_worker_name(src_group_name, src_rank), buf)
+
+    # ------------------------------------------------------------------ onto the loop
+    def _start_send(self, name: str, msg: OutMessage) -> AsyncWork[None]:
+        work: AsyncWork[None] = AsyncWork(self.loop)
+        if self._closed:
+            reject(work, PeerLostError(f"cannot send to {name}: the p2p engine is closed"))
+        elif self._on_loop():
+            (self._senders.get(name) or self.sender(name)).submit(msg, work)
+        else:
+            self._submit(self._send_on_loop, name, msg, work)
+        return work
+
+    def _send_on_loop(self, name: str, msg: OutMessage, work: AsyncWork[None]) -> None:
+        (self._senders.get(name) or self.sender(name)).submit(msg, work)
+
+    def _start_recv(self, name: str, buf: Any) -> AsyncWork[Any]:
+        event = None
+        if buf is not None and buf.device.type == "cuda":
+            from aiorl.p2p.message import record_event
+
+            event = record_event()  # the caller's stream may still use the buffer
+        work: AsyncWork[Any] = AsyncWork(self.loop)
+        posted = PostedRecv(work, buf, event)
+        if self._closed:
+            reject(work, PeerLostError(f"cannot receive from {name}: the p2p engine is closed"))
+        elif self._on_loop():
+            (self._inboxes.get(name) or self.inbox(name)).post(posted)
+        else:
+            self._submit(self._recv_on_loop, name, posted)
+        return work
+
+    def _recv_on_loop(self, name: str, posted: PostedRecv) -> None:
+        (self._inboxes.get(name) or self.inbox(name)).post(posted)
+
+    # ------------------------------------------------------------------ peers
+    def sender(self, name: str) -> Sender:
+        """The Sender toward worker ``name``, created (and its resolution started) once."""
+        s = self._senders.get(name)
+        if s is None:
+            s = self._senders[name] = Sender(self, name)
+            if self._closed:
+                s.lost(PeerLostError("the p2p engine is closed"))
+            else:
+                self.spawn(self._resolve_sender(s))
+        return s
+
+    def inbox(self, name: str) -> Inbox:
+        """The Inbox for worker ``name``, created (and the source watched for loss) once."""
+        ib = self._inboxes.get(name)
+        if ib is None:
+            ib = self._inboxes[name] = Inbox(self, name)
+            if not self._closed:
+                self.spawn(self._watch_source(ib))
+        return ib
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` as a task of the engine (cancelled when it closes)."""
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _resolve(self, name: str) -> dict[str, Any] | PeerLostError | LookupError:
+        """The peer's registry info once it is ready (waits for ever), or why it never will be."""
+        while True:
+            try:
+                return await self.runtime.resolve_worker(name, timeout=RESOLVE_RETRY_S)
+            except TimeoutError:
+                log.info("%s: still waiting for worker %s to be ready", self.name, name)
+            except RegistryUnavailable:
+                await asyncio.sleep(1.0)
+            except (PeerLostError, LookupError) as exc:
+                return exc  # LookupError: no such group or rank; the operations fail with it
+
+    async def _resolve_sender(self, s: Sender) -> None:
+        info = await self._resolve(s.name)
+        if not isinstance(info, dict):
+            s.lost(info)
+            return
+        address: str = info["endpoint"]
+        peer_node = info.get("node_id") or None
+        self._sender_by_address[address] = s
+        if self.endpoint.is_lost(address):
+            s.lost(PeerLostError(f"worker {s.name} is gone"))
+            return
+        s.on_resolved(address, peer_node is not None and peer_node == self.node_id)
+
+    async def _watch_source(self, ib: Inbox) -> None:
+        """Resolve the sender through the registry so that its death fails our receives."""
+        info = await self._resolve(ib.name)
+        if not isinstance(info, dict):
+            ib.lost(info)
+            return
+        address: str = info["endpoint"]
+        ib.address = address
+        self._inbox_by_address[address] = ib
+        if self.endpoint.is_lost(address):
+            ib.lost(PeerLostError(f"worker {ib.name} is gone"))
+
+    def _on_peer_lost(self, address: str, exc: BaseException) -> None:
+        lost = exc if isinstance(exc, (PeerLostError, LookupError)) else PeerLostError(str(exc))
+        s = self._sender_by_address.get(address)
+        if s is not None:
+            s.lost(lost)
+        ib = self._inbox_by_address.get(address)
+        if ib is not None:
+            ib.lost(lost)
+
+    # ------------------------------------------------------------------ op handlers
+    def _on_data(self, msg: Incoming) -> None:
+        m = msg.meta
+        (self._inboxes.get(m[0]) or self.inbox(m[0])).handle(m[1], m[2], m[3], m[4], msg.frames)
+
+    def _on_batch(self, msg: Incoming) -> None:
+        src, metas = msg.meta
+        (self._inboxes.get(src) or self.inbox(src)).handle_batch(metas, msg.frames)
+
+    def _on_ack(self, msg: Incoming) -> None:
+        """``p2p.ack`` / ``p2p.done`` from a receiver: to the Sender toward it."""
+        s = self._senders.get(msg.meta[0])
+        if s is not None:
+            s.on_ack(msg.op, msg.meta)
+
+    def _on_drop(self, msg: Incoming) -> None:
+        ib = self._inboxes.get(msg.meta[0])
+        if ib is not None:
+            ib.on_control(msg.op, msg.meta)
+
+    def _on_hello(self, msg: Incoming) -> None:
+        msg.reply(self.inbox(msg.meta["src"]).answer(msg.meta))
+
+    # ------------------------------------------------------------------ state
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def on_loop(self) -> bool:
+        return self._on_loop()
+
+    def call_soon_threadsafe(self, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop, from any thread, in submission order."""
+        self._submit(fn, *args)
+
+    def statistics(self) -> P2PStatistics:
+        """A snapshot of every Sender and Inbox (loop thread)."""
+        return P2PStatistics(
+            senders={name: s.statistics() for name, s in self._senders.items()},
+            inboxes={name: ib.statistics() for name, ib in self._inboxes.items()},
+        )
+
+    def close(self) -> None:
+        """Release shared memory and CUDA resources; later operations fail (the runtime stops)."""
+        if self._closed:
+            return
+        self._closed = True
+        closed = PeerLostError("the p2p engine is closed")
+        for s in self._senders.values():
+            s.lost(closed)
+            s.close()
+        for ib in self._inboxes.values():
+            ib.lost(closed)
+            ib.close()
+        for task in list(self._tasks):
+            task.cancel()
+
+
+_create_lock = threading.Lock()
+
+
+def get_p2p(runtime: Runtime, node_id: str | None = None) -> P2PEngine:
+    """The point-to-point engine of ``runtime``, created (and its handlers registered) once.
+
+    Worker processes create it when they start (with their node id), so a worker that
+    never calls a p2p method still accepts messages sent to it.
+    """
+    engine = runtime.services.get(P2PEngine)
+    if engine is None:
+        with _create_lock:
+            engine = runtime.services.get(P2PEngine)
+            if engine is None:
+                engine = runtime.services[P2PEngine] = P2PEngine(runtime, node_id)
+    assert isinstance(engine, P2PEngine)
+    return engine

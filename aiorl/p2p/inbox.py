@@ -1,0 +1,337 @@
+# HOT PATH: the small-object branch of Inbox.handle runs per small message.
+"""The receiving side of one (source -> this worker) pair: an :class:`Inbox`.
+
+Control messages from one source arrive in the order it sent them (one connection,
+one dispatching loop). The Inbox keeps two FIFOs, messages that *arrived* and receives
+that were *posted*, and matches their heads: the k-th receive posted gets the k-th
+message sent (``docs/ordering.md``). A cancelled receive that has not matched yet is
+skipped. Each message's payload is taken over at arrival by the receiving half of the
+path its descriptor names (CUDA transfers must start in arrival order); a receive's
+result is ready once its own payload has landed.
+
+Loss: :meth:`Inbox.lost` fails the posted receives and the CUDA payloads still in
+flight, then lets each path drop what maps the source's memory. Messages that fully
+arrived stay receivable, in order; after them, receives fail at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiorl.errors import PeerLostError, ProtocolError
+from aiorl.p2p.message import InMessage, PostedRecv, nbytes_of
+from aiorl.p2p.paths import CPU_PATHS, CUDA_PATHS
+from aiorl.p2p.paths.base import PathHost, PathSpec, PathStatistics, RecvPath, fail, lost_error
+from aiorl.p2p.proto import K_CPU, K_CUDA, K_OBJ, NOTHING
+from aiorl.runtime.promise import is_settled
+from aiorl.runtime.promise import reject as reject_work
+from aiorl.runtime.promise import resolve as resolve_work
+from aiorl.transport.serialization import byte_view
+
+__all__ = ["Inbox", "InboxStatistics"]
+
+log = logging.getLogger("aiorl.p2p")
+
+_CPU_BY_TAG: dict[int, PathSpec] = {spec.tag: spec for spec in CPU_PATHS}
+_CUDA_BY_TAG: dict[int, PathSpec] = {spec.tag: spec for spec in CUDA_PATHS}
+_loads = pickle.loads
+
+
+@dataclass(frozen=True)
+class InboxStatistics:
+    """One source as its Inbox sees it."""
+
+    arrived: int  # messages waiting for a receive
+    posted: int  # receives waiting for a message
+    in_flight: int  # messages whose CUDA payload is still landing
+    lost: bool
+    paths: Mapping[str, PathStatistics]  # by path name; only the paths used so far
+
+
+class Inbox:
+    """Everything about receiving from one source (loop thread only)."""
+
+    __slots__ = (
+        "engine",
+        "name",
+        "address",
+        "arrived",
+        "posted",
+        "lost_exc",
+        "cpu_paths",
+        "cuda_paths",
+        "inflight",
+    )
+
+    def __init__(self, engine: PathHost, name: str) -> None:
+        self.engine = engine
+        self.name = name
+        self.address: str | None = None  # from the registry watch (for loss detection)
+        self.arrived: deque[InMessage] = deque()
+        self.posted: deque[PostedRecv] = deque()
+        self.lost_exc: BaseException | None = None
+        self.cpu_paths: dict[int, RecvPath] = {}  # by tag, created on first use
+        self.cuda_paths: dict[int, RecvPath] = {}
+        self.inflight: set[InMessage] = set()  # messages whose CUDA payload is still landing
+
+    def _path(self, cuda: bool, tag: int) -> RecvPath:
+        paths = self.cuda_paths if cuda else self.cpu_paths
+        path = paths.get(tag)
+        if path is None:
+            spec = (_CUDA_BY_TAG if cuda else _CPU_BY_TAG).get(tag)
+            if spec is None:
+                raise ProtocolError(f"p2p message from {self.name} names unknown path {tag}")
+            path = paths[tag] = spec.recv(self.engine, self.name)
+        return path
+
+    # ------------------------------------------------------------------ receives
+    def post(self, r: PostedRecv) -> None:
+        """A receive was posted (loop thread): match it, or wait for a message."""
+        if r.work.done():
+            return  # cancelled before it was posted
+        if self.arrived:
+            self._deliver(r, self.arrived.popleft())
+        elif self.lost_exc is not None:
+            reject_work(r.work, lost_error(self.lost_exc, f"cannot receive from {self.name}"))
+        else:
+            self.posted.append(r)
+
+    def handle(self, kind: int, head: Any, bufdesc: Any, cudadesc: Any, frames: list[Any]) -> None:
+        """One arrived message: hand it to the oldest waiting receive, or keep it."""
+        posted = self.posted
+        r = None
+        while posted:
+            r = posted[0]
+            if not is_settled(r.work):
+                break
+            posted.popleft()  # cancelled: it no longer takes a message
+            r = None
+        if (
+            r is not None
+            and r.buf is None
+            and kind == K_OBJ
+            and bufdesc is None
+            and (cudadesc is None)
+        ):
+            # Fast path: a small object for a waiting recv().
+            posted.popleft()
+            try:
+                value = _loads(frames[0])
+            except Exception as exc:  # noqa: BLE001 - e.g. a class missing here
+                reject_work(r.work, exc)
+                return
+            resolve_work(r.work, value)
+            return
+        inc = InMessage(kind, head)
+        try:
+            self._parse(inc, bufdesc, cudadesc, frames, r)
+        except Exception as exc:  # noqa: BLE001 - a broken message fails its receive, not the loop
+            if not isinstance(exc, (ProtocolError, PeerLostError)):
+                exc = ProtocolError(
+                    f"malformed or undeliverable p2p message from {self.name}: {exc!r}"
+                )
+            inc.error = exc
+        if r is not None:
+            posted.popleft()
+            self._deliver(r, inc)
+        else:
+            self.arrived.append(inc)
+
+    def handle_batch(self, metas: list[Any], frames: list[Any]) -> None:
+        """Several small messages in one ZMQ message, in the order they were sent."""
+        if len(frames) != len(metas):
+            log.error("%s: dropped a malformed batch from %s", self.engine.name, self.name)
+            return
+        handle = self.handle
+        posted = self.posted
+        for (kind, head, bufdesc), frame in zip(metas, frames, strict=True):
+            if kind == K_OBJ and bufdesc is None and posted:
+                # Fast path, as in handle(): a small object for a waiting recv().
+                r = posted[0]
+                if r.buf is None and not is_settled(r.work):
+                    posted.popleft()
+                    try:
+                        value = _loads(frame)
+                    except Exception as exc:  # noqa: BLE001 - e.g. a class missing here
+                        reject_work(r.work, exc)
+                        continue
+                    resolve_work(r.work, value)
+                    continue
+            handle(kind, head, bufdesc, None, [frame])
+
+    def _parse(
+        self, inc: InMessage, bufdesc: Any, cudadesc: Any, frames: list[Any], r: PostedRecv | None
+    ) -> None:
+        start = 0
+        if inc.kind == K_OBJ:
+            inc.pickle = frames[0]
+            start = 1
+        if bufdesc is not None:
+            self._path(False, bufdesc[0]).accept(inc, bufdesc, frames, start, r)
+        if cudadesc is not None:
+            if cudadesc[0] == NOTHING:
+                from aiorl.p2p.paths.cuda_common import receive_targets
+
+                receive_targets(inc, cudadesc[1], r)
+                return
+            self._path(True, cudadesc[0]).accept(inc, cudadesc, frames, start, r)
+            fut = inc.cuda_fut
+            if fut is not None:  # remembered so that the sender's loss fails it
+                self.inflight.add(inc)
+                fut.add_done_callback(lambda _f: self.inflight.discard(inc))
+
+    # ------------------------------------------------------------------ delivery
+    def _deliver(self, r: PostedRecv, inc: InMessage) -> None:
+        if inc.error is not None:
+            inc.release()
+            reject_work(r.work, inc.error)
+            return
+        try:
+            if r.buf is None:
+                value = inc.decode()
+                _complete_after_cuda(r.work, inc, lambda: value)
+            else:
+                self._deliver_into(r, inc)
+        except BaseException as exc:  # noqa: BLE001 - the receive fails, the loop goes on
+            inc.release()
+            reject_work(r.work, exc)
+
+    def _deliver_into(self, r: PostedRecv, inc: InMessage) -> None:
+        buf = r.buf
+        if inc.direct is buf:
+            resolve_work(r.work, buf)
+            return
+        if inc.kind == K_CPU:
+            n = inc.sources[0][0]
+            if n != nbytes_of(buf):
+                raise ValueError(
+                    f"recv_tensor buffer holds {nbytes_of(buf)} bytes but the message carries {n}"
+                )
+            if buf.device.type == "cpu":
+                inc.copy_into(0, byte_view(buf))
+            else:
+                import torch
+
+                from aiorl.p2p.paths.cuda_common import reinterpret
+
+                src = torch.from_numpy(inc.view(0))
+                buf.copy_(reinterpret(src, buf))  # synchronous host-to-device copy
+            inc.release()
+            resolve_work(r.work, buf)
+            return
+        if inc.kind == K_CUDA:
+            src = inc.cuda[0]
+            if src is buf:
+                _complete_after_cuda(r.work, inc, lambda: buf)
+                return
+            if nbytes_of(src) != nbytes_of(buf):
+                raise ValueError(
+                    f"recv_tensor buffer holds {nbytes_of(buf)} bytes but the message "
+                    f"carries {nbytes_of(src)}"
+                )
+            _complete_after_cuda(r.work, inc, lambda: _copy_tensor(buf, src))
+            return
+        # A message sent with send(): fine when it holds exactly one tensor of the right size.
+        import torch
+
+        value = inc.decode()
+
+        def finish() -> Any:
+            if not isinstance(value, torch.Tensor) or nbytes_of(value) != nbytes_of(buf):
+                raise TypeError(
+                    f"recv_tensor got a message holding {type(value).__qualname__}, "
+                    f"not a tensor of {nbytes_of(buf)} bytes"
+                )
+            return _copy_tensor(buf, value.detach().contiguous())
+
+        _complete_after_cuda(r.work, inc, finish)
+
+    # ------------------------------------------------------------------ set-up, control, loss
+    def answer(self, ask: Mapping[str, Any]) -> dict[str, Any]:
+        """The reply to a ``p2p.hello`` from this source: every path adds its answers."""
+        reply: dict[str, Any] = {}
+        for spec in CPU_PATHS:
+            self._path(False, spec.tag).answer(ask, reply)
+        for spec in CUDA_PATHS:
+            self._path(True, spec.tag).answer(ask, reply)
+        return reply
+
+    def on_control(self, op: str, meta: list[Any]) -> None:
+        """A one-way message from the sender to one of our paths (e.g. ``p2p.drop``)."""
+        for path in (*self.cpu_paths.values(), *self.cuda_paths.values()):
+            if path.control == op:
+                path.on_control(meta)
+
+    def lost(self, exc: PeerLostError | LookupError) -> None:
+        """Fail what waits on a dead sender. Messages that fully arrived stay receivable."""
+        if self.lost_exc is None:
+            self.lost_exc = exc
+        while self.posted:
+            reject_work(
+                self.posted.popleft().work, lost_error(exc, f"cannot receive from {self.name}")
+            )
+        for inc in [*self.arrived, *self.inflight]:
+            if inc.cuda_fut is not None and not inc.cuda_fut.done():
+                fail(inc.cuda_fut, lost_error(exc, f"CUDA payload from {self.name} lost"))
+        for path in (*self.cpu_paths.values(), *self.cuda_paths.values()):
+            path.lost(exc)
+
+    def close(self) -> None:
+        for path in (*self.cpu_paths.values(), *self.cuda_paths.values()):
+            path.close()
+
+    def statistics(self) -> InboxStatistics:
+        paths: dict[str, PathStatistics] = {}
+        for specs, made in ((CPU_PATHS, self.cpu_paths), (CUDA_PATHS, self.cuda_paths)):
+            for spec in specs:
+                path = made.get(spec.tag)
+                if path is not None:
+                    paths[spec.name] = path.statistics()
+        return InboxStatistics(
+            arrived=len(self.arrived),
+            posted=len(self.posted),
+            in_flight=len(self.inflight),
+            lost=self.lost_exc is not None,
+            paths=paths,
+        )
+
+
+def _copy_tensor(buf: Any, src: Any) -> Any:
+    from aiorl.p2p.paths.cuda_common import reinterpret
+
+    buf.copy_(reinterpret(src, buf))
+    if buf.device.type == "cuda" or src.device.type == "cuda":
+        import torch
+
+        torch.cuda.current_stream(
+            buf.device if buf.device.type == "cuda" else src.device
+        ).synchronize()
+    return buf
+
+
+def _complete_after_cuda(work: Any, inc: InMessage, value: Callable[[], Any]) -> None:
+    """Complete ``work`` with ``value()`` once the message's CUDA payload (if any) landed."""
+    fut = inc.cuda_fut
+
+    def finish(f: asyncio.Future[None] | None) -> None:
+        if f is not None and (f.cancelled() or f.exception() is not None):
+            exc = None if f.cancelled() else f.exception()
+            reject_work(work, exc or PeerLostError("the CUDA transfer was abandoned"))
+            return
+        try:
+            resolve_work(work, value())
+        except BaseException as exc:  # noqa: BLE001
+            reject_work(work, exc)
+
+    if fut is None:
+        finish(None)
+    elif fut.done():
+        finish(fut)
+    else:
+        fut.add_done_callback(finish)

@@ -1,0 +1,24 @@
+"""Payload paths of the p2p engine, in order of preference (see :mod:`.base`).
+
+CPU bytes: CMA (a ``send_tensor`` pulled by the receiver), shared memory, then ZMQ
+frames (always fits). CUDA tensors: CUDA IPC (same physical GPU), then NCCL. A new
+path is a module defining a :class:`~.base.PathSpec` and one line below.
+"""
+
+from __future__ import annotations
+
+from aiorl.p2p.paths import cma, cuda_ipc, frames, nccl, shm
+from aiorl.p2p.paths.base import PathSpec
+
+__all__ = ["CPU_PATHS", "CUDA_PATHS", "PATHS", "PathSpec"]
+
+PATHS: tuple[PathSpec, ...] = (
+    cma.PATH,
+    shm.PATH,
+    frames.PATH,
+    cuda_ipc.PATH,
+    nccl.PATH,
+)
+
+CPU_PATHS: tuple[PathSpec, ...] = tuple(p for p in PATHS if not p.cuda)
+CUDA_PATHS: tuple[PathSpec, ...] = tuple(p for p in PATHS if p.cuda)

@@ -1,0 +1,239 @@
+"""The payload-path protocol: how one kind of transfer plugs into a Sender and an Inbox.
+
+A *payload path* moves the bytes of a message that do not travel inline. It has two
+halves, each instantiated per peer and owning that peer's state (a segment pool, a
+probe result, an NCCL pair, its completion tokens), its loss and its close:
+
+* a :class:`SendPath` per (path, destination), created by the :class:`~aiorl.p2p.sender.Sender`
+  once the destination is resolved (``create`` returns None where the path cannot
+  apply, e.g. shared memory toward another node);
+* a :class:`RecvPath` per (path, source), created by the :class:`~aiorl.p2p.inbox.Inbox`
+  when a message or a set-up question first names it.
+
+A path is described by a :class:`PathSpec` (its wire tag, its slot in the control
+message, its two halves); :data:`aiorl.p2p.paths.PATHS` lists them in order of
+preference. The Sender tries, for a message's CPU bytes and then for its CUDA
+tensors, the first path of the slot whose ``fits`` holds and whose ``place`` does not
+decline. Adding a path is adding a module and one line to that list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
+
+from aiorl.errors import PeerLostError
+from aiorl.runtime.waiter import BlockingWaiter, Job
+
+if TYPE_CHECKING:
+    from aiorl.p2p.message import InMessage, OutMessage, PostedRecv
+    from aiorl.transport.endpoint import Endpoint
+
+__all__ = [
+    "Destination",
+    "PathHost",
+    "PathSpec",
+    "PathStatistics",
+    "Placed",
+    "RecvPath",
+    "SendPath",
+    "fail",
+    "lost_error",
+    "resolve",
+    "watch_completion",
+]
+
+
+class PathHost(Protocol):
+    """What a payload path may use of its engine (the engine is one)."""
+
+    loop: asyncio.AbstractEventLoop
+    endpoint: Endpoint
+    name: str  # this worker's name: the ``src`` of its control messages
+    pid: int
+    node_id: str | None
+    waiter: BlockingWaiter
+
+    @property
+    def closed(self) -> bool: ...
+
+    def on_loop(self) -> bool: ...
+
+    def call_soon_threadsafe(self, fn: Callable[..., object], *args: Any) -> None: ...
+
+
+class Destination(Protocol):
+    """What a sending half knows of its destination (the Sender is one)."""
+
+    name: str
+    address: str | None  # set once resolved, before any path is created
+    same_node: bool
+
+    def next_token(self) -> int:
+        """A completion token unique toward this destination (``p2p.done`` names it)."""
+        ...
+
+
+class Placed(NamedTuple):
+    """Where a path put a message's bytes, and what the Sender must do about it."""
+
+    desc: list[Any]  # the path's descriptor: goes into the control message
+    #: Completes when the sender may reuse the bytes (None: already).
+    done: asyncio.Future[None] | None = None
+    #: Called when the control message could not leave (give back what ``place`` took).
+    undo: Callable[[], object] | None = None
+    #: Called once the control message left; returns the completion future (CUDA transfers
+    #: are issued only then, so a message that never left never pairs up with a receive).
+    after_send: Callable[[], asyncio.Future[None]] | None = None
+
+
+@dataclass(frozen=True)
+class PathStatistics:
+    """One path's view of one peer, for tests and debugging."""
+
+    usable: bool | None  # None: not probed yet
+    in_use: int = 0  # payloads (or segments) the other side has not released yet
+    resources: int = 0  # e.g. shared segments held toward this peer
+    resource_bytes: int = 0
+
+
+class SendPath(Protocol):
+    """The sending half of a payload path, for one destination (loop thread only)."""
+
+    #: True once the path needs no set-up question any more (or never did).
+    settled: bool
+    #: The one-way op whose messages this path consumes (``p2p.ack``/``p2p.done``), if any.
+    acks: ClassVar[str | None]
+
+    def wants(self, msg: OutMessage) -> bool:
+        """Whether ``msg`` would need this path's one-time set-up first (no side effects)."""
+        ...
+
+    def ask(self, msg: OutMessage) -> dict[str, Any] | None:
+        """This path's keys of the ``p2p.hello`` request (None: it decided without asking)."""
+        ...
+
+    def on_hello(self, reply: Mapping[str, Any]) -> None:
+        """The receiver's answer (an empty mapping when the set-up request failed)."""
+        ...
+
+    def fits(self, msg: OutMessage) -> bool:
+        """Whether this path takes ``msg`` (O(1), no allocation)."""
+        ...
+
+    def place(self, msg: OutMessage, frames: list[Any]) -> Placed | None:
+        """Put the payload where the receiver will find it; None declines (next path)."""
+        ...
+
+    def on_ack(self, meta: Sequence[Any]) -> bool:
+        """The receiver released a payload of ours; False when it is not ours."""
+        ...
+
+    def lost(self, exc: PeerLostError | LookupError) -> None:
+        """The destination is gone: fail exactly what this path still waits for."""
+        ...
+
+    def close(self) -> None:
+        """Release this path's resources (the engine is closing)."""
+        ...
+
+    def statistics(self) -> PathStatistics: ...
+
+
+class RecvPath(Protocol):
+    """The receiving half of a payload path, for one source (loop thread only)."""
+
+    #: The one-way op from the sender this path consumes (``p2p.drop``), if any.
+    control: ClassVar[str | None]
+
+    def answer(self, ask: Mapping[str, Any], reply: dict[str, Any]) -> None:
+        """Add this path's answers to a ``p2p.hello`` request to ``reply``."""
+        ...
+
+    def accept(
+        self,
+        msg: InMessage,
+        desc: Sequence[Any],
+        frames: Sequence[Any],
+        start: int,
+        posted: PostedRecv | None,
+    ) -> None:
+        """Take the payload of ``msg`` (``frames[start:]`` are the data frames after the
+        pickle); sets its sources, lease, ``direct`` buffer or CUDA future. Raises
+        ``ProtocolError``/``PeerLostError`` to fail that message's receive."""
+        ...
+
+    def on_control(self, meta: Sequence[Any]) -> None: ...
+
+    def lost(self, exc: PeerLostError | LookupError) -> None:
+        """The source is gone: fail what still lands and drop what maps its memory."""
+        ...
+
+    def close(self) -> None: ...
+
+    def statistics(self) -> PathStatistics: ...
+
+
+SendFactory = Callable[["PathHost", Destination], "SendPath | None"]
+RecvFactory = Callable[["PathHost", str], "RecvPath"]
+
+
+@dataclass(frozen=True)
+class PathSpec:
+    """A payload path: its wire tag, which slot of the control message it fills, its halves.
+
+    ``send(host, destination)`` returns the sending half toward one resolved
+    destination, or None where the path cannot apply;
+    ``recv(host, source name)`` the receiving half for one source.
+    """
+
+    name: str
+    tag: int
+    cuda: bool  # False: fills ``bufdesc`` (CPU bytes); True: ``cudadesc`` (CUDA tensors)
+    send: SendFactory
+    recv: RecvFactory
+
+
+# ----------------------------------------------------------------------------- helpers
+def resolve(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+def lost_error(exc: BaseException | None, what: str) -> PeerLostError | LookupError:
+    """A fresh error for one operation failed by the loss ``exc`` of its peer.
+
+    A peer that never existed (``LookupError``) stays that type, so callers can tell.
+    """
+    if isinstance(exc, LookupError):
+        return LookupError(f"{what}: {exc}")
+    return PeerLostError(f"{what}: {exc}" if exc is not None else what)
+
+
+def watch_completion(host: PathHost, ready: Callable[[], bool]) -> asyncio.Future[None]:
+    """A loop future done once ``ready()`` holds, polled by the runtime's waiter thread.
+
+    For completions only polling can observe (ZMQ releasing zero-copy frames, a CUDA
+    event); a ``ready`` that raises fails the future.
+    """
+    fut: asyncio.Future[None] = host.loop.create_future()
+
+    def report(error: BaseException | None) -> None:  # waiter thread
+        host.call_soon_threadsafe(_settle, fut, error)
+
+    host.waiter.watch(Job(ready, report))
+    return fut
+
+
+def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
+    if error is None:
+        resolve(fut, None)
+    else:
+        fail(fut, error)

@@ -1,0 +1,171 @@
+"""Payload path: the receiver pulls a ``send_tensor`` payload out of the sender's memory.
+
+On one node, for ``send_tensor`` of at least ``CMA_MIN`` bytes: the control message
+carries the tensor's address; at arrival the receiver copies the bytes with one
+``process_vm_readv`` straight into the waiting ``recv_tensor`` buffer (or a private
+array when none is posted yet, so the sender never waits for a receive to be posted),
+then says so (``p2p.done``). The sender keeps the tensor alive and the send incomplete
+until then. Set-up: one probe per pair (Yama ``ptrace_scope`` or seccomp may forbid
+it); ``AIORL_P2P_CMA=0`` turns the path off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+from aiorl.errors import PeerLostError, ProtocolError
+from aiorl.p2p.message import InMessage, OutMessage, PostedRecv, nbytes_of
+from aiorl.p2p.paths.base import (
+    Destination,
+    PathHost,
+    PathSpec,
+    PathStatistics,
+    Placed,
+    fail,
+    lost_error,
+    resolve,
+)
+from aiorl.p2p.proto import CMA, CMA_ENABLED, CMA_MIN, OP_DONE
+from aiorl.transport import _shm
+from aiorl.transport.serialization import byte_view
+
+
+class CmaSend:
+    """Pulls by one same-node destination: the probe result and the sends it has yet to read."""
+
+    acks: ClassVar[str | None] = OP_DONE
+
+    def __init__(self, host: PathHost, name: str, next_token: Callable[[], int]) -> None:
+        self.host = host
+        self.name = name
+        self.next_token = next_token
+        self.ok: bool | None = None if CMA_ENABLED else False
+        self.settled = not CMA_ENABLED
+        # token -> (completion, the message whose memory is read: kept alive until then)
+        self.waiting: dict[int, tuple[asyncio.Future[None], OutMessage]] = {}
+        self._probe: Any = None
+
+    @classmethod
+    def create(cls, host: PathHost, dest: Destination) -> CmaSend | None:
+        return cls(host, dest.name, dest.next_token) if dest.same_node else None
+
+    def wants(self, msg: OutMessage) -> bool:
+        return self.ok is None and msg.raw and msg.nbytes >= CMA_MIN
+
+    def ask(self, msg: OutMessage) -> dict[str, Any] | None:
+        self._probe = _shm.cma_probe_buffer()  # must stay alive until the reply
+        return {"cma": ctypes.addressof(self._probe)}
+
+    def on_hello(self, reply: Mapping[str, Any]) -> None:
+        self.ok, self.settled = bool(reply.get("cma")), True
+        self._probe = None
+
+    def fits(self, msg: OutMessage) -> bool:
+        return self.ok is True and msg.raw and msg.nbytes >= CMA_MIN
+
+    def place(self, msg: OutMessage, frames: list[Any]) -> Placed:
+        token = self.next_token()
+        fut: asyncio.Future[None] = self.host.loop.create_future()
+        self.waiting[token] = (fut, msg)
+        view: Any = msg.bufs[0].obj  # the numpy view of the tensor (see byte_view)
+        addr = view.ctypes.data
+        desc = [CMA, token, self.host.pid, addr, msg.nbytes, self.host.endpoint.address]
+        return Placed(desc, fut, undo=lambda: self.waiting.pop(token, None))
+
+    def on_ack(self, meta: Sequence[Any]) -> bool:
+        _, token, err = meta
+        entry = self.waiting.pop(token, None)
+        if entry is None:
+            return False
+        if err:
+            fail(entry[0], ProtocolError(f"the receiver could not read the payload: {err}"))
+        else:
+            resolve(entry[0], None)
+        return True
+
+    def lost(self, exc: PeerLostError | LookupError) -> None:
+        waiting, self.waiting = self.waiting, {}
+        for fut, _msg in waiting.values():
+            fail(fut, lost_error(exc, f"send to {self.name} did not complete"))
+
+    def close(self) -> None:
+        self.waiting.clear()
+
+    def statistics(self) -> PathStatistics:
+        return PathStatistics(self.ok, in_use=len(self.waiting))
+
+
+class CmaRecv:
+    """Pulls from one source, done at arrival."""
+
+    control: ClassVar[str | None] = None
+
+    def __init__(self, host: PathHost, source: str) -> None:
+        self.host = host
+        self.source = source
+
+    @classmethod
+    def create(cls, host: PathHost, source: str) -> CmaRecv:
+        return cls(host, source)
+
+    def answer(self, ask: Mapping[str, Any], reply: dict[str, Any]) -> None:
+        if "cma" in ask:
+            reply["cma"] = _shm.check_cma(int(ask["pid"]), int(ask["cma"]))
+
+    def accept(
+        self,
+        msg: InMessage,
+        desc: Sequence[Any],
+        frames: Sequence[Any],
+        start: int,
+        posted: PostedRecv | None,
+    ) -> None:
+        import numpy as np
+
+        _, token, pid, addr, n, address = desc
+        buf = posted.buf if posted is not None else None
+        if buf is not None and buf.device.type == "cpu" and nbytes_of(buf) == n:
+            dst = byte_view(buf)
+            msg.direct = buf
+        else:
+            dst = np.empty(n, dtype=np.uint8)
+            msg.sources = [(n, [dst])]
+        err = None
+        try:
+            _shm.cma_read(pid, addr, dst.ctypes.data, n)
+        except OSError as exc:
+            err = exc
+        endpoint = self.host.endpoint
+        if not endpoint.is_lost(address):
+            try:
+                endpoint.send_oneway(
+                    address, OP_DONE, [self.host.name, token, repr(err) if err else None]
+                )
+            except PeerLostError:
+                pass
+        if err is not None:
+            msg.direct = None
+            if err.errno == errno.ESRCH:
+                raise PeerLostError(
+                    f"worker {self.source} exited before its tensor was read"
+                ) from err
+            raise ProtocolError(f"cannot read the tensor sent by {self.source}: {err}") from err
+
+    def on_control(self, meta: Sequence[Any]) -> None:
+        pass
+
+    def lost(self, exc: PeerLostError | LookupError) -> None:
+        pass  # nothing outlives its arrival
+
+    def close(self) -> None:
+        pass
+
+    def statistics(self) -> PathStatistics:
+        return PathStatistics(usable=True)
+
+
+PATH = PathSpec("cma", CMA, False, CmaSend.create, CmaRecv.create)

@@ -1,0 +1,260 @@
+"""Payload path: CPU bytes through a pooled shared-memory segment, on one node.
+
+The sender copies the bytes into a segment of its pool toward that receiver *before*
+the control message leaves; the control message names the segment (announcing its
+fd the first time) and the offsets. The receiver maps it once and hands out tensors
+that view it (``recv``) or copies out (``recv_tensor``); when the last view is gone it
+gives the segment back (``p2p.ack``), so a later message never overwrites bytes still
+being read. A full pool declines (the next path, frames, takes the message) rather
+than growing. Set-up: one probe per pair (can the receiver open our memfds?).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from aiorl.errors import PeerLostError, ProtocolError
+from aiorl.p2p.message import InMessage, OutMessage, PostedRecv
+from aiorl.p2p.paths.base import Destination, PathHost, PathSpec, PathStatistics, Placed
+from aiorl.p2p.proto import OP_ACK, OP_DROP, SHM, SHM_MIN
+from aiorl.transport import _shm
+
+log = logging.getLogger("aiorl.p2p")
+
+
+class ShmSend:
+    """The segment pool toward one same-node destination."""
+
+    acks: ClassVar[str | None] = OP_ACK
+
+    def __init__(self, host: PathHost, name: str, address: str) -> None:
+        self.host = host
+        self.name = name
+        self.address = address
+        self.ok: bool | None = None  # may the receiver map our segments? None: not asked
+        self.settled = False
+        self.pool: _shm.SegmentPool | None = None
+        self._probe: _shm.Segment | None = None
+
+    @classmethod
+    def create(cls, host: PathHost, dest: Destination) -> ShmSend | None:
+        if not dest.same_node or dest.address is None:
+            return None
+        return cls(host, dest.name, dest.address)
+
+    def wants(self, msg: OutMessage) -> bool:
+        return self.ok is None and msg.nbytes >= SHM_MIN
+
+    def ask(self, msg: OutMessage) -> dict[str, Any] | None:
+        try:
+            self._probe = _shm.probe_segment()
+        except _shm.ShmUnavailable as exc:
+            log.info("%s: no shared memory (%s); bulk data goes through ZMQ", self.host.name, exc)
+            self.ok, self.settled = False, True
+            return None
+        return {"probe": [self._probe.fd, self._probe.size]}
+
+    def on_hello(self, reply: Mapping[str, Any]) -> None:
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+        self.ok, self.settled = bool(reply.get("shm")), True
+        if self.ok:
+            self.pool = _shm.SegmentPool()
+        else:
+            log.info(
+                "%s: %s cannot map our shared memory; bulk data goes through ZMQ",
+                self.host.name,
+                self.name,
+            )
+
+    def fits(self, msg: OutMessage) -> bool:
+        return self.pool is not None and msg.nbytes >= SHM_MIN
+
+    def place(self, msg: OutMessage, frames: list[Any]) -> Placed | None:
+        import numpy as np
+
+        pool = self.pool
+        assert pool is not None
+        offsets: list[int] = []
+        total = 0
+        for b in msg.bufs:
+            offsets.append(total)
+            total = _shm.align(total + b.nbytes)
+        try:
+            seg, evicted = pool.acquire(total)
+        except _shm.PoolFull as exc:
+            # The receiver is behind (or keeps what it got): don't grow, use ZMQ this time.
+            log.debug("%s: shared memory toward %s is full (%s)", self.host.name, self.name, exc)
+            return None
+        except _shm.ShmUnavailable as exc:
+            log.warning(
+                "%s: shared memory for %d bytes to %s unavailable (%s); using ZMQ",
+                self.host.name,
+                total,
+                self.name,
+                exc,
+            )
+            return None
+        for seg_id in evicted:
+            self.host.endpoint.send_oneway(self.address, OP_DROP, [self.host.name, seg_id])
+        if seg.arr is None:
+            seg.arr = np.frombuffer(seg.mm, dtype=np.uint8)
+        arr = seg.arr
+        for b, off in zip(msg.bufs, offsets, strict=True):
+            _shm.copy_into(arr[off : off + b.nbytes], b)
+        new = None
+        if not seg.announced:
+            seg.announced = True
+            new = [self.host.pid, seg.fd, seg.size, self.host.endpoint.address]
+        desc = [SHM, seg.seg_id, new, offsets, [b.nbytes for b in msg.bufs]]
+        # The bytes were copied: the send is complete at once.
+        return Placed(desc, undo=lambda: pool.release(seg.seg_id))
+
+    def on_ack(self, meta: Sequence[Any]) -> bool:
+        if self.pool is not None:
+            self.pool.release(meta[1])
+        return True
+
+    def lost(self, exc: PeerLostError | LookupError) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+    def statistics(self) -> PathStatistics:
+        pool = self.pool
+        if pool is None:
+            return PathStatistics(usable=self.ok)
+        return PathStatistics(self.ok, pool.busy, len(pool.segments), pool.total_bytes)
+
+
+class SegmentLease:
+    """The segment a received message's bytes lie in; given back once, by its last holder."""
+
+    __slots__ = ("path", "mm", "seg_id", "count", "lock")
+
+    def __init__(self, path: ShmRecv, mm: Any, seg_id: int) -> None:
+        self.path = path
+        self.mm: Any = mm  # None once given back
+        self.seg_id = seg_id
+        self.count = 1  # holders; the segment goes back to the sender when it drops to 0
+        self.lock = threading.Lock()
+
+    def view(self, nbytes: int, offset: int) -> Any:
+        """``nbytes`` of the segment from ``offset`` as a flat uint8 numpy array (no copy)."""
+        import numpy as np
+
+        return np.frombuffer(self.mm, dtype=np.uint8, count=nbytes, offset=offset)
+
+    def hold(self) -> None:
+        with self.lock:
+            self.count += 1
+
+    def release(self) -> None:
+        """Drop one holder (any thread: finalizers of received arrays call this)."""
+        with self.lock:
+            self.count -= 1
+            last = self.count == 0
+        if last:
+            self.mm = None
+            self.path.give_back(self.seg_id)
+
+
+class ShmRecv:
+    """One source's segments as this receiver mapped them."""
+
+    control: ClassVar[str | None] = OP_DROP
+
+    def __init__(self, host: PathHost, source: str) -> None:
+        self.host = host
+        self.source = source
+        self.segs = _shm.SegmentMap()
+        self.reply_address: str | None = None  # the sender's endpoint, as it told us
+
+    @classmethod
+    def create(cls, host: PathHost, source: str) -> ShmRecv:
+        return cls(host, source)
+
+    def answer(self, ask: Mapping[str, Any], reply: dict[str, Any]) -> None:
+        self.reply_address = ask["addr"]
+        if "probe" in ask:
+            fd, size = ask["probe"]
+            reply["shm"] = _shm.check_probe(int(ask["pid"]), int(fd), int(size))
+
+    def accept(
+        self,
+        msg: InMessage,
+        desc: Sequence[Any],
+        frames: Sequence[Any],
+        start: int,
+        posted: PostedRecv | None,
+    ) -> None:
+        _, seg_id, new, offsets, sizes = desc
+        mm: mmap.mmap | None
+        if new is not None:
+            pid, fd, size, address = new
+            self.reply_address = address
+            try:
+                mm = self.segs.open(seg_id, pid, fd, size)
+            except _shm.ShmUnavailable as exc:
+                self._send_ack(seg_id)
+                raise ProtocolError(
+                    f"cannot read the shared memory of {self.source}: {exc}"
+                ) from exc
+        else:
+            mm = self.segs.maps.get(seg_id)
+            if mm is None or self.reply_address is None:
+                raise ProtocolError(
+                    f"p2p message from {self.source} names unknown segment {seg_id}"
+                )
+        msg.lease = SegmentLease(self, mm, seg_id)
+        msg.sources = list(zip(sizes, offsets, strict=True))
+
+    def give_back(self, seg_id: int) -> None:
+        """Tell the sender segment ``seg_id`` is free (any thread; sent from the loop)."""
+        host = self.host
+        if host.on_loop():
+            # Possibly from a finalizer in the middle of other work: send on the next turn.
+            host.loop.call_soon(self._send_ack, seg_id)
+        else:
+            try:
+                host.call_soon_threadsafe(self._send_ack, seg_id)
+            except RuntimeError:
+                pass  # loop closed: the process is exiting
+
+    def _send_ack(self, seg_id: int) -> None:
+        address = self.reply_address
+        endpoint = self.host.endpoint
+        if self.host.closed or address is None or endpoint.is_lost(address):
+            return
+        try:
+            endpoint.send_oneway(address, OP_ACK, [self.host.name, seg_id])
+        except Exception:  # noqa: BLE001 - the sender is gone; nothing to give back
+            log.debug(
+                "%s: could not return segment %s to %s",
+                self.host.name,
+                seg_id,
+                address,
+                exc_info=True,
+            )
+
+    def on_control(self, meta: Sequence[Any]) -> None:
+        self.segs.drop(meta[1])  # p2p.drop: the sender closed that segment
+
+    def lost(self, exc: PeerLostError | LookupError) -> None:
+        self.segs.clear()
+
+    def close(self) -> None:
+        self.segs.clear()
+
+    def statistics(self) -> PathStatistics:
+        return PathStatistics(usable=True, resources=len(self.segs.maps))
+
+
+PATH = PathSpec("shm", SHM, False, ShmSend.create, ShmRecv.create)

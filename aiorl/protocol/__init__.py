@@ -1,0 +1,16 @@
+"""The typed control plane: operation names, messages and the spawn spec.
+
+Layer: above ``errors`` and ``names``; below ``registry``. It imports nothing
+else from aiorl (and only the standard library besides), so every process,
+the registry included, can parse messages without pulling in the runtime.
+
+* :mod:`~aiorl.protocol.ops`: every op and worker state, as ``str`` enums;
+* :mod:`~aiorl.protocol.registry`: the registry's requests, replies and events;
+* :mod:`~aiorl.protocol.spawn`: what a driver asks an agent to start, and what
+  the agent hands each new worker process;
+* :mod:`~aiorl.protocol.fields`: the checked reading every ``from_wire`` uses.
+"""
+
+from aiorl.protocol.ops import AgentOp, DriverOp, RegistryEvent, RegistryOp, WorkerOp, WorkerState
+
+__all__ = ["AgentOp", "DriverOp", "RegistryEvent", "RegistryOp", "WorkerOp", "WorkerState"]

@@ -1,0 +1,79 @@
+"""Every operation name and worker state that crosses a socket, as ``str`` enums.
+
+The values are the wire strings (unchanged from the untyped protocol), so an
+enum member can be sent as is and a received string is converted with
+``RegistryOp(s)``. Code outside :mod:`aiorl.protocol` and :mod:`aiorl.registry`
+names operations only through these enums: a typo becomes an AttributeError
+at import, not a request the peer does not understand.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["AgentOp", "DriverOp", "RegistryEvent", "RegistryOp", "WorkerOp", "WorkerState"]
+
+
+class RegistryOp(enum.StrEnum):
+    """Requests served by the registry (see :data:`aiorl.protocol.registry.SCHEMA`)."""
+
+    REGISTER_NODE = "register_node"
+    UNREGISTER_NODE = "unregister_node"
+    REGISTER_DRIVER = "register_driver"
+    UNREGISTER_DRIVER = "unregister_driver"
+    HEARTBEAT = "heartbeat"
+    CREATE_GROUP = "create_group"
+    CLOSE_GROUP = "close_group"
+    WORKER_STATE = "worker_state"
+    WORKER_EXITED = "worker_exited"
+    LOOKUP = "lookup"
+    LOOKUP_GROUP = "lookup_group"
+    WATCH = "watch"
+    UNWATCH = "unwatch"
+    NODES = "nodes"
+    STATUS = "status"
+    PING = "ping"
+
+
+class RegistryEvent(enum.StrEnum):
+    """Events the registry pushes to watchers."""
+
+    WORKER = "worker"
+    NODES = "nodes"
+
+
+class AgentOp(enum.StrEnum):
+    """Requests and one-way messages served by a node agent."""
+
+    SPAWN = "spawn"
+    KILL_GROUP = "kill_group"
+    FREE_PORT = "free_port"
+    PING = "ping"
+    WORKER_READY = "worker_ready"
+
+
+class WorkerOp(enum.StrEnum):
+    """Messages served by a worker process's control plane."""
+
+    CALL = "call"
+    REGISTRY_RESTARTED = "registry_restarted"
+
+
+class DriverOp(enum.StrEnum):
+    """One-way messages a driver receives from node agents."""
+
+    WORKER_OUTPUT = "worker_output"
+
+
+class WorkerState(enum.StrEnum):
+    """A worker's state in the registry, in the order a healthy worker passes through them."""
+
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    DEAD = "dead"
+
+    @property
+    def is_final(self) -> bool:
+        """Dead and failed workers never come back (a new process gets a new pid)."""
+        return self in (WorkerState.FAILED, WorkerState.DEAD)
