@@ -34,7 +34,7 @@ who it is (an ``--insecure`` cluster, or whoever answers a socket address).
 from __future__ import annotations
 
 import traceback
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "AiorlError",
@@ -117,6 +117,9 @@ class WorkerInitError(RemoteError):
     """A worker's ``__init__`` raised, or its process could not start."""
 
 
+_R = TypeVar("_R", bound="RegistryError")
+
+
 class RegistryError(RemoteError):
     """The registry refused a request; the message says why.
 
@@ -126,7 +129,7 @@ class RegistryError(RemoteError):
     """
 
     @classmethod
-    def from_message(cls, message: str, remote_traceback: str = "") -> RegistryError:
+    def from_message(cls: type[_R], message: str, remote_traceback: str = "") -> _R:
         return cls("registry", -1, cls.__name__, message, remote_traceback)
 
     def __str__(self) -> str:

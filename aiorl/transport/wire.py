@@ -31,7 +31,8 @@ from aiorl.errors import ProtocolError
 
 __all__ = ["PROTOCOL_VERSION", "Header", "Kind", "decode_header", "encode_header"]
 
-PROTOCOL_VERSION = 1
+# 2: errors travel as data, typed control messages, one tensor reducer (pickles name it by path).
+PROTOCOL_VERSION = 2
 
 #: Headers larger than this are rejected before they are parsed.
 MAX_HEADER_BYTES = 1 << 20

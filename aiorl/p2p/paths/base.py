@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
-from aiorl.errors import PeerLostError
+from aiorl.errors import NotFoundError, PeerLostError
 from aiorl.runtime.waiter import BlockingWaiter, Job
 
 if TYPE_CHECKING:
@@ -210,8 +210,11 @@ def fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
 def lost_error(exc: BaseException | None, what: str) -> PeerLostError | LookupError:
     """A fresh error for one operation failed by the loss ``exc`` of its peer.
 
-    A peer that never existed (``LookupError``) stays that type, so callers can tell.
+    A peer that never existed stays a ``LookupError`` of the same class
+    (``GroupNotFoundError``, ``WorkerNotFoundError``), so callers can tell.
     """
+    if isinstance(exc, NotFoundError):
+        return type(exc).from_message(f"{what}: {exc}")
     if isinstance(exc, LookupError):
         return LookupError(f"{what}: {exc}")
     return PeerLostError(f"{what}: {exc}" if exc is not None else what)
