@@ -50,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import itertools
 import logging
 import threading
 import weakref
@@ -76,6 +75,7 @@ from aiorl.placement import NodePlacementStrategy
 from aiorl.protocol.ops import WorkerState
 from aiorl.runtime import AsyncChannelWork, Runtime, Session, WorkerSession, current_runtime
 from aiorl.transport import serialization
+from aiorl.util.tokens import TokenTable
 
 __all__ = ["Channel", "connect_channel_from_worker", "create_channel_from_worker"]
 
@@ -242,8 +242,7 @@ class _ClientCore:
         self._states: dict[str, _ChannelState] = {}
         self._states_lock = threading.Lock()
         self._by_address: dict[str, _ChannelState] = {}
-        self._tokens = itertools.count(1)
-        self._pending: dict[int, _Op] = {}
+        self._pending: TokenTable[_Op] = TokenTable()
         self._outboxes: dict[str, _Outbox] = {}
         self._flush_scheduled = False
         # The future of every put completed with a credit: shared, as it never changes.
@@ -332,14 +331,13 @@ class _ClientCore:
         st.unconfirmed += 1
         box = self._box(address)
         box.credited = st
-        self._add(address, box, (P.PUT_CREDITED, next(self._tokens), queue, weight, payload),
+        self._add(address, box, (P.PUT_CREDITED, self._pending.next_token(), queue, weight, payload),
                   frames)
         return True
 
     def _issue(self, op: _Op) -> None:
         """Send ``op`` (or keep it until its channel is resolved); its answer is awaited."""
-        op.token = token = next(self._tokens)
-        self._pending[token] = op
+        op.token = self._pending.issue(op)
         st = op.state
         if st.address is not None:
             self._enqueue(st.address, op)
@@ -393,7 +391,7 @@ class _ClientCore:
                 self._fail(op, lost)
 
     def _fail(self, op: _Op, exc: BaseException) -> None:
-        if self._pending.pop(op.token, None) is None:
+        if self._pending.pop(op.token) is None:
             return
         if op.stream is not None:
             self._stream_failed(op.stream, exc)
@@ -412,7 +410,7 @@ class _ClientCore:
         if op.token not in self._pending:
             return  # not accepted yet (``_accept`` drops it) or already answered
         if op.address is None:  # still in the backlog: it never left
-            del self._pending[op.token]
+            self._pending.pop(op.token)
             if op in op.state.backlog:
                 op.state.backlog.remove(op)
             return
@@ -425,7 +423,7 @@ class _ClientCore:
         pos = 0
         pending = self._pending
         for token, status, info in meta:
-            op = pending.pop(token, None)
+            op = pending.pop(token)
             if status == P.ITEMS:
                 items: list[Received] = []
                 for payload, weight, seq in info:
@@ -529,7 +527,7 @@ class _ClientCore:
             for stream in st.streams.values():  # prefetched items were lost with it
                 self._stream_failed(stream, PeerLostError(
                     f"channel {st.name!r} is gone (its worker {st.group}:0 was lost): {exc}"))
-        for op in [op for op in self._pending.values() if op.address == address]:
+        for op in [op for op in self._pending.values() if op.address == address]:  # oldest first
             self._fail(op, PeerLostError(
                 f"channel {op.state.name!r} is gone (its worker {op.state.group}:0 was lost): "
                 f"{exc}"))

@@ -85,6 +85,7 @@ from aiorl.transport.sockets import (
     monitor_handshakes,
 )
 from aiorl.transport.wire import Kind, decode_header, encode_batch, encode_header, split_batch
+from aiorl.util.batching import TurnBatcher
 
 __all__ = ["Endpoint", "Incoming", "Reply"]
 
@@ -119,6 +120,10 @@ def send_parts(sock: zmq.Socket[Any], parts: Sequence[Any]) -> None:
 
 #: Messages handled per wake-up before yielding to other callbacks (fairness).
 _DRAIN_BATCH = 256
+#: At most this many messages to one peer leave as one BATCH (a burst larger than this
+#: leaves as several); bytes are not counted: held messages are small control messages.
+_MAX_HELD_MESSAGES = 1024
+_MAX_HELD_BYTES = 1 << 62
 
 _FROM_ENVIRONMENT = object()
 Reply = tuple[Any, list[Any]]  # (meta, payload frames)
@@ -202,7 +207,7 @@ class _Watched:
     """
 
     __slots__ = ("sock", "on_message", "loop", "_scheduled", "closed", "lock", "routed",
-                 "_hot", "_corked")
+                 "_batcher")
 
     def __init__(
         self,
@@ -218,8 +223,10 @@ class _Watched:
         self.closed = False
         self.lock = threading.Lock()
         self.routed = routed  # a ROUTER: the first frame of every message names the peer
-        self._hot = False  # a message left directly during this loop turn
-        self._corked: dict[bytes, list[list[Any]]] | None = None  # held until the turn ends
+        # The first message of a loop turn leaves at once; later ones are held per peer
+        # and leave as one BATCH message when the turn ends.
+        self._batcher: TurnBatcher[bytes, list[Any]] = TurnBatcher(
+            loop, self._send_held, max_items=_MAX_HELD_MESSAGES, max_bytes=_MAX_HELD_BYTES)
         loop.add_reader(sock.FD, self.drain)
         self.schedule_drain()  # input may have queued before the reader existed
 
@@ -258,42 +265,35 @@ class _Watched:
         """
         if self.closed:
             raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
-        key = parts[0] if self.routed else b""
-        corked = self._corked
-        if corked is not None:
-            corked.setdefault(key, []).append(list(parts[1:]) if self.routed else list(parts))
-            return
-        if self._hot:
-            self._corked = {key: [list(parts[1:]) if self.routed else list(parts)]}
-            return
-        self._hot = True
-        self.loop.call_soon(self._end_of_turn)
-        self._send_now(parts)
+        batcher = self._batcher
+        if batcher.first_in_turn():
+            self._send_now(parts)
+        elif self.routed:
+            batcher.add(parts[0], list(parts[1:]))
+        else:
+            batcher.add(b"", list(parts))
 
     def send_direct(self, parts: Sequence[Any]) -> None:
         """Send now, after anything held for the same peer (order kept). Raises
         ``zmq.ZMQError`` (EHOSTUNREACH) at once when a routed peer is gone, which is
         how a server learns that a subscriber disconnected."""
-        corked = self._corked
-        if corked:
-            held = corked.pop(parts[0] if self.routed else b"", None)
-            if held:
-                body = held[0] if len(held) == 1 else encode_batch(held)
-                self._send_now([parts[0], *body] if self.routed else body)
+        key = parts[0] if self.routed else b""
+        held = self._batcher.take(key)
+        if held:
+            body = held[0] if len(held) == 1 else encode_batch(held)
+            self._send_now([key, *body] if self.routed else body)
         self._send_now(parts)
 
-    def _end_of_turn(self) -> None:
-        self._hot = False
-        corked, self._corked = self._corked, None
-        if not corked or self.closed:
+    def _send_held(self, key: bytes, messages: list[list[Any]]) -> None:
+        """The batcher's flush: what one peer was sent during a turn, as one message."""
+        if self.closed:
             return
-        for key, messages in corked.items():
-            body = messages[0] if len(messages) == 1 else encode_batch(messages)
-            try:
-                self._send_now([key, *body] if self.routed else body)
-            except zmq.ZMQError as exc:
-                # A routed peer that vanished (EHOSTUNREACH): nothing waits for these.
-                log.debug("dropped %d held message(s): %s", len(messages), exc)
+        body = messages[0] if len(messages) == 1 else encode_batch(messages)
+        try:
+            self._send_now([key, *body] if self.routed else body)
+        except zmq.ZMQError as exc:
+            # A routed peer that vanished (EHOSTUNREACH): nothing waits for these.
+            log.debug("dropped %d held message(s): %s", len(messages), exc)
 
     def _send_now(self, parts: Sequence[Any]) -> None:
         """Send now, then re-check EVENTS (a send can consume the FD's edge)."""
@@ -321,8 +321,8 @@ class _Watched:
             self.loop.call_soon_threadsafe(self.schedule_drain)
 
     def close(self) -> None:
-        if self._corked and not self.closed:
-            self._end_of_turn()  # what was sent before close() still leaves
+        if not self.closed:
+            self._batcher.flush_all()  # what was sent before close() still leaves
         with self.lock:
             if self.closed:
                 return
