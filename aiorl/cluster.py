@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -29,6 +30,7 @@ from typing import Any
 
 from aiorl.errors import RegistryUnavailable
 from aiorl.placement import ClusterSpec
+from aiorl.protocol.registry import DriverInfo, GroupSpec
 from aiorl.runtime import Runtime, set_current_runtime, spec_from_nodes
 from aiorl.transport import security
 
@@ -70,7 +72,7 @@ class Cluster:
         self._nodes: list[dict[str, Any]] = []
         self._nodes_changed = threading.Condition()
         #: Groups this driver launched and has not closed: name -> create_group request.
-        self.groups: dict[str, dict[str, Any]] = {}
+        self.groups: dict[str, GroupSpec] = {}
         self.driver_id = f"driver-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         address = registry or os.environ.get("AIORL_REGISTRY") or self._cfg.get("registry")
         wanted = num_nodes if num_nodes is not None else self._cfg.get("num_nodes")
@@ -153,22 +155,20 @@ class Cluster:
 
     async def _attach(self) -> None:
         reg = self.runtime.registry
-        reply = await reg.request("register_driver", {
-            "driver_id": self.driver_id, "pid": os.getpid(), "hostname": os.uname().nodename,
-            "endpoint": self.runtime.endpoint.address,
-        }, timeout=10)
-        reg.start_heartbeats(self.driver_id, reply["heartbeat_interval"], self._reregister)
+        lease = await reg.register_driver(self._driver_info(), timeout=10)
+        reg.start_heartbeats(self.driver_id, lease.heartbeat_interval, self._reregister)
         await reg.watch_nodes(self._on_nodes)
+
+    def _driver_info(self) -> DriverInfo:
+        return DriverInfo(self.driver_id, os.getpid(), os.uname().nodename,
+                          self.runtime.endpoint.address)
 
     async def _reregister(self) -> None:
         """The registry restarted: register again, restore our groups, renew our watches."""
         reg = self.runtime.registry
-        await reg.request("register_driver", {
-            "driver_id": self.driver_id, "pid": os.getpid(), "hostname": os.uname().nodename,
-            "endpoint": self.runtime.endpoint.address,
-        })
-        for meta in list(self.groups.values()):
-            await reg.request("create_group", {**meta, "restore": True})
+        await reg.register_driver(self._driver_info())
+        for spec in list(self.groups.values()):
+            await reg.create_group(dataclasses.replace(spec, restore=True))
         await reg.resubscribe()
         log.warning("re-registered with the restarted registry at %s", self.registry_address)
 
@@ -232,8 +232,8 @@ class Cluster:
             try:
                 if not self.embedded:
                     runtime.run_sync(self._close_owned_groups(), timeout=10)
-                runtime.run_sync(runtime.registry.request(
-                    "unregister_driver", {"driver_id": self.driver_id}, timeout=2), timeout=3)
+                runtime.run_sync(runtime.registry.unregister_driver(self.driver_id, timeout=2),
+                                 timeout=3)
             except Exception:
                 pass
             runtime.stop()
@@ -263,10 +263,10 @@ class Cluster:
                 shutil.rmtree(session_dir, ignore_errors=True)
 
     async def _close_owned_groups(self) -> None:
-        status = await self.runtime.registry.request("status", timeout=5)
-        for g in status["groups"]:
-            if g["owner"] == self.driver_id:
-                await self.runtime.registry.request("close_group", {"group": g["name"]}, timeout=5)
+        status = await self.runtime.registry.status(timeout=5)
+        for g in status.groups:
+            if g.owner == self.driver_id:
+                await self.runtime.registry.close_group(g.name, timeout=5)
 
     def __enter__(self) -> Cluster:
         return self

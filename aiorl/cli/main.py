@@ -27,10 +27,8 @@ def _status(args: argparse.Namespace) -> int:
     async def fetch() -> dict[str, Any]:
         endpoint = Endpoint("aiorl-status")
         try:
-            # The reply is the mapping built by RegistryService._status.
-            reply: dict[str, Any] = await RegistryClient(endpoint, address).request(
-                "status", timeout=args.timeout)
-            return reply
+            report = await RegistryClient(endpoint, address).status(timeout=args.timeout)
+            return report.to_wire()
         finally:
             endpoint.close()
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiorl.errors import PeerLostError, WorkerInitError
 from aiorl.names import WorkerAddress
-from aiorl.protocol.ops import AgentOp
+from aiorl.protocol.ops import AgentOp, WorkerOp
 from aiorl.protocol.spawn import SpawnRequest, WorkerLaunch
 from aiorl.runtime import AsyncWork, Runtime, Session, describe_death
 from aiorl.runtime.promise import is_settled, link_threads, reject, resolve
@@ -94,7 +94,7 @@ class GroupCore:
                         reject(work, _fresh(state.error))
                     return
                 assert state.address is not None
-                fut = endpoint.request(state.address, "call", method, frames)
+                fut = endpoint.request(state.address, WorkerOp.CALL, method, frames)
                 fut.add_done_callback(functools.partial(collect, i))
 
             if state.address is not None or state.error is not None:
@@ -152,7 +152,8 @@ class GroupCore:
         nodes = {n["node_rank"]: n for n in self.session._node_list()}
         first = placements[0]
         master_node = nodes[first.node_rank]
-        port_reply, _ = await self.runtime.endpoint.request(master_node["endpoint"], "free_port", timeout=10)
+        port_reply, _ = await self.runtime.endpoint.request(master_node["endpoint"],
+                                                            AgentOp.FREE_PORT, timeout=10)
         by_node: dict[int, list[WorkerLaunch]] = {}
         for p in placements:
             env = {
@@ -221,7 +222,7 @@ class GroupCore:
     async def close(self) -> None:
         self.session.groups.pop(self.name, None)
         try:
-            await self.runtime.registry.request("close_group", {"group": self.name}, timeout=5)
+            await self.runtime.registry.close_group(self.name, timeout=5)
         finally:
             reason = f"worker group {self.name} was closed"
             for st in self.ranks:

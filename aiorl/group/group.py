@@ -24,6 +24,7 @@ from typing import Any, Generic, TypeVar
 
 from aiorl.group.core import GroupCore, ship_class
 from aiorl.names import WorkerAddress
+from aiorl.protocol.registry import GroupSpec
 from aiorl.runtime import AsyncWork, Session
 from aiorl.transport import serialization
 
@@ -69,7 +70,7 @@ class WorkerGroupBuilder(Generic[W]):
         """
         request, start = self._plan(cluster, placement_strategy, name, env)
         runtime = cluster.runtime
-        runtime.run_sync(runtime.registry.request("create_group", request), timeout=30)
+        runtime.run_sync(runtime.registry.create_group(request), timeout=30)
         return start()
 
     async def launch_async(
@@ -83,11 +84,11 @@ class WorkerGroupBuilder(Generic[W]):
         """:meth:`launch` for code on the runtime loop's thread (channels launch their
         host from there): it awaits the registry instead of blocking the loop."""
         request, start = self._plan(cluster, placement_strategy, name, env)
-        await cluster.runtime.registry.request("create_group", request)
+        await cluster.runtime.registry.create_group(request)
         return start()
 
     def _plan(self, cluster: Session, placement_strategy: Any, name: str | None,
-              env: dict[str, str] | None) -> tuple[dict[str, Any], Callable[[], WorkerGroup[W]]]:
+              env: dict[str, str] | None) -> tuple[GroupSpec, Callable[[], WorkerGroup[W]]]:
         """The registry's create_group request, and what starts the group once it succeeded."""
         from aiorl.placement import default_placement_strategy
 
@@ -98,10 +99,8 @@ class WorkerGroupBuilder(Generic[W]):
         placements = strategy.get_placement(spec)
         runtime = cluster.runtime
         payload = ship_class(self.cls, self.args, self.kwargs)
-        request = {
-            "group": group_name, "world_size": len(placements), "owner": cluster.driver_id,
-            "worker_class": f"{self.cls.__module__}.{self.cls.__qualname__}",
-        }
+        request = GroupSpec(group_name, len(placements), cluster.driver_id,
+                            f"{self.cls.__module__}.{self.cls.__qualname__}")
 
         def start() -> WorkerGroup[W]:
             cluster.groups[group_name] = request  # restored if the registry restarts
@@ -215,8 +214,8 @@ class WorkerGroup(Generic[W]):
     def from_group_name(cls, cluster: Session, worker_cls: type[W], name: str) -> WorkerGroup[W]:
         """Attach to the running group ``name`` (launched by this or another driver)."""
         runtime = cluster.runtime
-        reply = runtime.run_sync(runtime.registry.request("lookup_group", {"group": name}), timeout=30)
-        core = GroupCore(cluster, worker_cls, name, int(reply["world_size"]))
+        record = runtime.run_sync(runtime.registry.lookup_group(name), timeout=30)
+        core = GroupCore(cluster, worker_cls, name, record.world_size)
         runtime.run_sync(core.watch(), timeout=30)
         return WorkerGroup(core)
 

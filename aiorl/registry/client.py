@@ -254,8 +254,7 @@ class RegistryClient:
                 try:
                     # A short timeout: after a registry restart the next beat should not wait
                     # behind one sent to the old process.
-                    reply = await self.request("heartbeat", {"id": my_id}, timeout=max(interval * 2, 0.5))
-                    known = isinstance(reply, dict) and bool(reply.get("known"))
+                    known = await self.heartbeat(my_id, timeout=max(interval * 2, 0.5))
                 except RegistryUnavailable:
                     log.debug("heartbeat to %s got no answer", self.address)
                     continue

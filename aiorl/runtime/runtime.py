@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 from aiorl.errors import (
     GroupNotFoundError,
     PeerLostError,
-    RemoteError,
     WaitTimeout,
     WorkerNotFoundError,
 )
 from aiorl.names import WorkerAddress
+from aiorl.protocol.ops import WorkerOp
 from aiorl.registry.client import RegistryClient
 from aiorl.runtime.loop import LoopThread
 from aiorl.runtime.waiter import BlockingWaiter
@@ -139,19 +139,14 @@ class Runtime:
         address = WorkerAddress.from_name(name)  # ValueError for a malformed name
         group = address.root_group_name
         try:
-            reply = await self.registry.request("lookup_group", {"group": group})
+            record = await self.registry.lookup_group(group)
         except GroupNotFoundError:
             raise GroupNotFoundError.from_message(
                 f"no worker group named {group!r} exists (looking for worker {name})") from None
-        except RemoteError as exc:
-            if exc.exc_type.endswith("KeyError"):
-                raise GroupNotFoundError.from_message(
-                    f"no worker group named {group!r} exists (looking for worker {name})") from None
-            raise
-        if address.rank_path and address.rank_path[0] >= int(reply["world_size"]):
+        if address.rank_path and address.rank_path[0] >= record.world_size:
             raise WorkerNotFoundError.from_message(
                 f"worker {name} does not exist: group {group!r} has ranks "
-                f"0-{int(reply['world_size']) - 1}")
+                f"0-{record.world_size - 1}")
 
     def _on_peer_event(self, name: str, state: str, info: dict[str, Any], detail: dict[str, Any]) -> None:
         fut = self._peer_watch.get(name)
@@ -189,7 +184,7 @@ class Runtime:
 
         info = await self.resolve_worker(name)
         frames = serialization.dumps((args, kwargs)) if args or kwargs else []
-        _, payload = await self.endpoint.request(info["endpoint"], "call", method, frames)
+        _, payload = await self.endpoint.request(info["endpoint"], WorkerOp.CALL, method, frames)
         return serialization.loads(payload) if payload else None
 
     # ------------------------------------------------------------------ shutdown

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiorl.placement import ClusterSpec
+from aiorl.protocol.registry import GroupSpec
 from aiorl.runtime.runtime import Runtime, current_runtime
 
 __all__ = ["Session", "WorkerSession", "spec_from_nodes"]
@@ -29,7 +30,7 @@ class Session(Protocol):
     driver_id: str
     #: Groups launched through this session and not closed: name -> create_group request;
     #: the driver restores them if the registry restarts.
-    groups: dict[str, dict[str, Any]]
+    groups: dict[str, GroupSpec]
     #: Whether launched workers stream their output to this process.
     log_to_driver: bool
 
@@ -65,7 +66,7 @@ class WorkerSession:
         self.registry_address = registry_address
         self.driver_id = driver_id
         self._nodes: list[dict[str, Any]] = []
-        self.groups: dict[str, dict[str, Any]] = {}
+        self.groups: dict[str, GroupSpec] = {}
 
     @classmethod
     def current(cls) -> WorkerSession:
@@ -77,8 +78,7 @@ class WorkerSession:
 
     async def refresh(self) -> None:
         """Fetch the live node list."""
-        reply = await self.runtime.registry.request("nodes")
-        self._nodes = sorted(reply["nodes"], key=lambda n: n["node_rank"])
+        self._nodes = [n.to_wire() for n in await self.runtime.registry.nodes()]
 
     def _node_list(self) -> list[dict[str, Any]]:
         return list(self._nodes)
