@@ -47,3 +47,18 @@ def test_error_contract_bases() -> None:
         obj = getattr(aiorl, name)
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, aiorl.AiorlError), name
+
+
+def test_only_the_runtime_touches_asyncwork_internals() -> None:
+    """Producers complete works through aiorl.runtime.promise (where tracing will hook in)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(aiorl.__file__).parent
+    pattern = re.compile(r"\.(_set_result|_set_exception|_complete_from|_concurrent)\(|\b\w+\._fut\b")
+    offenders = [
+        f"{path.relative_to(root)}:{n}"
+        for path in root.rglob("*.py") if path.parent.name != "runtime"
+        for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)
+    ]
+    assert not offenders, offenders

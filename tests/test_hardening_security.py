@@ -147,7 +147,7 @@ def test_squatter_on_a_dead_registrys_address_gets_no_secret_and_runs_no_code(tm
     squatter = None
     try:
         secret = cluster.keys.secret.decode()
-        registry = cluster._children[0]
+        registry = cluster._embedded.children[0]
         registry.kill()
         registry.wait()
         # Another (unprivileged) local user takes the address the moment it is free.
@@ -448,7 +448,7 @@ def test_workers_and_agents_do_not_carry_the_secret_and_logs_are_private():
         environment = group.environment().wait(60)[0]
         assert not any(secret in value for value in environment.values())
         assert not any(name.startswith("AIORL_CURVE") for name in environment)
-        for pid in (group.pid().wait(30)[0], cluster._children[1].pid):  # worker, agent
+        for pid in (group.pid().wait(30)[0], cluster._embedded.children[1].pid):  # worker, agent
             assert secret.encode() not in Path(f"/proc/{pid}/environ").read_bytes()
         log_path = group.log_path().wait(30)[0]
         session_dir = cluster.session_dir

@@ -74,6 +74,7 @@ from aiorl.names import WorkerInfo
 from aiorl.placement import NodePlacementStrategy
 from aiorl.protocol.ops import WorkerState
 from aiorl.runtime import AsyncChannelWork, Runtime, Session, WorkerSession, current_runtime
+from aiorl.runtime.promise import link_threads, reject, resolve, settle_from
 from aiorl.transport import serialization
 from aiorl.util.tokens import TokenTable
 
@@ -285,7 +286,7 @@ class _ClientCore:
 
     # ------------------------------------------------------------------ loop thread
     def _accept_from_thread(self, op: _Op, work: AsyncChannelWork[Any]) -> None:
-        work._concurrent()  # link the thread-side mirror now: wait() then needs no extra hop
+        link_threads(work)  # link the thread-side mirror now: wait() then needs no extra hop
         self._accept(op)
 
     def _accept(self, op: _Op) -> None:
@@ -744,7 +745,7 @@ class _ClientCore:
                 self._enqueue(st.address, op)
             waiters, st.ready_waiters = st.ready_waiters, []
             for w in waiters:
-                w._set_result(None)
+                resolve(w, None)
             return
         if st.task is not task or st.address is not None:
             return  # a newer attempt decides (or another attempt already succeeded)
@@ -754,7 +755,7 @@ class _ClientCore:
             self._fail(op, exc)
         waiters, st.ready_waiters = st.ready_waiters, []
         for w in waiters:
-            w._set_exception(exc)
+            reject(w, exc)
 
     def ready(self, st: _ChannelState) -> AsyncChannelWork[None]:
         """A work done once ``st`` is resolved (starting a connect if nothing is under way)."""
@@ -762,7 +763,7 @@ class _ClientCore:
 
         def check() -> None:
             if st.address is not None:
-                work._set_result(None)
+                resolve(work, None)
                 return
             st.ready_waiters.append(work)
             self._ensure_resolving(st)
@@ -1133,7 +1134,7 @@ class Channel:
 
         def start() -> None:
             task = core.loop.create_task(destroy())
-            task.add_done_callback(work._complete_from)
+            task.add_done_callback(lambda t: settle_from(work, t))
 
         core.runtime.call_soon(start)
         return work

@@ -10,11 +10,20 @@ at import, not a request the peer does not understand.
 from __future__ import annotations
 
 import enum
+import sys
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # Python 3.10: the same behaviour for our use (value as str, str() gives the value)
+
+    class StrEnum(str, enum.Enum):
+        def __str__(self) -> str:
+            return str(self.value)
 
 __all__ = ["AgentOp", "DriverOp", "RegistryEvent", "RegistryOp", "WorkerOp", "WorkerState"]
 
 
-class RegistryOp(enum.StrEnum):
+class RegistryOp(StrEnum):
     """Requests served by the registry (see :data:`aiorl.protocol.registry.SCHEMA`)."""
 
     REGISTER_NODE = "register_node"
@@ -35,14 +44,14 @@ class RegistryOp(enum.StrEnum):
     PING = "ping"
 
 
-class RegistryEvent(enum.StrEnum):
+class RegistryEvent(StrEnum):
     """Events the registry pushes to watchers."""
 
     WORKER = "worker"
     NODES = "nodes"
 
 
-class AgentOp(enum.StrEnum):
+class AgentOp(StrEnum):
     """Requests and one-way messages served by a node agent."""
 
     SPAWN = "spawn"
@@ -52,20 +61,20 @@ class AgentOp(enum.StrEnum):
     WORKER_READY = "worker_ready"
 
 
-class WorkerOp(enum.StrEnum):
+class WorkerOp(StrEnum):
     """Messages served by a worker process's control plane."""
 
     CALL = "call"
     REGISTRY_RESTARTED = "registry_restarted"
 
 
-class DriverOp(enum.StrEnum):
+class DriverOp(StrEnum):
     """One-way messages a driver receives from node agents."""
 
     WORKER_OUTPUT = "worker_output"
 
 
-class WorkerState(enum.StrEnum):
+class WorkerState(StrEnum):
     """A worker's state in the registry, in the order a healthy worker passes through them."""
 
     STARTING = "starting"

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Self, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11+; annotations only (postponed)
 
 from aiorl.errors import ProtocolError
 from aiorl.names import WorkerAddress, WorkerInfo

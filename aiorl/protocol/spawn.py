@@ -18,7 +18,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11+; annotations only (postponed)
 
 from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.protocol.fields import Fields

@@ -88,10 +88,10 @@ class RegistryClient:
             reply_meta, _ = await self.endpoint.request(self.address, op, meta, timeout=timeout)
         except (TimeoutError, PeerLostError) as exc:
             raise RegistryUnavailable(
-                f"the registry at {self.address} did not answer {op!r} within {timeout:g} s"
+                f"the registry at {self.address} did not answer '{op}' within {timeout:g} s"
             ) from exc
         except AuthenticationError as exc:  # whoever answers there is not our registry (yet)
-            raise RegistryUnavailable(f"{op!r} failed: {exc}") from exc
+            raise RegistryUnavailable(f"'{op}' failed: {exc}") from exc
         return reply_meta
 
     # ------------------------------------------------------------------ typed operations

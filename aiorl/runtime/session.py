@@ -22,17 +22,26 @@ __all__ = ["Session", "WorkerSession", "spec_from_nodes"]
 class Session(Protocol):
     """The cluster as seen by the code that launches groups and channels."""
 
-    #: The runtime whose loop, endpoint and registry client the launched groups use.
-    runtime: Runtime
-    #: The registry's address, handed to launched workers.
-    registry_address: str
-    #: The driver that owns launched groups (they are torn down when it goes).
-    driver_id: str
-    #: Groups launched through this session and not closed: name -> create_group request;
-    #: the driver restores them if the registry restarts.
-    groups: dict[str, GroupSpec]
-    #: Whether launched workers stream their output to this process.
-    log_to_driver: bool
+    @property
+    def runtime(self) -> Runtime:
+        """The runtime whose loop, endpoint and registry client the launched groups use."""
+
+    @property
+    def registry_address(self) -> str:
+        """The registry's address, handed to launched workers."""
+
+    @property
+    def driver_id(self) -> str:
+        """The driver that owns launched groups (they are torn down when it goes)."""
+
+    @property
+    def groups(self) -> dict[str, GroupSpec]:
+        """Groups launched through this session and not closed: name -> create_group request;
+        the driver restores them if the registry restarts."""
+
+    @property
+    def log_to_driver(self) -> bool:
+        """Whether launched workers stream their output to this process."""
 
     @property
     def spec(self) -> ClusterSpec: ...

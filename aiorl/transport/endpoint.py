@@ -72,6 +72,7 @@ from aiorl.errors import (
     AuthenticationError,
     PeerLostError,
     ProtocolError,
+    WaitTimeout,
     from_wire,
     to_wire,
 )
@@ -733,4 +734,4 @@ def _refuse_plain_over_tcp(keys: ClusterKeys | None, action: str) -> None:
 def _expire(p: _Peer, rid: int, op: str, timeout: float) -> None:
     fut = p.pending.pop(rid, None)
     if fut is not None and not fut.done():
-        fut.set_exception(TimeoutError(f"{op!r} to {p.address} got no answer within {timeout:g} s"))
+        fut.set_exception(WaitTimeout(f"'{op}' to {p.address} got no answer within {timeout:g} s"))

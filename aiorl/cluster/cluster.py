@@ -1,0 +1,194 @@
+"""``Cluster``: the driver's handle on a set of nodes.
+
+Embedded mode (no registry address anywhere): start a registry and
+``num_nodes`` node agents as child processes on loopback, owned by this
+``Cluster`` and stopped by :meth:`Cluster.close` with every worker they
+spawned. Attach mode (``registry=``, ``$AIORL_REGISTRY`` or
+``cluster_cfg.cluster.registry``): join a running registry and wait until
+``num_nodes`` agents have joined.
+
+Either way the driver registers itself and sends heartbeats; if it dies, the
+registry tears down the groups it launched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import weakref
+from typing import Any
+
+from aiorl.cluster.driver import DriverSession
+from aiorl.cluster.embedded import EmbeddedProcesses
+from aiorl.placement import ClusterSpec
+from aiorl.protocol.registry import GroupSpec
+from aiorl.runtime import Runtime
+from aiorl.transport import security
+
+__all__ = ["Cluster"]
+
+log = logging.getLogger("aiorl.cluster")
+
+_live_clusters: weakref.WeakSet[Cluster] = weakref.WeakSet()
+
+
+def _close_all_at_exit() -> None:
+    for cluster in list(_live_clusters):
+        try:
+            cluster.close()
+        except Exception:
+            pass
+
+
+atexit.register(_close_all_at_exit)
+
+
+class Cluster:
+    """See the module docstring. Usable as ``with Cluster() as c`` and ``async with``.
+
+    A Cluster is a :class:`DriverSession` (this driver's registration, runtime and
+    node list) plus, in embedded mode, the :class:`EmbeddedProcesses` it started.
+    """
+
+    def __init__(
+        self,
+        cluster_cfg: Any = None,
+        *,
+        registry: str | None = None,
+        num_nodes: int | None = None,
+        accelerators_per_node: int | None = None,
+        key_file: str | None = None,
+        log_to_driver: bool = True,
+        timeout: float = 60.0,
+    ) -> None:
+        self._cfg = _cluster_section(cluster_cfg)
+        self._closed = False
+        self._embedded: EmbeddedProcesses | None = None
+        self._session: DriverSession | None = None
+        address = registry or os.environ.get("AIORL_REGISTRY") or self._cfg.get("registry")
+        wanted = int(num_nodes if num_nodes is not None else self._cfg.get("num_nodes") or 1)
+        self.embedded = not address
+        if accelerators_per_node is None:
+            accelerators_per_node = self._cfg.get("accelerators_per_node")
+        try:
+            host = None
+            if self.embedded:
+                self._embedded = EmbeddedProcesses(
+                    wanted, accelerators_per_node, os.environ.get(security.ENV_INSECURE) == "1")
+                address, keys = self._embedded.registry_address, self._embedded.keys
+                host = self._embedded.ipc_location
+            else:
+                keys = security.ClusterKeys.load(key_file) if key_file else (
+                    security.keys_from_environment())
+            _live_clusters.add(self)
+            self._session = DriverSession(str(address), keys, self._cfg, host=host,
+                                          log_to_driver=log_to_driver, timeout=timeout)
+            self._session.wait_for_nodes(
+                wanted, timeout, self._embedded.check_alive if self._embedded else None)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ the session
+    @property
+    def session(self) -> DriverSession:
+        if self._session is None:
+            raise RuntimeError("this Cluster is not connected (it failed to start)")
+        return self._session
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.session.runtime
+
+    @property
+    def registry_address(self) -> str:
+        return self.session.registry_address
+
+    @property
+    def driver_id(self) -> str:
+        return self.session.driver_id
+
+    @property
+    def groups(self) -> dict[str, GroupSpec]:
+        """Groups this driver launched and has not closed (restored if the registry restarts)."""
+        return self.session.groups
+
+    @property
+    def log_to_driver(self) -> bool:
+        """Whether workers' output is printed here, each line prefixed with the worker's name."""
+        return self.session.log_to_driver
+
+    @property
+    def session_dir(self) -> str | None:
+        """The embedded cluster's private directory (sockets, key, worker logs), else None."""
+        return self._embedded.session_dir if self._embedded else None
+
+    # ------------------------------------------------------------------ inventory
+    def _node_list(self) -> list[dict[str, Any]]:
+        return self.session._node_list()
+
+    @property
+    def nodes(self) -> list[dict[str, Any]]:
+        """Live nodes, ordered by node rank (id, ip, hostname, cpus, accelerators, ...)."""
+        return self._node_list()
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._node_list())
+
+    @property
+    def num_accelerators(self) -> int:
+        return sum(int(n.get("num_accelerators", 0)) for n in self._node_list())
+
+    @property
+    def spec(self) -> ClusterSpec:
+        """A :class:`~aiorl.placement.ClusterSpec` of the live nodes (and configured node groups)."""
+        return self.session.spec
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """Stop everything this Cluster started (and, in attach mode, its groups)."""
+        if self._closed:
+            return
+        self._closed = True
+        _live_clusters.discard(self)
+        if self._session is not None:
+            self._session.close(close_owned_groups=not self.embedded)
+        if self._embedded is not None:
+            self._embedded.stop()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Cluster:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    def __repr__(self) -> str:
+        mode = "embedded" if self.embedded else "attached"
+        address = self._session.registry_address if self._session else "(not connected)"
+        return f"<Cluster {mode} {address} nodes={self.num_nodes if self._session else 0}>"
+
+
+def _cluster_section(cfg: Any) -> dict[str, Any]:
+    """The ``cluster:`` section of a config (DictConfig or dict), as a plain dict."""
+    if cfg is None:
+        return {}
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+    except ImportError:
+        pass
+    if not isinstance(cfg, dict):
+        raise TypeError(f"cluster_cfg must be a dict or DictConfig, got {type(cfg).__name__}")
+    section = cfg.get("cluster", cfg)
+    return dict(section) if isinstance(section, dict) else {}

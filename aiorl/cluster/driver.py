@@ -1,0 +1,140 @@
+"""``DriverSession``: this driver's registration with a registry.
+
+It starts the driver's runtime (an event loop on a private I/O thread), registers the
+driver and keeps it alive with heartbeats, follows the live node list, remembers the
+groups this driver launched (restored if the registry restarts) and, on close, closes what
+it owns and unregisters. It implements :class:`~aiorl.runtime.Session`, which is all that
+groups and channels see of the cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from aiorl.errors import RegistryUnavailable
+from aiorl.placement import ClusterSpec
+from aiorl.protocol.ops import DriverOp
+from aiorl.protocol.registry import DriverInfo, GroupSpec
+from aiorl.runtime import Runtime, set_current_runtime, spec_from_nodes
+from aiorl.transport import security
+
+__all__ = ["DriverSession"]
+
+log = logging.getLogger("aiorl.cluster")
+
+
+class DriverSession:
+    """See the module docstring. Build it, then :meth:`wait_for_nodes`; :meth:`close` once."""
+
+    def __init__(self, registry_address: str, keys: security.ClusterKeys | None,
+                 cluster_cfg: Mapping[str, Any], *, host: str | None, log_to_driver: bool,
+                 timeout: float) -> None:
+        self.registry_address = registry_address
+        self.driver_id = f"driver-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        #: Groups this driver launched and has not closed: name -> create_group request.
+        self.groups: dict[str, GroupSpec] = {}
+        #: Print workers' output here, each line prefixed with the worker's name.
+        self.log_to_driver = log_to_driver
+        self._cfg = cluster_cfg
+        self._nodes: list[dict[str, Any]] = []
+        self._nodes_changed = threading.Condition()
+        self.runtime = Runtime.start_in_thread(
+            registry_address, "driver", keys=keys, **({"host": host} if host else {}))
+        self.runtime.submit(self.runtime.endpoint.handle, DriverOp.WORKER_OUTPUT, _print_output)
+        set_current_runtime(self.runtime)
+        self.runtime.run_sync(self._register(), timeout=timeout)
+
+    # ------------------------------------------------------------------ registration
+    def _driver_info(self) -> DriverInfo:
+        return DriverInfo(self.driver_id, os.getpid(), os.uname().nodename,
+                          self.runtime.endpoint.address)
+
+    async def _register(self) -> None:
+        reg = self.runtime.registry
+        lease = await reg.register_driver(self._driver_info(), timeout=10)
+        reg.start_heartbeats(self.driver_id, lease.heartbeat_interval, self._reregister)
+        await reg.watch_nodes(self._on_nodes)
+
+    async def _reregister(self) -> None:
+        """The registry restarted: register again, restore our groups, renew our watches."""
+        reg = self.runtime.registry
+        await reg.register_driver(self._driver_info())
+        for spec in list(self.groups.values()):
+            await reg.create_group(dataclasses.replace(spec, restore=True))
+        await reg.resubscribe()
+        log.warning("re-registered with the restarted registry at %s", self.registry_address)
+
+    # ------------------------------------------------------------------ nodes
+    def _on_nodes(self, nodes: list[dict[str, Any]]) -> None:
+        with self._nodes_changed:
+            self._nodes = sorted(nodes, key=lambda n: n["node_rank"])
+            self._nodes_changed.notify_all()
+
+    def wait_for_nodes(self, wanted: int, timeout: float,
+                       check: Callable[[], None] | None = None) -> None:
+        """Block until ``wanted`` node agents have joined; report progress every 5 s.
+
+        ``check`` runs on every wake-up and may raise (an embedded child that died).
+        """
+        deadline = time.monotonic() + timeout
+        next_report = time.monotonic() + 5
+        with self._nodes_changed:
+            while len(self._nodes) < wanted:
+                if time.monotonic() >= next_report:  # long waits show progress
+                    log.warning("waiting for node agents at %s: %d of %d joined",
+                                self.registry_address, len(self._nodes), wanted)
+                    next_report += 5
+                if check is not None:
+                    check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RegistryUnavailable(
+                        f"only {len(self._nodes)} of {wanted} node agents joined the registry at "
+                        f"{self.registry_address} within {timeout:g} s")
+                self._nodes_changed.wait(min(left, 0.1))
+
+    def _node_list(self) -> list[dict[str, Any]]:
+        with self._nodes_changed:
+            return list(self._nodes)
+
+    @property
+    def spec(self) -> ClusterSpec:
+        """A :class:`~aiorl.placement.ClusterSpec` of the live nodes (and configured node groups)."""
+        return spec_from_nodes(self._node_list(), self._cfg)
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self, close_owned_groups: bool) -> None:
+        """Close the groups this driver owns (when asked), unregister, stop the runtime."""
+        runtime = self.runtime
+        try:
+            if close_owned_groups:
+                runtime.run_sync(self._close_owned_groups(), timeout=10)
+            runtime.run_sync(runtime.registry.unregister_driver(self.driver_id, timeout=2),
+                             timeout=3)
+        except Exception as exc:  # the registry may be gone already: its expiry cleans up
+            log.debug("unregistering driver %s: %s", self.driver_id, exc)
+        runtime.stop()
+
+    async def _close_owned_groups(self) -> None:
+        status = await self.runtime.registry.status(timeout=5)
+        for g in status.groups:
+            if g.owner == self.driver_id:
+                await self.runtime.registry.close_group(g.name, timeout=5)
+
+
+def _print_output(msg: Any) -> None:
+    """Show a batch of a worker's output lines on the driver's stderr."""
+    meta = msg.meta
+    if not isinstance(meta, dict) or not isinstance(meta.get("lines"), list):
+        return
+    prefix = f"({meta.get('name')} pid={meta.get('pid')}) "
+    sys.stderr.write("".join(prefix + str(line) + "\n" for line in meta["lines"]))
+    sys.stderr.flush()
