@@ -121,6 +121,11 @@ class Cluster:
         return self.session.log_to_driver
 
     @property
+    def keys(self) -> security.ClusterKeys | None:
+        """The cluster credentials this driver uses (None when running ``--insecure``)."""
+        return self.session.keys
+
+    @property
     def session_dir(self) -> str | None:
         """The embedded cluster's private directory (sockets, key, worker logs), else None."""
         return self._embedded.session_dir if self._embedded else None

@@ -38,6 +38,8 @@ class DriverSession:
                  cluster_cfg: Mapping[str, Any], *, host: str | None, log_to_driver: bool,
                  timeout: float) -> None:
         self.registry_address = registry_address
+        #: The credentials this driver authenticates with (None: ``--insecure``).
+        self.keys = keys
         self.driver_id = f"driver-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         #: Groups this driver launched and has not closed: name -> create_group request.
         self.groups: dict[str, GroupSpec] = {}
