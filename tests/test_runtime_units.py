@@ -11,7 +11,7 @@ import pytest
 from aiorl.errors import WaitTimeout
 from aiorl.runtime import AsyncCollWork, AsyncWork
 from aiorl.runtime.loop import LoopThread, loop_thread_of
-from aiorl.runtime.promise import is_settled, link_threads, reject, resolve
+from aiorl.runtime.promise import is_settled, link_threads, prepare_threads, reject, resolve
 from aiorl.runtime.waiter import BlockingWaiter, Job
 
 pytestmark = pytest.mark.timeout(30)
@@ -56,6 +56,7 @@ def test_run_sync_returns_refuses_on_the_loop_and_times_out(home):
 def test_work_completed_by_promise_is_seen_by_threads_and_coroutines(home):
     work: AsyncWork[int] = home.run_sync(_make(home), timeout=5)
     assert not work.done()
+    prepare_threads(work)
     home.submit(link_threads, work)
     home.submit(resolve, work, 7)
     assert work.wait(5) == 7

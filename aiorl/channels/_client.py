@@ -74,7 +74,7 @@ from aiorl.names import WorkerInfo
 from aiorl.placement import NodePlacementStrategy
 from aiorl.protocol.ops import WorkerState
 from aiorl.runtime import AsyncChannelWork, Runtime, Session, WorkerSession, current_runtime
-from aiorl.runtime.promise import link_threads, reject, resolve, settle_from
+from aiorl.runtime.promise import link_threads, prepare_threads, reject, resolve, settle_from
 from aiorl.transport import serialization
 from aiorl.util.tokens import TokenTable
 
@@ -250,7 +250,7 @@ class _ClientCore:
         self._accepted: asyncio.Future[None] = self.loop.create_future()
         self._accepted.set_result(None)
         # Before any operation can be posted (call_soon keeps FIFO order).
-        runtime.call_soon(self._install)
+        runtime.submit(self._install)
 
     def _install(self) -> None:
         self.endpoint.on_event(P.DONE, self._on_done)
@@ -281,7 +281,8 @@ class _ClientCore:
         if on_loop:
             self._accept(op)
         else:
-            self.runtime.call_soon(self._accept_from_thread, op, work)
+            prepare_threads(work)  # this thread will likely wait(): mirror ready, no lock
+            self.runtime.submit(self._accept_from_thread, op, work)
         return work
 
     # ------------------------------------------------------------------ loop thread
@@ -768,7 +769,7 @@ class _ClientCore:
             st.ready_waiters.append(work)
             self._ensure_resolving(st)
 
-        self.runtime.call_soon(check)
+        self.runtime.submit(check)
         return work
 
     async def _connect(self, st: _ChannelState, timeout: float, launched: bool = False) -> str:
@@ -967,7 +968,7 @@ class Channel:
             if st.address is None:
                 core._start(st, core._create(st, session, maxsize, where, timeout))
 
-        core.runtime.call_soon(start)
+        core.runtime.submit(start)
 
     def _start_connect(self, timeout: float) -> None:
         core, st = self._bind()
@@ -976,7 +977,7 @@ class Channel:
             if st.address is None and st.task is None:
                 core._start(st, core._connect(st, timeout))
 
-        core.runtime.call_soon(start)
+        core.runtime.submit(start)
 
     def _settle(self) -> Channel:
         core, _ = self._bind()
@@ -1136,7 +1137,7 @@ class Channel:
             task = core.loop.create_task(destroy())
             task.add_done_callback(lambda t: settle_from(work, t))
 
-        core.runtime.call_soon(start)
+        core.runtime.submit(start)
         return work
 
 

@@ -377,7 +377,7 @@ class ChannelHost:
         # thread, and the loop runs it before it learns that construction finished (both
         # are loop callbacks, run in order), so the handlers exist before the worker
         # reports ready and any client can send to it.
-        runtime.call_soon(self._serve, runtime.endpoint)
+        runtime.submit(self._serve, runtime.endpoint)
 
     def _serve(self, endpoint: Endpoint) -> None:
         self.server = ChannelServer(endpoint, self.channel_name, self.maxsize)

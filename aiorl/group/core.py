@@ -129,7 +129,7 @@ class GroupCore:
             if waiting[0] == 0:
                 resolve(work, None)
 
-        self.runtime.call_soon(check)
+        self.runtime.submit(check)
         return work
 
     async def start(self, placements: list[Placement], payload: bytes, extra_env: dict[str, str]) -> None:

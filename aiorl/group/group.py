@@ -26,6 +26,7 @@ from aiorl.group.core import GroupCore, ship_class
 from aiorl.names import WorkerAddress
 from aiorl.protocol.registry import GroupSpec
 from aiorl.runtime import AsyncWork, Session
+from aiorl.runtime.promise import prepare_threads
 from aiorl.transport import serialization
 
 __all__ = ["WorkerGroup", "WorkerGroupBuilder"]
@@ -105,7 +106,7 @@ class WorkerGroupBuilder(Generic[W]):
         def start() -> WorkerGroup[W]:
             cluster.groups[group_name] = request  # restored if the registry restarts
             core = GroupCore(cluster, self.cls, group_name, len(placements))
-            runtime.call_soon(
+            runtime.submit(
                 lambda: runtime.loop.create_task(core.start(placements, payload, env or {})))
             return WorkerGroup(core)
 
@@ -235,7 +236,8 @@ class WorkerGroup(Generic[W]):
         if runtime.on_loop_thread():
             core.dispatch(work, method, self._view_ranks, frames, False)
         else:
-            runtime.call_soon(core.dispatch, work, method, self._view_ranks, frames, True)
+            prepare_threads(work)  # this thread will likely wait(): mirror ready, no lock
+            runtime.submit(core.dispatch, work, method, self._view_ranks, frames, True)
         return work
 
     def _ready(self) -> AsyncWork[None]:

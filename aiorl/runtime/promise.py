@@ -13,9 +13,11 @@ import asyncio
 import concurrent.futures
 from typing import Any, TypeVar
 
-from aiorl.runtime.work import AsyncWork, _mirror_lock, mirror_to
+from aiorl.runtime.work import AsyncWork, mirror_to
 
-__all__ = ["is_settled", "link_threads", "reject", "resolve", "settle_from"]
+__all__ = [
+    "is_settled", "link_threads", "prepare_threads", "reject", "resolve", "settle_from",
+]
 
 T = TypeVar("T")
 
@@ -49,15 +51,19 @@ def is_settled(work: AsyncWork[Any]) -> bool:
     return work._fut.done()
 
 
-def link_threads(work: AsyncWork[T]) -> concurrent.futures.Future[T]:
-    """Create ``work``'s thread-safe mirror now, on the loop.
+def prepare_threads(work: AsyncWork[T]) -> None:
+    """Give ``work`` its thread-safe mirror before it is shared (on the creating thread).
 
-    A producer that knows a thread will wait (the work was created off the loop) links
-    it while it is on the loop anyway, so ``wait()`` needs no extra loop wake-up.
+    A producer that creates a work off the loop (a thread will most likely wait on it)
+    prepares it, then has the loop :func:`link_threads`: ``wait()`` then needs neither an
+    extra loop wake-up nor the mirror lock (no contention with the loop thread).
     """
-    with _mirror_lock:
-        cf = work._cf
-        if cf is None:
-            cf = work._cf = concurrent.futures.Future()
-            work._fut.add_done_callback(lambda f: mirror_to(f, cf))
-    return cf
+    if work._cf is None:
+        work._cf = concurrent.futures.Future()
+
+
+def link_threads(work: AsyncWork[T]) -> None:
+    """On the loop: connect a work prepared with :func:`prepare_threads` to its mirror."""
+    cf = work._cf
+    assert cf is not None, "link_threads() needs a work prepared with prepare_threads()"
+    work._fut.add_done_callback(lambda f: mirror_to(f, cf))

@@ -69,7 +69,6 @@ class Runtime:
         # Bound once: these are on every call's path.
         self.on_loop_thread = loop_thread.on_loop
         self.submit = loop_thread.submit
-        self.call_soon = loop_thread.submit
 
     # ------------------------------------------------------------------ construction
     @classmethod

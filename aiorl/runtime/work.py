@@ -95,6 +95,9 @@ class AsyncWork(Generic[T]):
 
     def _concurrent(self) -> concurrent.futures.Future[T]:
         """A thread-safe mirror of the result, created once (on first cross-thread use)."""
+        cf = self._cf
+        if cf is not None:  # prepared by its producer (or made earlier): no lock needed
+            return cf
         with _mirror_lock:
             cf = self._cf
             if cf is None:
