@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
-from aiorl.errors import NotFoundError, PeerLostError
+from aiorl.errors import NotFoundError, PeerLostError, ProtocolError
 from aiorl.runtime.waiter import BlockingWaiter, Job
 
 if TYPE_CHECKING:
@@ -197,6 +197,53 @@ class PathSpec:
 
 
 # ----------------------------------------------------------------------------- helpers
+class AckedSends:
+    """Sends whose bytes the receiver reads itself (CMA, CUDA IPC): each completes when the
+    receiver's ack (``p2p.done``) names its token, and keeps what is read alive until then.
+
+    Tokens come from the destination's Sender, so the paths of one pair never reuse one.
+    """
+
+    __slots__ = ("_loop", "_waiting")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._waiting: dict[int, tuple[asyncio.Future[None], Any]] = {}
+
+    def park(self, token: int, keep_alive: Any) -> tuple[asyncio.Future[None], Callable[[], None]]:
+        """The completion future of send ``token`` and its undo (the control message failed)."""
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._waiting[token] = (fut, keep_alive)
+
+        def undo() -> None:
+            self._waiting.pop(token, None)
+
+        return fut, undo
+
+    def on_ack(self, meta: Sequence[Any]) -> bool:
+        """Complete the send an ack names; False if the token is not ours."""
+        _, token, err = meta
+        entry = self._waiting.pop(token, None)
+        if entry is None:
+            return False
+        if err:
+            fail(entry[0], ProtocolError(f"the receiver could not read the payload: {err}"))
+        else:
+            resolve(entry[0], None)
+        return True
+
+    def fail_all(self, exc: PeerLostError | LookupError, peer: str) -> None:
+        waiting, self._waiting = self._waiting, {}
+        for fut, _kept in waiting.values():
+            fail(fut, lost_error(exc, f"send to {peer} did not complete"))
+
+    def clear(self) -> None:
+        self._waiting.clear()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+
 def resolve(fut: asyncio.Future[Any], value: Any) -> None:
     if not fut.done():
         fut.set_result(value)

@@ -11,7 +11,6 @@ it); ``AIORL_P2P_CMA=0`` turns the path off.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import errno
 from collections.abc import Callable, Mapping, Sequence
@@ -20,14 +19,12 @@ from typing import Any, ClassVar
 from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.p2p.message import InMessage, OutMessage, PostedRecv, nbytes_of
 from aiorl.p2p.paths.base import (
+    AckedSends,
     Destination,
     PathHost,
     PathSpec,
     PathStatistics,
     Placed,
-    fail,
-    lost_error,
-    resolve,
 )
 from aiorl.p2p.proto import CMA, CMA_ENABLED, CMA_MIN, OP_DONE
 from aiorl.transport import _shm
@@ -45,8 +42,8 @@ class CmaSend:
         self.next_token = next_token
         self.ok: bool | None = None if CMA_ENABLED else False
         self.settled = not CMA_ENABLED
-        # token -> (completion, the message whose memory is read: kept alive until then)
-        self.waiting: dict[int, tuple[asyncio.Future[None], OutMessage]] = {}
+        # The message whose memory is read stays alive until the receiver's ack.
+        self.waiting = AckedSends(host.loop)
         self._probe: Any = None
 
     @classmethod
@@ -69,28 +66,17 @@ class CmaSend:
 
     def place(self, msg: OutMessage, frames: list[Any]) -> Placed:
         token = self.next_token()
-        fut: asyncio.Future[None] = self.host.loop.create_future()
-        self.waiting[token] = (fut, msg)
+        fut, undo = self.waiting.park(token, msg)
         view: Any = msg.bufs[0].obj  # the numpy view of the tensor (see byte_view)
         addr = view.ctypes.data
         desc = [CMA, token, self.host.pid, addr, msg.nbytes, self.host.endpoint.address]
-        return Placed(desc, fut, undo=lambda: self.waiting.pop(token, None))
+        return Placed(desc, fut, undo=undo)
 
     def on_ack(self, meta: Sequence[Any]) -> bool:
-        _, token, err = meta
-        entry = self.waiting.pop(token, None)
-        if entry is None:
-            return False
-        if err:
-            fail(entry[0], ProtocolError(f"the receiver could not read the payload: {err}"))
-        else:
-            resolve(entry[0], None)
-        return True
+        return self.waiting.on_ack(meta)
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
-        waiting, self.waiting = self.waiting, {}
-        for fut, _msg in waiting.values():
-            fail(fut, lost_error(exc, f"send to {self.name} did not complete"))
+        self.waiting.fail_all(exc, self.name)
 
     def close(self) -> None:
         self.waiting.clear()

@@ -20,13 +20,13 @@ from typing import Any, ClassVar
 from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.p2p.message import InMessage, OutMessage, PostedRecv, cuda_specs
 from aiorl.p2p.paths.base import (
+    AckedSends,
     Destination,
     PathHost,
     PathSpec,
     PathStatistics,
     Placed,
     fail,
-    lost_error,
     resolve,
 )
 from aiorl.p2p.paths.cuda_common import (
@@ -88,8 +88,8 @@ class IpcSend:
         self.dest = dest
         self.settled = False
         self.peer_uuid: str | None = None  # the GPU the receiver uses, once asked
-        # token -> (completion, the tensors being read: kept alive until then)
-        self.waiting: dict[int, tuple[asyncio.Future[None], list[Any]]] = {}
+        # The tensors being read stay alive until the receiver's ack.
+        self.waiting = AckedSends(host.loop)
 
     @classmethod
     def create(cls, host: PathHost, dest: Destination) -> IpcSend | None:
@@ -124,20 +124,13 @@ class IpcSend:
             torch.cuda.current_stream(live[0].device).wait_event(msg.event)
         frames.append(ipc_reduce(live))
         token = self.dest.next_token()
-        fut: asyncio.Future[None] = self.host.loop.create_future()
-        self.waiting[token] = (fut, live)
+        fut, undo = self.waiting.park(token, live)
         desc = [IPC, token, self.host.endpoint.address, specs, device_uuid(live[0].device.index)]
-        return Placed(desc, fut, undo=lambda: self.waiting.pop(token, None))
+        return Placed(desc, fut, undo=undo)
 
     def on_ack(self, meta: Sequence[Any]) -> bool:
-        _, token, err = meta
-        entry = self.waiting.pop(token, None)
-        if entry is None:
+        if not self.waiting.on_ack(meta):
             return False
-        if err:
-            fail(entry[0], ProtocolError(f"the receiver could not read the payload: {err}"))
-        else:
-            resolve(entry[0], None)
         try:  # free blocks whose remote user let go
             untyped("torch.cuda").ipc_collect()
         except Exception:  # noqa: BLE001 - best effort
@@ -145,9 +138,7 @@ class IpcSend:
         return True
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
-        waiting, self.waiting = self.waiting, {}
-        for fut, _tensors in waiting.values():
-            fail(fut, lost_error(exc, f"send to {self.dest.name} did not complete"))
+        self.waiting.fail_all(exc, self.dest.name)
 
     def close(self) -> None:
         self.waiting.clear()
