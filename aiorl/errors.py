@@ -33,6 +33,8 @@ who it is (an ``--insecure`` cluster, or whoever answers a socket address).
 
 from __future__ import annotations
 
+import asyncio
+import builtins
 import traceback
 from typing import Any, TypeVar
 
@@ -67,6 +69,16 @@ class AiorlError(Exception):
 class RemoteError(AiorlError):
     """A worker method raised an exception.
 
+    Where the original type is a built-in exception (``KeyError``, ``ValueError``,
+    ``TimeoutError``, ...), the error raised here is also an instance of it, as Ray's task
+    errors are, so code written for the local case keeps working; the remote traceback is
+    kept either way::
+
+        try:
+            group.lookup("missing").wait()
+        except KeyError as exc:          # a RemoteError too
+            print(exc.rank, exc.remote_traceback)
+
     Attributes:
         worker_name: the address of the worker that raised, e.g. ``"rollout:3"``.
         rank: the worker's rank in its group.
@@ -100,17 +112,10 @@ class RemoteError(AiorlError):
         )
 
     def __reduce__(self) -> tuple[Any, ...]:  # keep every field when the error itself crosses a process boundary
-        return (
-            type(self),
-            (
-                self.worker_name,
-                self.rank,
-                self.exc_type,
-                self.message,
-                self.remote_traceback,
-                None,
-            ),
-        )
+        fields = (self.worker_name, self.rank, self.exc_type, self.message, self.remote_traceback)
+        if type(self).__qualname__.startswith("RemoteError("):  # derived: rebuilt from the type name
+            return (remote_error, fields)
+        return (type(self), (*fields, None))
 
 
 class WorkerInitError(RemoteError):
@@ -172,12 +177,12 @@ class PlacementError(AiorlError, ValueError):
     """An invalid placement string, node group or strategy."""
 
 
-class QueueFull(AiorlError):
-    """``put_nowait`` found the channel queue full."""
+class QueueFull(AiorlError, asyncio.QueueFull):
+    """``put_nowait`` found the channel queue full (also an :class:`asyncio.QueueFull`)."""
 
 
-class QueueEmpty(AiorlError):
-    """``get_nowait`` found the channel queue empty."""
+class QueueEmpty(AiorlError, asyncio.QueueEmpty):
+    """``get_nowait`` found the channel queue empty (also an :class:`asyncio.QueueEmpty`)."""
 
 
 class RegistryUnavailable(AiorlError):
@@ -236,16 +241,52 @@ def from_wire(meta: Any) -> BaseException:
     cls = _WIRE_CLASSES.get(name) if isinstance(name, str) else None
     message = _text(meta.get("message"))
     if cls is None or issubclass(cls, RemoteError):
-        remote_cls = cls if cls is not None else RemoteError
         rank = meta.get("rank")
-        return remote_cls(
-            _text(meta.get("worker", "?")),
-            rank if isinstance(rank, int) else -1,
-            _text(meta.get("type", name)),
-            message,
-            _text(meta.get("traceback")),
-        )
+        fields = (_text(meta.get("worker", "?")), rank if isinstance(rank, int) else -1,
+                  _text(meta.get("type", name)), message, _text(meta.get("traceback")))
+        return remote_error(*fields) if cls in (None, RemoteError) else cls(*fields)
     return cls(message)
+
+
+#: "builtins.KeyError" -> the RemoteError subclass that also derives from KeyError.
+_BUILTIN_REMOTE_CLASSES: dict[str, type[RemoteError]] = {}
+
+
+def remote_error(worker_name: str, rank: int, exc_type: str, message: str,
+                 remote_traceback: str) -> RemoteError:
+    """A :class:`RemoteError` for a remote exception of type ``exc_type`` (a qualified name).
+
+    For a built-in exception type (``"builtins.KeyError"``) the error is an instance of a
+    subclass of both ``RemoteError`` and that type, made once per type and cached, so that
+    ``except KeyError`` catches it. Only built-ins are looked up (by name, in the
+    ``builtins`` module): nothing the sender names is imported. A type whose instance
+    layout or constructor cannot be combined with ``RemoteError`` (``UnicodeDecodeError``,
+    which checks its arguments) gives a plain ``RemoteError``; so do ``StopIteration`` and
+    ``StopAsyncIteration``, which would change control flow where they are raised.
+
+    Example::
+
+        err = remote_error("rollout:3", 3, "builtins.KeyError", "'x'", "Traceback ...")
+        assert isinstance(err, KeyError) and isinstance(err, RemoteError)
+    """
+    fields = (worker_name, rank, exc_type, message, remote_traceback)
+    cls = _BUILTIN_REMOTE_CLASSES.get(exc_type)
+    if cls is None:
+        cls = RemoteError
+        module, _, name = exc_type.rpartition(".")
+        base = getattr(builtins, name, None) if module == "builtins" else None
+        if isinstance(base, type) and issubclass(base, Exception) and not issubclass(
+                base, (AiorlError, StopIteration, StopAsyncIteration)):  # those change control flow
+            try:
+                derived = type(f"RemoteError({name})", (RemoteError, base),
+                               {"__module__": __name__, "__qualname__": f"RemoteError({name})"})
+                derived(*fields)  # some built-ins check their arguments (UnicodeDecodeError)
+                cls = derived
+            except TypeError:  # an instance layout or constructor that cannot be combined
+                pass
+        if len(_BUILTIN_REMOTE_CLASSES) < 256:  # built-ins are finite; bound it anyway
+            _BUILTIN_REMOTE_CLASSES[exc_type] = cls
+    return cls(*fields)
 
 
 def _text(value: Any) -> str:

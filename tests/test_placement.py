@@ -561,9 +561,10 @@ def test_packed_invalid(args, kwargs, spec, fragment) -> None:
 
 
 def test_flexible() -> None:
-    placements = FlexiblePlacementStrategy([[0, 1], [9, 8], [15]]).get_placement(SPECS["2x8"])
-    assert layout(placements) == [(0, [0, 1]), (1, [1, 0]), (1, [7])]
-    assert placements[1].visible_accelerators == ["1", "0"]  # order as given
+    placements = FlexiblePlacementStrategy([[15], [0, 1], [9, 8]]).get_placement(SPECS["2x8"])
+    # RLinf's order: each list sorted, processes ordered by their first resource rank.
+    assert layout(placements) == [(0, [0, 1]), (1, [0, 1]), (1, [7])]
+    assert placements[1].visible_accelerators == ["0", "1"]
     assert [p.local_rank for p in placements] == [0, 0, 1]
 
 
@@ -591,7 +592,8 @@ def test_node_strategy() -> None:
     assert [(p.local_rank, p.local_world_size) for p in placements] == [(0, 2), (1, 2), (0, 1)]
     assert all(p.visible_accelerators == [] and p.hardware_type == "node" for p in placements)
     assert {p.node_group_label for p in placements} == {"node"}
-    on_group = NodePlacementStrategy([2, 1], node_group="robots").get_placement(SPECS["groups"])
+    # With a node group, entries index the group's nodes (RLinf): robots = nodes 1-2.
+    on_group = NodePlacementStrategy([1, 0], node_group="robots").get_placement(SPECS["groups"])
     assert [(p.node_rank, p.node_group_label) for p in on_group] == [(2, "robots"), (1, "robots")]
 
 
@@ -599,10 +601,10 @@ def test_node_strategy() -> None:
     ("nodes", "group", "fragment"),
     [
         ([4], None, "node rank 4 is out of range"),
-        ([0], "robots", "node 0 is not in node group 'robots'"),
+        ([2], "robots", "node rank 2 is out of range; node group(s) 'robots' have 2 node(s)"),
         ([], None, "node_ranks is empty"),
         ([-1], None, "must be an integer >= 0"),
-        ([0], "a,b", "takes one node group"),
+        ([0], "a,a_overlap", "both contain node 0"),
     ],
 )
 def test_node_strategy_invalid(nodes, group, fragment) -> None:

@@ -17,7 +17,7 @@ from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.p2p import P2PEngine, get_p2p
 
 if TYPE_CHECKING:
-    from aiorl.group import WorkerGroupBuilder
+    from aiorl.group import WorkerGroup, WorkerGroupBuilder
     from aiorl.runtime.runtime import Runtime
     from aiorl.runtime.work import AsyncWork
 
@@ -41,6 +41,25 @@ _context: WorkerContext | None = None
 def _set_context(ctx: WorkerContext | None) -> None:
     global _context
     _context = ctx
+
+
+class _AnyPublicMethod(type):
+    """Metaclass of ``_AnyWorker``: every public attribute is a method."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def remote_method(*args: Any, **kwargs: Any) -> Any:
+            raise TypeError(f"{name} runs in the worker; call it through a WorkerGroup")
+
+        remote_method.__name__ = remote_method.__qualname__ = name
+        return remote_method
+
+
+class _AnyWorker(metaclass=_AnyPublicMethod):
+    """Stands for a group's worker class where the caller does not have it
+    (:meth:`Worker.group` without ``worker_cls``): any public method name is sent."""
 
 
 class Worker:
@@ -166,3 +185,48 @@ class Worker:
         from aiorl.group import WorkerGroupBuilder
 
         return WorkerGroupBuilder(cls, args, kwargs, base=Worker)
+
+    def group(self, name: str, worker_cls: type | None = None) -> WorkerGroup[Any]:
+        """A handle on another running group, to call its workers from this one.
+
+        Call it from ``__init__`` or a plain method (it waits for the registry); from an
+        ``async def`` method use ``await self.async_group(name)``. Handles are cached per
+        name. ``worker_cls`` checks method names here; without it any public name is
+        sent, and a misspelt one fails in the worker with ``AttributeError``.
+
+        Example::
+
+            class Rollout(aiorl.Worker):
+                def __init__(self):
+                    super().__init__()
+                    self.reward = self.group("reward")
+
+                async def step(self, batch):
+                    scores = await self.reward.execute_on(self.rank % 2).score(batch)
+                    return scores[0]
+
+        Raises:
+            GroupNotFoundError: no live group has this name (a ``LookupError``).
+            RuntimeError: called on the worker's event loop (use :meth:`async_group`).
+        """
+        runtime = self._runtime
+        if runtime.on_loop_thread():
+            raise RuntimeError(
+                f"self.group({name!r}) waits for the registry and cannot run on the worker's "
+                f"event loop (an async def method): use `await self.async_group({name!r})`, "
+                "or take the handle in __init__")
+        return runtime.run_sync(self.async_group(name, worker_cls), timeout=30)
+
+    async def async_group(self, name: str, worker_cls: type | None = None) -> WorkerGroup[Any]:
+        """:meth:`group` for ``async def`` methods: ``await self.async_group("reward")``."""
+        from aiorl.group import WorkerGroup
+        from aiorl.runtime.session import WorkerSession
+
+        cache: dict[str, WorkerGroup[Any]] = self.__dict__.setdefault("_aiorl_groups", {})
+        handle = cache.get(name)
+        if handle is None or handle._core.closed:
+            handle = await WorkerGroup.from_group_name_async(
+                WorkerSession.current(), worker_cls or _AnyWorker, name)
+            cache[name] = handle
+        return handle
+

@@ -51,14 +51,19 @@ import asyncio
 import collections
 import functools
 import logging
+import os
+import pickle
+import reprlib
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Generator, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Generator, Hashable, Sequence
+from typing import Any, Literal, NamedTuple, overload
+
+import msgpack
 
 from aiorl.channels import _protocol as P
-from aiorl.channels._queue import QueueStats
-from aiorl.channels._server import ChannelHost, group_name_for
+from aiorl.channels._queue import QueuedItem, QueueStats
+from aiorl.channels._server import ChannelHost, QueueKey, group_name_for
 from aiorl.errors import (
     GroupExistsError,
     GroupNotFoundError,
@@ -69,7 +74,7 @@ from aiorl.errors import (
     RemoteError,
     WorkerInitError,
 )
-from aiorl.group import WorkerGroupBuilder
+from aiorl.group import WorkerGroup, WorkerGroupBuilder
 from aiorl.names import WorkerInfo
 from aiorl.placement import NodePlacementStrategy
 from aiorl.protocol.ops import WorkerState
@@ -78,19 +83,31 @@ from aiorl.runtime.promise import link_threads, prepare_threads, reject, resolve
 from aiorl.transport import serialization
 from aiorl.util.tokens import TokenTable
 
-__all__ = ["Channel", "connect_channel_from_worker", "create_channel_from_worker"]
+__all__ = [
+    "DEFAULT_KEY",
+    "Channel",
+    "ReplicaStatistics",
+    "connect_channel_from_worker",
+    "create_channel_from_worker",
+]
 
 log = logging.getLogger("aiorl.channels")
 
 #: How long connecting waits for a channel to exist and be ready, by default.
 DEFAULT_CONNECT_TIMEOUT = 60.0
+#: The queue of operations that name no key (RLinf's is ``"default_queue"``).
+DEFAULT_KEY = "default"
+#: How many items of each queue ``str(channel)`` shows.
+STR_ITEMS_PER_QUEUE = 8
+#: How long ``str(channel)`` waits for the channel to answer.
+STR_TIMEOUT = 10.0
 
 _PARKABLE = frozenset((P.PUT, P.GET, P.GET_BATCH))  # kinds the channel worker may hold back
 #: Client-side only, never on the wire: a user's ``get``, served by its queue's _GetStream.
 _USER_GET = -1
 #: Operations that must see the items this process prefetched back in their queue first
 #: (``STATS`` too, for every queue of the channel).
-_SEES_PREFETCH = frozenset((P.GET_NOWAIT, P.GET_BATCH, P.INFO))
+_SEES_PREFETCH = frozenset((P.GET_NOWAIT, P.GET_BATCH, P.INFO, P.PEEK))
 #: Puts that complete at once while their queue's credits last (see _protocol, Credits).
 _CREDITED = frozenset((P.PUT, P.PUT_NOWAIT))
 
@@ -111,12 +128,12 @@ class _Op(asyncio.Future):  # type: ignore[type-arg]
     __slots__ = ("core", "state", "kind", "queue", "number", "payload", "frames", "token",
                  "address", "stream")
 
-    def __init__(self, core: _ClientCore, state: _ChannelState, kind: int, queue: str,
+    def __init__(self, core: _ClientCore, state: _ChannelState, kind: int, queue: QueueKey,
                  number: Any, payload: Any, frames: Sequence[Any],
                  stream: _GetStream | None = None) -> None:
         super().__init__(loop=core.loop)
         self.core = core
-        self.state = state
+        self.state = state  # replica 0's until a routed operation knows its replica
         self.kind = kind
         self.queue = queue
         self.number = number
@@ -171,7 +188,7 @@ class _GetStream:
     __slots__ = ("state", "queue", "waiting", "ready", "demand", "requested", "requested_total",
                  "settling", "depth", "last_get", "held", "timer")
 
-    def __init__(self, state: _ChannelState, queue: str) -> None:
+    def __init__(self, state: _ChannelState, queue: QueueKey) -> None:
         self.state = state
         self.queue = queue
         self.waiting: collections.deque[_Op] = collections.deque()  # user gets, in call order
@@ -197,20 +214,36 @@ class _GetStream:
 
 
 class _ChannelState:
-    """What one process knows about one channel, shared by all its handles to it."""
+    """What one process knows about one channel worker (a plain channel's, or one replica
+    of a distributed channel), shared by all its handles to that channel.
 
-    def __init__(self, name: str) -> None:
+    Replica 0's state (every channel has one) also holds what this process knows about
+    the channel as a whole: how many replicas it has and which replica holds which key.
+    """
+
+    def __init__(self, name: str, rank: int = 0) -> None:
         self.name = name
         self.group = group_name_for(name)
+        self.rank = rank
+        self.worker = f"{self.group}:{rank}"
         self.address: str | None = None  # the channel worker's endpoint, once resolved
+        self.node_rank: int | None = None  # the channel worker's node, once resolved
         self.backlog: list[_Op] = []  # operations issued before the address was known
         self.task: asyncio.Task[str] | None = None  # the resolution whose outcome counts
         self.ready_waiters: list[AsyncChannelWork[Any]] = []
-        self.credits: dict[str, int] = {}  # queue -> puts that may complete at once
+        self.credits: dict[QueueKey, int] = {}  # queue -> puts that may complete at once
         self.unconfirmed = 0  # credited puts sent and not yet reported admitted
         #: The error of a pipelined (credited) put, raised by the next operation.
         self.failure: BaseException | None = None
-        self.streams: dict[str, _GetStream] = {}
+        self.streams: dict[QueueKey, _GetStream] = {}
+        # ---- replica 0 only: the channel as a whole (see _ClientCore.submit_routed)
+        #: replicas of the channel, learnt when replica 0 is resolved (None: not yet)
+        self.world_size: int | None = None
+        self.replicas: list[_ChannelState] = [self]
+        self.key_ranks: dict[QueueKey, int] = {}  # the routing cache: key -> replica rank
+        #: operations on keys whose replica is not known yet, in call order per key
+        self.unrouted: dict[QueueKey, list[_Op]] = {}
+        self.routing: dict[QueueKey, _Op] = {}  # ROUTE requests in flight, per key
 
 
 def encode_item(item: Any) -> tuple[Any, list[Any]]:
@@ -233,6 +266,73 @@ def decode_item(payload: Any, frames: Sequence[Any]) -> Any:
     return serialization.decode(payload)
 
 
+def _received(info: Any, frames: list[Any], pos: int) -> tuple[list[Received], int]:
+    """The items of an ``ITEMS``/``PEEKED`` answer, and the position of the next frame."""
+    items: list[Received] = []
+    for payload, weight, seq in info:
+        if payload.__class__ is int:
+            items.append((payload, (weight, seq), frames[pos:pos + payload]))
+            pos += payload
+        else:
+            items.append((payload, (weight, seq), ()))
+    return items, pos
+
+
+#: msgpack extension type of a key that msgpack cannot hold itself: its pickle.
+_PICKLED_KEY = 1
+
+
+def _pickled_key(obj: Any) -> msgpack.ExtType:
+    return msgpack.ExtType(_PICKLED_KEY, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _unpickled_key(code: int, data: bytes) -> Any:
+    if code != _PICKLED_KEY:
+        raise ValueError(f"unknown channel key extension type {code}")
+    return pickle.loads(data)
+
+
+def wire_key(key: Hashable) -> QueueKey:
+    """A queue key as it travels and is stored at the channel worker.
+
+    A ``str`` stays as it is (the common case, and free). Any other hashable key
+    becomes bytes: its msgpack form, with tuples as arrays and objects msgpack
+    cannot hold (enums, frozen dataclasses, ...) as their pickle. Equal keys
+    built from ``str``, ``int``, ``float``, ``bool``, ``None``, ``bytes`` and
+    tuples of them therefore name one queue in every process; unlike a ``dict``,
+    ``1``, ``1.0`` and ``True`` are three keys, and other objects are compared by
+    their pickle.
+    """
+    if key.__class__ is str:
+        return key  # type: ignore[return-value]
+    if isinstance(key, str):
+        return str(key)
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(f"a channel key must be hashable, got {type(key).__name__}") from None
+    return msgpack.packb(key, default=_pickled_key)  # type: ignore[no-any-return]
+
+
+def key_from_wire(key: QueueKey) -> Any:
+    """The key :func:`wire_key` made ``key`` from."""
+    if key.__class__ is str:
+        return key
+    return msgpack.unpackb(key, use_list=False, ext_hook=_unpickled_key)
+
+
+def _process_node_rank() -> int:
+    """The node this process runs on, which a distributed channel assigns new keys by:
+    a worker's is the ``NODE_RANK`` its group launched it with; the driver counts as
+    node 0, as in RLinf."""
+    if "AIORL_WORKER_NAME" not in os.environ:
+        return 0
+    try:
+        return int(os.environ.get("NODE_RANK", "0"))
+    except ValueError:
+        return 0
+
+
 class _ClientCore:
     """The per-process engine behind every :class:`Channel` handle (one per runtime)."""
 
@@ -240,7 +340,9 @@ class _ClientCore:
         self.runtime = runtime
         self.loop = runtime.loop
         self.endpoint = runtime.endpoint
-        self._states: dict[str, _ChannelState] = {}
+        self._states: dict[tuple[str, int], _ChannelState] = {}
+        #: this process's node, which a distributed channel assigns new keys by
+        self.node_rank = _process_node_rank()
         self._states_lock = threading.Lock()
         self._by_address: dict[str, _ChannelState] = {}
         self._pending: TokenTable[_Op] = TokenTable()
@@ -256,15 +358,16 @@ class _ClientCore:
         self.endpoint.on_event(P.DONE, self._on_done)
         self.endpoint.on_peer_lost(self._on_lost)
 
-    def state(self, name: str) -> _ChannelState:
+    def state(self, name: str, rank: int = 0) -> _ChannelState:
+        """This process's state of replica ``rank`` of channel ``name`` (0: the channel)."""
         with self._states_lock:
-            st = self._states.get(name)
+            st = self._states.get((name, rank))
             if st is None:
-                st = self._states[name] = _ChannelState(name)
+                st = self._states[name, rank] = _ChannelState(name, rank)
             return st
 
     # ------------------------------------------------------------------ any thread
-    def submit(self, state: _ChannelState, kind: int, queue: str, number: Any, payload: Any = 0,
+    def submit(self, state: _ChannelState, kind: int, queue: QueueKey, number: Any, payload: Any = 0,
                frames: Sequence[Any] = ()) -> AsyncChannelWork[Any]:
         on_loop = self.runtime.on_loop_thread()
         if on_loop and state.failure is None:  # the fast paths: no _Op, nothing to await
@@ -285,7 +388,114 @@ class _ClientCore:
             self.runtime.submit(self._accept_from_thread, op, work)
         return work
 
+    def submit_routed(self, st: _ChannelState, kind: int, key: QueueKey, number: Any,
+                      payload: Any = 0, frames: Sequence[Any] = ()) -> AsyncChannelWork[Any]:
+        """:meth:`submit` an operation on ``key`` of channel ``st`` (replica 0's state)
+        whose replica this process does not know yet: the channel is not resolved, or
+        it is distributed and ``key`` is new here. The operation waits, in call order
+        with the others on ``key``, until the replica is known (:meth:`_route`)."""
+        op = _Op(self, st, kind, key, number, payload, frames)
+        work: AsyncChannelWork[Any] = AsyncChannelWork(self.loop, op)
+        if self.runtime.on_loop_thread():
+            self._route(op)
+        else:
+            prepare_threads(work)
+            self.runtime.submit(self._route_from_thread, op, work)
+        return work
+
+    def fan_out(self, st: _ChannelState, kind: int) -> AsyncChannelWork[list[Any]]:
+        """``kind`` (``STATS`` or ``FLUSH``) sent to every replica of channel ``st``, once the
+        channel is resolved and the routes this process asked for are known (so it comes
+        after every earlier operation); the work gives the answers in replica order."""
+        work: AsyncChannelWork[list[Any]] = AsyncChannelWork(self.loop)
+
+        async def run() -> list[Any]:
+            await self.ready(st)
+            while st.routing:  # operations waiting for their route go out first
+                await asyncio.gather(*st.routing.values(), return_exceptions=True)
+            works = [self.submit(replica, kind, "", 0) for replica in st.replicas]
+            return [await w for w in works]
+
+        def start() -> None:
+            task = self.loop.create_task(run())
+            task.add_done_callback(lambda t: settle_from(work, t))
+
+        self.runtime.submit(start)
+        return work
+
     # ------------------------------------------------------------------ loop thread
+    def _route_from_thread(self, op: _Op, work: AsyncChannelWork[Any]) -> None:
+        link_threads(work)
+        self._route(op)
+
+    def _route(self, op: _Op) -> None:
+        """Accept ``op`` at the replica that holds its key, or keep it until that is known."""
+        if op.done():  # cancelled before it could leave
+            return
+        st = op.state
+        rank = 0 if st.world_size == 1 else st.key_ranks.get(op.queue)
+        if rank is not None:
+            op.state = st.replicas[rank]
+            self._accept(op)
+            return
+        waiting = st.unrouted.get(op.queue)
+        if waiting is None:
+            waiting = st.unrouted[op.queue] = []
+        waiting.append(op)
+        if st.world_size is None:
+            self._ensure_resolving(st)  # _resolved routes what waits here
+        elif op.queue not in st.routing:
+            self._ask_route(st, op.queue)
+
+    def _ask_route(self, st: _ChannelState, key: QueueKey) -> None:
+        """Ask replica 0, the one authority, which replica holds ``key`` (assigning it)."""
+        ask = _Op(self, st, P.ROUTE, key, self.node_rank, 0, ())
+        st.routing[key] = ask
+        ask.add_done_callback(functools.partial(self._route_failed, st, key))
+        self._issue(ask)
+
+    def _routed(self, ask: _Op, rank: int) -> None:
+        """The answer to a ``ROUTE``: cache it and send what waited for it, in order."""
+        st, key = ask.state, ask.queue
+        if st.routing.get(key) is ask:
+            del st.routing[key]
+        if not 0 <= rank < len(st.replicas):
+            ask.set_exception(RemoteError(st.worker, 0, "ChannelError",
+                                          f"key routed to replica {rank} of {len(st.replicas)}",
+                                          ""))
+            return
+        st.key_ranks[key] = rank
+        replica = st.replicas[rank]
+        for op in st.unrouted.pop(key, ()):
+            if not op.done():
+                op.state = replica
+                self._accept(op)
+        ask.set_result(rank)
+
+    def _route_failed(self, st: _ChannelState, key: QueueKey, ask: _Op) -> None:
+        if ask.cancelled() or ask.exception() is None:
+            return
+        if st.routing.get(key) is ask:
+            del st.routing[key]
+        exc = ask.exception()
+        assert exc is not None
+        for op in st.unrouted.pop(key, ()):
+            if not op.done():
+                op.set_exception(exc)
+
+    def _route_waiting(self, st: _ChannelState) -> None:
+        """Replica 0 was just resolved: route the operations that waited for it."""
+        if st.world_size != 1:
+            for key in st.unrouted:
+                if key not in st.routing:
+                    self._ask_route(st, key)
+            return
+        waiting, st.unrouted = st.unrouted, {}
+        for ops in waiting.values():
+            for op in ops:
+                if not op.done():
+                    self._accept(op)
+
     def _accept_from_thread(self, op: _Op, work: AsyncChannelWork[Any]) -> None:
         link_threads(work)  # link the thread-side mirror now: wait() then needs no extra hop
         self._accept(op)
@@ -316,7 +526,7 @@ class _ClientCore:
             return
         self._issue(op)
 
-    def _put_credited(self, st: _ChannelState, queue: str, weight: float, payload: Any,
+    def _put_credited(self, st: _ChannelState, queue: QueueKey, weight: float, payload: Any,
                       frames: Sequence[Any]) -> bool:
         """Send a put with a credit, complete already; False without a credit.
 
@@ -427,13 +637,7 @@ class _ClientCore:
         for token, status, info in meta:
             op = pending.pop(token)
             if status == P.ITEMS:
-                items: list[Received] = []
-                for payload, weight, seq in info:
-                    if payload.__class__ is int:
-                        items.append((payload, (weight, seq), frames[pos:pos + payload]))
-                        pos += payload
-                    else:
-                        items.append((payload, (weight, seq), ()))
+                items, pos = _received(info, frames, pos)
                 if op is None or op.done():
                     self._refused(peer, op, token, items)  # before held operations go out
                     if op is not None and op.stream is not None:
@@ -456,12 +660,21 @@ class _ClientCore:
             if status == P.CREDIT:
                 self._on_credit(peer, info)
                 continue
+            if status == P.PEEKED:
+                items, pos = _received(info, frames, pos)
+                if op is not None and not op.done():
+                    try:
+                        op.set_result([QueuedItem(decode_item(p, f), weight)
+                                       for p, (weight, _), f in items])
+                    except BaseException as exc:  # noqa: BLE001 - the caller learns why
+                        op.set_exception(exc)
+                continue
             if op is None:
                 if status == P.ERROR:  # a pipelined put the channel worker refused
                     st = self._by_address.get(peer)
                     if st is not None:
                         self._pipelined_failed(st, RemoteError(
-                            f"{st.group}:0", 0, "ChannelError", str(info), ""))
+                            st.worker, st.rank, "ChannelError", str(info), ""))
                 continue
             if op.done():
                 if op.stream is not None:  # CANCELLED: a withdrawn slot
@@ -472,10 +685,12 @@ class _ClientCore:
             elif status == P.OK:
                 if op.kind == P.STATS:
                     op.set_result({
-                        q: QueueStats(int(v[0]), float(v[1]), int(v[2]), int(v[3]), int(v[4]),
-                                      int(v[5]))
+                        key_from_wire(q): QueueStats(int(v[0]), float(v[1]), int(v[2]),
+                                                     int(v[3]), int(v[4]), int(v[5]))
                         for q, v in info.items()
                     })
+                elif op.kind == P.ROUTE:
+                    self._routed(op, int(info))
                 elif op.kind == P.INFO:
                     op.set_result((int(info[0]), int(info[1])))
                 else:
@@ -488,7 +703,7 @@ class _ClientCore:
                     f"queue {op.queue!r} of channel {op.state.name!r} is empty"))
             else:
                 op.set_exception(RemoteError(
-                    f"{op.state.group}:0", 0, "ChannelError", str(info), ""))
+                    op.state.worker, op.state.rank, "ChannelError", str(info), ""))
 
     def _on_credit(self, peer: str, info: Any) -> None:
         st = self._by_address.get(peer)
@@ -508,7 +723,7 @@ class _ClientCore:
         if items and not self.endpoint.is_lost(peer):
             self._unget(peer, op.state, op.queue, items)
 
-    def _unget(self, address: str, st: _ChannelState, queue: str, items: Sequence[Received]) -> None:
+    def _unget(self, address: str, st: _ChannelState, queue: QueueKey, items: Sequence[Received]) -> None:
         frames = [f for _, _, fs in items for f in fs]
         self._enqueue(address, _Op(self, st, P.UNGET, queue, [place for _, place, _ in items],
                                    [p for p, _, _ in items], frames))
@@ -523,19 +738,19 @@ class _ClientCore:
             st.credits.clear()
             if st.unconfirmed > 0:
                 self._pipelined_failed(st, PeerLostError(
-                    f"channel {st.name!r} is gone (its worker {st.group}:0 was lost) with "
+                    f"channel {st.name!r} is gone (its worker {st.worker} was lost) with "
                     f"{st.unconfirmed} pipelined put(s) not yet in their queue: {exc}"))
             st.unconfirmed = 0
             for stream in st.streams.values():  # prefetched items were lost with it
                 self._stream_failed(stream, PeerLostError(
-                    f"channel {st.name!r} is gone (its worker {st.group}:0 was lost): {exc}"))
+                    f"channel {st.name!r} is gone (its worker {st.worker} was lost): {exc}"))
         for op in [op for op in self._pending.values() if op.address == address]:  # oldest first
             self._fail(op, PeerLostError(
-                f"channel {op.state.name!r} is gone (its worker {op.state.group}:0 was lost): "
+                f"channel {op.state.name!r} is gone (its worker {op.state.worker} was lost): "
                 f"{exc}"))
 
     # ------------------------------------------------------------------ gets (loop thread)
-    def _stream(self, st: _ChannelState, queue: str) -> _GetStream:
+    def _stream(self, st: _ChannelState, queue: QueueKey) -> _GetStream:
         stream = st.streams.get(queue)
         if stream is None:
             stream = st.streams[queue] = _GetStream(st, queue)
@@ -633,7 +848,7 @@ class _ClientCore:
             stream.requested_total -= stream.requested.pop(slot)
         if stream.waiting:
             stream.waiting.popleft().set_exception(RemoteError(
-                f"{stream.state.group}:0", 0, "ChannelError", str(info), ""))
+                stream.state.worker, stream.state.rank, "ChannelError", str(info), ""))
         self._settled(stream)
 
     def _slot_withdrawn(self, stream: _GetStream) -> None:
@@ -773,7 +988,7 @@ class _ClientCore:
         return work
 
     async def _connect(self, st: _ChannelState, timeout: float, launched: bool = False) -> str:
-        name = f"{st.group}:0"
+        name = st.worker
         try:
             # Also makes this runtime watch the channel worker: when it dies, the endpoint
             # marks it lost and _on_lost fails what waits on it.

@@ -27,8 +27,14 @@ turn per client (split when the inline bytes grow large)::
 
 ``info`` is, for status ``ITEMS`` (the answer to a get), one ``[payload, weight,
 seq]`` triple per item (one for ``GET``/``GET_NOWAIT``, several for ``GET_BATCH``),
-with ``payload`` as above and ``seq`` the item's place in its queue; for ``STATS`` a map queue name -> counters; for ``INFO``
-``[qsize, maxsize]``; for ``ERROR`` the message.
+with ``payload`` as above and ``seq`` the item's place in its queue (``PEEKED`` likewise); for ``STATS`` a map queue
+name -> counters; for ``INFO`` ``[qsize, maxsize]``; for ``ROUTE`` a replica rank; for
+``ERROR`` the message.
+
+Queue names (*keys*) travel as ``str`` when they are strings, the common case, and
+otherwise as bytes: the key's msgpack form (tuples as arrays, other objects as
+their pickle in an extension type), so equal keys of the plain types meet in one
+queue; see :func:`aiorl.channels._client.wire_key`.
 
 Every parked operation is answered exactly once: with its result, or with
 ``CANCELLED`` after a ``CANCEL`` found it still parked. A ``CANCEL`` that finds
@@ -77,6 +83,12 @@ FLUSH = 10  #: answered once every earlier credited put of this client is in its
 #: up to ``number`` items already queued, at once (never waits); answered ``ITEMS``,
 #: possibly none
 PREFETCH = 11
+#: which replica of a distributed channel holds key ``queue_name`` (sent to replica 0,
+#: the one authority, which assigns a new key to the replica on node ``number``, the
+#: asking process's node, falling back to replica 0); answered ``OK`` with the rank
+ROUTE = 12
+#: up to ``number`` queued items (all if negative) copied, not taken; answered ``PEEKED``
+PEEK = 13
 
 # answer statuses
 OK = 0
@@ -86,6 +98,7 @@ CANCELLED = 3
 ERROR = 4
 ITEMS = 5  #: a successful get; its own status so frames can be skipped without knowing the op
 CREDIT = 6  #: a credit grant (token 0): ``[queue_name, granted, admitted]``
+PEEKED = 7  #: the answer to ``PEEK``: items as for ``ITEMS``, still queued (never re-queued)
 
 #: Pickles up to this size travel inline in the message header instead of as a frame.
 INLINE_MAX = 32 * 1024

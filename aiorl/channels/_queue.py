@@ -34,7 +34,7 @@ from typing import Generic, NamedTuple, TypeVar
 
 from aiorl.errors import QueueEmpty, QueueFull
 
-__all__ = ["Done", "QueueStats", "WeightedQueue"]
+__all__ = ["Done", "QueueStats", "QueuedItem", "WeightedQueue"]
 
 T = TypeVar("T")
 
@@ -73,6 +73,17 @@ class QueueStats:
     waiting_putters: int
     waiting_getters: int
     reserved: int
+
+
+class QueuedItem(NamedTuple):
+    """One item as ``Channel.peek_all`` shows it: still queued, not taken.
+
+    The attribute names are those of RLinf's ``WeightedItem``, so code that reads
+    ``entry.item`` / ``entry.weight`` from a peek keeps working.
+    """
+
+    item: object
+    weight: float
 
 
 @dataclass
@@ -134,6 +145,16 @@ class WeightedQueue(Generic[T]):
             waiting_getters=len(self._getters),
             reserved=sum(len(g.reserved) for g in self._getters),
         )
+
+    def peek(self, limit: int = -1) -> list[Entry]:
+        """The first ``limit`` queued entries (all when ``limit`` is negative), left in place.
+
+        Items reserved by a waiting batch getter are not shown: like :meth:`qsize`,
+        a peek shows what a new getter could still take.
+        """
+        if limit < 0 or limit >= len(self._items):
+            return list(self._items)
+        return [self._items[i] for i in range(limit)]
 
     def is_idle(self) -> bool:
         """True when the queue holds nothing and nobody waits on it (it may be dropped)."""

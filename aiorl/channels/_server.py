@@ -1,7 +1,8 @@
 """The channel host: the worker process that holds one channel's queues.
 
-A channel is served by a one-rank worker group named ``channel.<name>``
-(:func:`group_name_for`) whose instance is a :class:`ChannelHost`: a plain
+A channel is served by a worker group named ``channel.<name>``
+(:func:`group_name_for`), one rank for a plain channel and one per node for a
+distributed one, whose instances are each a :class:`ChannelHost`: a plain
 class (not an :class:`aiorl.Worker`, which lives in a layer above channels)
 that registers the channel operations on the process's endpoint, so items go
 straight from a producer's endpoint to this process and from here to a
@@ -14,6 +15,13 @@ All state lives on the worker's event loop; the queue rules themselves are in
 :mod:`aiorl.channels._queue`. Besides answering operations, the server grants
 producers *credits* (room it promises to accept) so that their puts complete
 without a round trip each; see :class:`ChannelServer`.
+
+Distributed channels
+    Every replica serves the queues of the keys assigned to it exactly as a plain
+    channel does; the replicas never talk to each other. Replica 0 alone assigns
+    keys (``ROUTE``): the first process to use a key gets the replica on its own
+    node, and every later process is told the same, because one event loop
+    decides each first assignment in turn.
 """
 
 # HOT PATH: _on_ops, _dispatch, _deliver and _flush run per item.
@@ -21,6 +29,7 @@ without a round trip each; see :class:`ChannelServer`.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, cast
 
 from aiorl.channels import _protocol as P
@@ -40,7 +49,9 @@ GROUP_PREFIX = "channel."
 #: One stored item: its pickle as bytes (sent inline) or the tuple of its frames.
 Item = Any
 Waiter = tuple[bytes, int]  # (client routing identity, client token)
-CreditKey = tuple[bytes, str]  # (client routing identity, queue name)
+#: A queue's key as it travels: a str key as is, any other key as bytes (see _protocol).
+QueueKey = str | bytes
+CreditKey = tuple[bytes, QueueKey]  # (client routing identity, queue key)
 
 
 def group_name_for(channel_name: str) -> str:
@@ -62,7 +73,7 @@ class _Chunk:
         self.frames: list[Any] = []
         self.inline = 0  # bytes of items inline in meta (the header is capped at 1 MiB)
         # Items in this message, so they can be re-queued if the client is gone.
-        self.handed_out: list[tuple[str, list[Entry]]] = []
+        self.handed_out: list[tuple[QueueKey, list[Entry]]] = []
 
 
 class ChannelServer:
@@ -79,17 +90,23 @@ class ChannelServer:
     its producer goes away, since the producer already counted it as accepted.
     """
 
-    def __init__(self, endpoint: Endpoint, name: str, maxsize: int = 0) -> None:
+    def __init__(self, endpoint: Endpoint, name: str, maxsize: int = 0,
+                  replica_nodes: list[int] | None = None, rank: int = 0) -> None:
         self.endpoint = endpoint
         self.name = name
         self.maxsize = max(0, int(maxsize))
-        self.queues: dict[str, WeightedQueue[Item]] = {}
-        self._parked: dict[Waiter, str] = {}  # waiting put/get -> its queue (for CANCEL)
+        self.rank = rank
+        #: node rank of each replica, in replica order (one entry for a plain channel)
+        self.replica_nodes = list(replica_nodes) if replica_nodes else [0]
+        #: key -> replica rank: the assignments this replica decided (replica 0 only)
+        self.routes: dict[QueueKey, int] = {}
+        self.queues: dict[QueueKey, WeightedQueue[Item]] = {}
+        self._parked: dict[Waiter, QueueKey] = {}  # waiting put/get -> its queue (for CANCEL)
         self._out: dict[bytes, list[_Chunk]] = {}
         self._flush_scheduled = False
         # Credits (see the class docstring).
         self._credits: dict[CreditKey, int] = {}  # granted and not yet used
-        self._credits_in_queue: dict[str, int] = {}  # the same, summed per queue
+        self._credits_in_queue: dict[QueueKey, int] = {}  # the same, summed per queue
         self._credited: set[Waiter] = set()  # credited puts not yet admitted
         self._credited_parked: dict[bytes, int] = {}  # per client: credited puts not admitted
         self._admitted: dict[CreditKey, int] = {}  # credited puts admitted, not yet reported
@@ -98,7 +115,7 @@ class ChannelServer:
         endpoint.handle(P.OPS, self._on_ops)
 
     # ------------------------------------------------------------------ requests
-    def _queue(self, name: str) -> WeightedQueue[Item]:
+    def _queue(self, name: QueueKey) -> WeightedQueue[Item]:
         q = self.queues.get(name)
         if q is None:
             q = self.queues[name] = WeightedQueue(self.maxsize)
@@ -123,7 +140,7 @@ class ChannelServer:
                 self._answer(identity, token, P.ERROR, f"{type(exc).__name__}: {exc}")
         self._schedule_flush()
 
-    def _dispatch(self, identity: bytes, kind: int, token: int, qname: str, number: Any,
+    def _dispatch(self, identity: bytes, kind: int, token: int, qname: QueueKey, number: Any,
                   item: Item) -> None:
         waiter = (identity, token)
         if kind == P.PUT_CREDITED:
@@ -186,6 +203,12 @@ class ChannelServer:
                 self._answer(identity, token, P.OK, None)
         elif kind == P.STATS:
             self._answer(identity, token, P.OK, self.statistics())
+        elif kind == P.PEEK:
+            existing = self.queues.get(qname)
+            entries = existing.peek(int(number)) if existing is not None else []
+            self._answer_entries(identity, token, P.PEEKED, entries)
+        elif kind == P.ROUTE:
+            self._answer(identity, token, P.OK, self._route(qname, int(number)))
         elif kind == P.INFO:
             existing = self.queues.get(qname)
             size = existing.qsize() if existing is not None else 0
@@ -193,7 +216,18 @@ class ChannelServer:
         else:
             raise ValueError(f"unknown channel operation kind {kind!r}")
 
-    def _put_credited(self, identity: bytes, waiter: Waiter, qname: str, weight: float,
+    def _route(self, key: QueueKey, node_rank: int) -> int:
+        """The replica that holds ``key``: assigned on first use, to the asker's node's."""
+        if self.rank != 0:
+            raise ValueError(f"replica {self.rank} was asked to route a key; only replica 0 "
+                             "assigns keys")
+        rank = self.routes.get(key)
+        if rank is None:
+            nodes = self.replica_nodes
+            rank = self.routes[key] = nodes.index(node_rank) if node_rank in nodes else 0
+        return rank
+
+    def _put_credited(self, identity: bytes, waiter: Waiter, qname: QueueKey, weight: float,
                       item: Item) -> None:
         """A put its producer already completed with a credit: accept it, never answer it."""
         key = (identity, qname)
@@ -244,7 +278,7 @@ class ChannelServer:
                 continue
             self._answer(identity, 0, P.CREDIT, (qname, max(grant, 0), admitted))
 
-    def statistics(self) -> dict[str, list[Any]]:
+    def statistics(self) -> dict[QueueKey, list[Any]]:
         """``queue name -> [qsize, weight, maxsize, waiting putters, waiting getters, reserved]``."""
         out = {}
         for name, q in self.queues.items():
@@ -254,7 +288,7 @@ class ChannelServer:
         return out
 
     # ------------------------------------------------------------------ answers
-    def _deliver(self, qname: str, done: list[Done]) -> None:
+    def _deliver(self, qname: QueueKey, done: list[Done]) -> None:
         for completed, items in done:
             waiter = cast(Waiter, completed)
             identity, token = waiter
@@ -284,7 +318,12 @@ class ChannelServer:
     def _answer(self, identity: bytes, token: int, status: int, info: Any) -> None:
         self._chunk(identity).meta.append((token, status, info))
 
-    def _answer_items(self, identity: bytes, token: int, qname: str, items: list[Entry]) -> None:
+    def _answer_items(self, identity: bytes, token: int, qname: QueueKey, items: list[Entry]) -> None:
+        """Hand ``items`` (taken from ``qname``) to a getter; re-queued if it is gone."""
+        self._answer_entries(identity, token, P.ITEMS, items).handed_out.append((qname, items))
+
+    def _answer_entries(self, identity: bytes, token: int, status: int,
+                        items: list[Entry]) -> _Chunk:
         stored: list[Any] = [item for item, _, _ in items]  # bytes, or a tuple of frames
         inline = sum(len(item) for item in stored if item.__class__ is bytes)
         chunk = self._chunk(identity, inline)
@@ -295,9 +334,9 @@ class ChannelServer:
             else:
                 info.append((len(item), weight, seq))
                 chunk.frames.extend(item)
-        chunk.meta.append((token, P.ITEMS, info))
+        chunk.meta.append((token, status, info))
         chunk.inline += inline
-        chunk.handed_out.append((qname, items))
+        return chunk
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
@@ -361,16 +400,21 @@ class ChannelHost:
 
     A plain class: the worker process builds it like any worker instance, and it
     serves the channel through the process's runtime rather than through worker
-    methods (it has none).
+    methods (it has none). ``replica_nodes`` is the node rank of every replica of
+    a distributed channel, in rank order (``None``: a plain channel); this
+    process's rank comes from the ``RANK`` its group launched it with.
     """
 
-    def __init__(self, channel_name: str, maxsize: int = 0) -> None:
+    def __init__(self, channel_name: str, maxsize: int = 0,
+                 replica_nodes: list[int] | None = None) -> None:
         runtime = current_runtime()
         if runtime is None:
             raise RuntimeError("a ChannelHost runs inside an aiorl worker process; "
                                "create channels with Channel.create or Worker.create_channel")
         self.channel_name = channel_name
         self.maxsize = maxsize
+        self.replica_nodes = replica_nodes
+        self.rank = int(os.environ.get("RANK", "0"))
         self.server: ChannelServer | None = None
         # The worker process builds this instance on its method thread, while the endpoint
         # belongs to the loop. ``call_soon`` queues the registration without blocking this
@@ -380,4 +424,5 @@ class ChannelHost:
         runtime.submit(self._serve, runtime.endpoint)
 
     def _serve(self, endpoint: Endpoint) -> None:
-        self.server = ChannelServer(endpoint, self.channel_name, self.maxsize)
+        self.server = ChannelServer(endpoint, self.channel_name, self.maxsize,
+                                    self.replica_nodes, self.rank)

@@ -12,20 +12,49 @@ from aiorl.util.text import format_table
 __all__ = ["format_table", "main"]
 
 
+def _status_target(args: argparse.Namespace) -> tuple[str, Any, str | None] | None:
+    """Where ``aiorl status`` looks: (registry address, keys, host to bind on).
+
+    ``--registry`` or ``$AIORL_REGISTRY`` (keys from ``--key-file``, else as every aiorl
+    process finds them); otherwise this user's newest running embedded cluster, found
+    through its runtime file. None (after saying why) when there is nothing to look at.
+    """
+    from aiorl.cluster.embedded import running_embedded_clusters
+    from aiorl.transport import security
+
+    address = args.registry or os.environ.get("AIORL_REGISTRY")
+    if address:
+        keys = (security.ClusterKeys.load(args.key_file) if args.key_file
+                else security.keys_from_environment())
+        return address, keys, None
+    embedded = running_embedded_clusters()
+    if not embedded:
+        print("error: no registry address (use --registry or set AIORL_REGISTRY) and no "
+              "embedded aiorl.Cluster() of this user is running", file=sys.stderr)
+        return None
+    newest = embedded[0]
+    if len(embedded) > 1:
+        others = ", ".join(str(e.pid) for e in embedded[1:])
+        print(f"({len(embedded)} embedded clusters are running; showing driver pid "
+              f"{newest.pid}'s; the others' drivers: {others})", file=sys.stderr)
+    keys = security.ClusterKeys.load(newest.key_file) if newest.key_file else None
+    return newest.registry, keys, f"ipc://{newest.session_dir}"
+
+
 def _status(args: argparse.Namespace) -> int:
     import uvloop
 
-    from aiorl.errors import RegistryUnavailable
+    from aiorl.errors import AuthenticationError, RegistryUnavailable
     from aiorl.registry.client import RegistryClient
     from aiorl.transport.endpoint import Endpoint
 
-    address = args.registry or os.environ.get("AIORL_REGISTRY")
-    if not address:
-        print("error: no registry address (use --registry or set AIORL_REGISTRY)", file=sys.stderr)
+    target = _status_target(args)
+    if target is None:
         return 2
+    address, keys, host = target
 
     async def fetch() -> dict[str, Any]:
-        endpoint = Endpoint("aiorl-status")
+        endpoint = Endpoint("aiorl-status", keys=keys, **({"host": host} if host else {}))
         try:
             report = await RegistryClient(endpoint, address).status(timeout=args.timeout)
             return report.to_wire()
@@ -34,7 +63,7 @@ def _status(args: argparse.Namespace) -> int:
 
     try:
         status = uvloop.run(fetch())
-    except RegistryUnavailable as exc:
+    except (RegistryUnavailable, AuthenticationError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"registry {address}  up {status['uptime']:.0f} s")
@@ -67,7 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aiorl", description="aiorl command-line tools")
     sub = parser.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="show nodes, groups and workers of a running cluster")
-    st.add_argument("--registry", default=None, help="registry address (default: $AIORL_REGISTRY)")
+    st.add_argument("--registry", default=None,
+                    help="registry address (default: $AIORL_REGISTRY, else this user's newest "
+                         "running embedded Cluster())")
+    st.add_argument("--key-file", default=None,
+                    help="the cluster's key file (default: $AIORL_KEY_FILE, else "
+                         "~/.aiorl/cluster.key when it exists)")
     st.add_argument("--timeout", type=float, default=5.0)
     st.set_defaults(func=_status)
     plan.add_parser(sub)

@@ -94,9 +94,18 @@ class Cluster:
     # ------------------------------------------------------------------ the session
     @property
     def session(self) -> DriverSession:
+        """This driver's registration; raises ``RuntimeError`` at once on a closed Cluster."""
+        if self._closed:
+            raise RuntimeError("this Cluster is closed (close() or the end of its `with` block "
+                               "stopped it); create a new aiorl.Cluster()")
         if self._session is None:
             raise RuntimeError("this Cluster is not connected (it failed to start)")
         return self._session
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run; a closed Cluster launches nothing."""
+        return self._closed
 
     @property
     def runtime(self) -> Runtime:
@@ -112,8 +121,11 @@ class Cluster:
 
     @property
     def groups(self) -> dict[str, GroupSpec]:
-        """Groups this driver launched and has not closed (restored if the registry restarts)."""
-        return self.session.groups
+        """Groups this driver launched and has not closed (restored if the registry restarts).
+
+        Empty once the Cluster is closed (a group closed after its cluster finds nothing to
+        forget)."""
+        return self._session.groups if self._session is not None and not self._closed else {}
 
     @property
     def log_to_driver(self) -> bool:
@@ -178,8 +190,9 @@ class Cluster:
 
     def __repr__(self) -> str:
         mode = "embedded" if self.embedded else "attached"
-        address = self._session.registry_address if self._session else "(not connected)"
-        return f"<Cluster {mode} {address} nodes={self.num_nodes if self._session else 0}>"
+        if self._closed or self._session is None:
+            return f"<Cluster {mode} {'closed' if self._closed else '(not connected)'}>"
+        return f"<Cluster {mode} {self._session.registry_address} nodes={self.num_nodes}>"
 
 
 def _cluster_section(cfg: Any) -> dict[str, Any]:

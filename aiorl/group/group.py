@@ -24,6 +24,16 @@ from typing import Any, Generic, TypeVar
 
 from aiorl.group.core import GroupCore, ship_class
 from aiorl.names import WorkerAddress
+from aiorl.placement import (
+    ClusterSpec,
+    ComponentPlacement,
+    NodePlacementStrategy,
+    PackedPlacementStrategy,
+    PlacementError,
+    PlacementStrategy,
+    RankStringPlacementStrategy,
+    default_placement_strategy,
+)
 from aiorl.protocol.registry import GroupSpec
 from aiorl.runtime import AsyncWork, Session
 from aiorl.runtime.promise import prepare_threads
@@ -59,17 +69,37 @@ class WorkerGroupBuilder(Generic[W]):
     def launch(
         self,
         cluster: Session,
-        placement_strategy: Any = None,
+        placement_strategy: PlacementStrategy | str | int | None = None,
         name: str | None = None,
         *,
+        num_workers: int | None = None,
         env: dict[str, str] | None = None,
     ) -> WorkerGroup[W]:
         """Start the group's processes and return at once (calls wait for readiness).
 
-        Raises :class:`ValueError` if a live group already has ``name``, and
-        :class:`~aiorl.PlacementError` for a placement the cluster cannot hold.
+        Where the ranks go, from the first of these that is given:
+
+        * ``placement_strategy``: a strategy from :mod:`aiorl.placement`, or a placement
+          string (``"0-3"``: one rank per accelerator 0-3, docs/placement.md);
+        * ``num_workers=N``: one rank per accelerator on the first ``N`` accelerators
+          (node 0's first, as torchrun fills a node) when the cluster declares
+          accelerators; otherwise ``N`` CPU processes spread over the nodes in
+          contiguous blocks (ranks ``0..k-1`` on node 0, the next block on node 1, ...);
+        * neither: one rank per declared accelerator, or one rank on node 0.
+
+        Example::
+
+            group = Rollout.create_group(cfg).launch(cluster, num_workers=4, name="rollout")
+            group = Trainer.create_group(cfg).launch(cluster, "0-3", name="trainer")
+
+        Raises:
+            GroupExistsError: a live group already has ``name`` (a ``ValueError``).
+            PlacementError: a placement the cluster cannot hold (a ``ValueError``).
+            TypeError: ``placement_strategy`` is not a strategy, string or int, or both it
+                and ``num_workers`` are given.
+            RuntimeError: ``cluster`` is closed.
         """
-        request, start = self._plan(cluster, placement_strategy, name, env)
+        request, start = self._plan(cluster, placement_strategy, name, num_workers, env)
         runtime = cluster.runtime
         runtime.run_sync(runtime.registry.create_group(request), timeout=30)
         return start()
@@ -77,26 +107,26 @@ class WorkerGroupBuilder(Generic[W]):
     async def launch_async(
         self,
         cluster: Session,
-        placement_strategy: Any = None,
+        placement_strategy: PlacementStrategy | str | int | None = None,
         name: str | None = None,
         *,
+        num_workers: int | None = None,
         env: dict[str, str] | None = None,
     ) -> WorkerGroup[W]:
         """:meth:`launch` for code on the runtime loop's thread (channels launch their
         host from there): it awaits the registry instead of blocking the loop."""
-        request, start = self._plan(cluster, placement_strategy, name, env)
+        request, start = self._plan(cluster, placement_strategy, name, num_workers, env)
         await cluster.runtime.registry.create_group(request)
         return start()
 
-    def _plan(self, cluster: Session, placement_strategy: Any, name: str | None,
-              env: dict[str, str] | None) -> tuple[GroupSpec, Callable[[], WorkerGroup[W]]]:
+    def _plan(self, cluster: Session, placement_strategy: PlacementStrategy | str | int | None,
+              name: str | None, num_workers: int | None, env: dict[str, str] | None,
+              ) -> tuple[GroupSpec, Callable[[], WorkerGroup[W]]]:
         """The registry's create_group request, and what starts the group once it succeeded."""
-        from aiorl.placement import default_placement_strategy
-
         group_name = name if name is not None else self.cls.__name__
         WorkerAddress(group_name)  # validates the name
         spec = cluster.spec
-        strategy = placement_strategy or default_placement_strategy(spec)
+        strategy = _strategy(spec, placement_strategy, num_workers, group_name)
         placements = strategy.get_placement(spec)
         runtime = cluster.runtime
         payload = ship_class(self.cls, self.args, self.kwargs)
@@ -111,6 +141,43 @@ class WorkerGroupBuilder(Generic[W]):
             return WorkerGroup(core)
 
         return request, start
+
+
+def _strategy(spec: ClusterSpec, placement: PlacementStrategy | str | int | None,
+              num_workers: int | None, group_name: str) -> PlacementStrategy:
+    """The strategy ``launch`` uses (its docstring gives the rules), with errors that say
+    what to pass instead."""
+    if placement is not None and num_workers is not None:
+        raise TypeError(f"launch() of group {group_name!r}: give placement_strategy or "
+                        "num_workers, not both (a strategy fixes the number of workers)")
+    if isinstance(placement, PlacementStrategy):
+        return placement
+    if isinstance(placement, (str, int)) and not isinstance(placement, bool):
+        return RankStringPlacementStrategy(placement, context=f"group {group_name!r}")
+    if placement is not None:
+        hint = (" (a ComponentPlacement holds one strategy per component: pass "
+                "placement.get_strategy('component'))"
+                if isinstance(placement, ComponentPlacement) else "")
+        raise TypeError(
+            f"launch() of group {group_name!r}: placement_strategy must be a placement strategy "
+            "(e.g. PackedPlacementStrategy(0, 3) or NodePlacementStrategy([0, 0])), a placement "
+            f"string such as '0-3', or None; got {type(placement).__name__}{hint}")
+    if num_workers is None:
+        return default_placement_strategy(spec)
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise PlacementError(f"launch() of group {group_name!r}: num_workers must be a "
+                             f"positive int, got {num_workers!r}")
+    if spec.num_accelerators:
+        if num_workers > spec.num_accelerators:
+            raise PlacementError(
+                f"launch() of group {group_name!r}: num_workers={num_workers} asks for one "
+                f"accelerator per worker, and the cluster declares {spec.num_accelerators}; "
+                "for CPU workers pass NodePlacementStrategy([node rank per worker])")
+        return PackedPlacementStrategy(0, num_workers - 1)
+    num_nodes = max(spec.num_nodes, 1)
+    per_node, extra = divmod(num_workers, num_nodes)
+    return NodePlacementStrategy(
+        [n for n in range(num_nodes) for _ in range(per_node + (n < extra))])
 
 
 class WorkerGroup(Generic[W]):
@@ -213,11 +280,30 @@ class WorkerGroup(Generic[W]):
 
     @classmethod
     def from_group_name(cls, cluster: Session, worker_cls: type[W], name: str) -> WorkerGroup[W]:
-        """Attach to the running group ``name`` (launched by this or another driver)."""
+        """Attach to the running group ``name`` (launched by this or another driver).
+
+        Calls through the handle reach the group's workers like the launcher's own;
+        ``close()`` on it closes the group for everyone. Inside a worker, use
+        ``self.group(name)`` (:meth:`aiorl.Worker.group`) instead.
+
+        Example::
+
+            trainer = WorkerGroup.from_group_name(cluster, Trainer, "trainer")
+            trainer.execute_on(0).step().wait()
+
+        Raises:
+            GroupNotFoundError: no live group has this name (a ``LookupError``).
+        """
         runtime = cluster.runtime
-        record = runtime.run_sync(runtime.registry.lookup_group(name), timeout=30)
+        return runtime.run_sync(cls.from_group_name_async(cluster, worker_cls, name), timeout=30)
+
+    @classmethod
+    async def from_group_name_async(cls, cluster: Session, worker_cls: type[W], name: str) -> WorkerGroup[W]:
+        """:meth:`from_group_name` for code on the runtime loop's thread (``async def``
+        worker methods): it awaits the registry instead of blocking the loop."""
+        record = await cluster.runtime.registry.lookup_group(name)
         core = GroupCore(cluster, worker_cls, name, record.world_size)
-        runtime.run_sync(core.watch(), timeout=30)
+        await core.watch()
         return WorkerGroup(core)
 
     def __repr__(self) -> str:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiorl.errors import PlacementError
+from aiorl.placement._hardware import NodeHardware, build_hardware_config
+from aiorl.placement._profiling import ProfilingConfig, parse_profiling
 from aiorl.placement._ranks import format_ranks, parse_rank_config
 
 __all__ = [
@@ -155,7 +157,13 @@ class NodeGroup:
             the group was declared in RLinf's ``configs`` form (empty otherwise).
         env_configs: environment per subset of the group's nodes; entries may not
             overlap. Dicts are accepted and converted.
-        per_node: count nodes as the resources even when accelerators exist.
+        per_node: count nodes as the resources even when accelerators exist (RLinf's
+            ``ignore_hardware``).
+        hardware: the typed view of the hardware: one config object per unit, built
+            from the schema registered for ``hardware_type`` (set when the group is
+            built; see :mod:`aiorl.placement._hardware`).
+        profiling: this group's ``profiling:`` section; it applies to every worker placed
+            through the group and takes precedence over the cluster-level section.
     """
 
     label: str
@@ -165,6 +173,8 @@ class NodeGroup:
     hardware_configs: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     env_configs: list[EnvConfig] = field(default_factory=list)
     per_node: bool = False
+    hardware: NodeHardware | None = None
+    profiling: ProfilingConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.label, str) or not self.label.strip():
@@ -201,8 +211,14 @@ class NodeGroup:
             self.hardware_per_node = {n: counts.get(n, 0) for n in self.node_ranks}
             if sum(self.hardware_per_node.values()) == 0:
                 raise PlacementError(f"{where}: hardware {self.hardware_type!r} has no units")
+            self.hardware = self._typed_hardware(where)
         elif self.hardware_per_node or self.hardware_configs:
             raise PlacementError(f"{where}: hardware units given without a hardware type")
+        if self.per_node and self.hardware_type is not None:
+            raise PlacementError(
+                f"{where}: ignore_hardware (whole nodes as resources) cannot be combined "
+                "with hardware"
+            )
         envs = [
             e if isinstance(e, EnvConfig) else EnvConfig.from_config(e, f"{where} env_configs")
             for e in self.env_configs
@@ -223,6 +239,41 @@ class NodeGroup:
                 covered[n] = i
         self.env_configs = envs
 
+    def _typed_hardware(self, where: str) -> NodeHardware:
+        """One config object per unit, checked against the type's schema; identical
+        entries on one node are one robot declared twice, which is refused."""
+        assert self.hardware_type is not None
+        configs = []
+        for n in self.node_ranks:
+            raw_units = self.hardware_configs.get(n) or [
+                {"node_rank": n} for _ in range(self.hardware_per_node.get(n, 0))
+            ]
+            seen: set[tuple[tuple[str, str], ...]] = set()
+            for raw in raw_units:
+                config = build_hardware_config(
+                    self.hardware_type, raw, f"{where} hardware config on node {n}"
+                )
+                key = _unit_key(config.to_dict())
+                if self.hardware_configs and key in seen:
+                    raise PlacementError(
+                        f"{where}: duplicate hardware configs on node {n}: {raw!r} is given "
+                        "twice; each entry is one unit"
+                    )
+                seen.add(key)
+                configs.append(config)
+        return NodeHardware(self.hardware_type, configs)
+
+    def unit_keys(self, node_rank: int) -> list[tuple[Any, ...]]:
+        """What identifies each of this group's hardware units on ``node_rank``, in unit
+        order: the config itself (RLinf's ``configs`` form: two groups naming the same
+        robot share it), or the unit's position (``count`` form: anonymous units, like
+        accelerators, are the node's units 0..count-1 in every group)."""
+        if self.hardware is None:
+            return []
+        if self.hardware_configs:
+            return [_unit_key(c.to_dict()) for c in self.hardware.on_node(node_rank)]
+        return [("#", i) for i in range(self.hardware_per_node.get(node_rank, 0))]
+
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> NodeGroup:
         """Build from one ``cluster.node_groups`` entry.
@@ -240,7 +291,11 @@ class NodeGroup:
             raise PlacementError(f"node group {cfg!r}: missing label")
         # YAML reads an unquoted `label: 4090` as an int; the label is still meant as text.
         label = str(label)
-        _check_keys(cfg, ("label", "node_ranks", "hardware", "env_configs"), where)
+        _check_keys(
+            cfg,
+            ("label", "node_ranks", "hardware", "env_configs", "ignore_hardware", "profiling"),
+            where,
+        )
         if "node_ranks" not in cfg:
             raise PlacementError(f"{where}: missing node_ranks")
         node_ranks = _ranks(cfg["node_ranks"], f"{where} node_ranks")
@@ -274,7 +329,11 @@ class NodeGroup:
                 if not isinstance(units, list) or not units:
                     raise PlacementError(f"{where}: hardware configs must be a non-empty list")
                 for i, unit in enumerate(units):
-                    if not isinstance(unit, dict) or "node_rank" not in unit:
+                    if not isinstance(unit, dict):
+                        raise PlacementError(
+                            f"{where}: each hardware config must be a mapping, got {unit!r}"
+                        )
+                    if "node_rank" not in unit:
                         raise PlacementError(
                             f"{where}: hardware configs entry {i} needs a node_rank"
                         )
@@ -293,6 +352,10 @@ class NodeGroup:
             hardware_per_node=per_node,
             hardware_configs=configs,
             env_configs=list(cfg.get("env_configs") or []),
+            per_node=_flag(cfg.get("ignore_hardware", False), f"{where} ignore_hardware"),
+            profiling=parse_profiling(
+                cfg.get("profiling"), f"{where} profiling", applies_to_all=True
+            ),
         )
 
     @property
@@ -322,7 +385,11 @@ class NodeGroup:
             elif kind == ACCELERATOR:
                 count = spec.accelerators_on(n)
             else:
-                count = self.hardware_per_node.get(n, 0)
+                out.extend(
+                    (n, spec.hardware_unit_index(kind, n, key, default=i))
+                    for i, key in enumerate(self.unit_keys(n))
+                )
+                continue
             out.extend((n, i) for i in range(count))
         return out
 
@@ -339,6 +406,24 @@ class NodeGroup:
             if node_rank in env.node_ranks:
                 return env.python_interpreter_path
         return None
+
+    # RLinf's names for the two queries above.
+    get_node_env_vars = env_for
+    get_node_python_interpreter_path = python_interpreter_for
+
+    def get_node_hw_configs(self, node_rank: int) -> list[Any]:
+        """The typed configs of this group's hardware units on ``node_rank``."""
+        return self.hardware.on_node(node_rank) if self.hardware is not None else []
+
+
+def _unit_key(config: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((str(k), repr(v)) for k, v in config.items()))
+
+
+def _flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise PlacementError(f"{where}: expected true or false, got {value!r}")
+    return value
 
 
 class ClusterSpec:
@@ -367,6 +452,7 @@ class ClusterSpec:
         accelerators_per_node: int | Sequence[int] = 0,
         node_groups: Sequence[NodeGroup | Mapping[str, Any]] | None = None,
         accelerator_type: str = "cuda",
+        profiling: ProfilingConfig | Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
             raise PlacementError(f"num_nodes must be a positive integer, got {num_nodes!r}")
@@ -403,6 +489,27 @@ class ClusterSpec:
                         f"cluster has {num_nodes} node(s) (0-{num_nodes - 1})"
                     )
             self._groups[group.label] = group
+        self.profiling: ProfilingConfig | None = (
+            profiling if isinstance(profiling, ProfilingConfig) or profiling is None
+            else parse_profiling(to_plain(profiling))
+        )
+        # Node-local numbering of custom hardware units across every group: two groups
+        # declaring robots on one node number them 0, 1, ... together, so groups used
+        # side by side never hand one index to two different robots.
+        self._hardware_units: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
+        for group in self._groups.values():
+            if group.hardware_type is None:
+                continue
+            for n in group.node_ranks:
+                units = self._hardware_units.setdefault((group.hardware_type.lower(), n), [])
+                units.extend(k for k in group.unit_keys(n) if k not in units)
+
+    def hardware_unit_index(self, hardware_type: str, node_rank: int, key: tuple[Any, ...],
+                            default: int) -> int:
+        """The node-local index of the hardware unit identified by ``key`` (see
+        :meth:`NodeGroup.unit_keys`); ``default`` for a group this spec does not hold."""
+        units = self._hardware_units.get((hardware_type.lower(), node_rank), [])
+        return units.index(key) if key in units else default
 
     # -- construction from config ------------------------------------------------------
 
@@ -437,17 +544,32 @@ class ClusterSpec:
         groups = cfg.get("node_groups") or []
         if not isinstance(groups, list):
             raise PlacementError(f"cluster.node_groups must be a list, got {groups!r}")
+        for i, group in enumerate(groups):
+            if not isinstance(group, Mapping):
+                raise PlacementError(
+                    f"cluster.node_groups entry {i} must be a mapping (a node group with a "
+                    f"label and node_ranks), got {group!r}"
+                )
         return cls(
             num_nodes=num_nodes,
             accelerators_per_node=accelerators_per_node,
             node_groups=groups,
             accelerator_type=accelerator_type,
+            profiling=parse_profiling(cfg.get("profiling")),
         )
 
     def with_node_groups(self, node_groups: Sequence[NodeGroup | Mapping[str, Any]]) -> ClusterSpec:
         """A copy of this spec with ``node_groups`` replacing its user node groups."""
         return ClusterSpec(
-            self.num_nodes, list(self._accelerators), node_groups, self.accelerator_type
+            self.num_nodes, list(self._accelerators), node_groups, self.accelerator_type,
+            self.profiling,
+        )
+
+    def with_profiling(self, profiling: ProfilingConfig | Mapping[str, Any] | None) -> ClusterSpec:
+        """A copy of this spec with ``profiling`` as its cluster-level profiling section."""
+        return ClusterSpec(
+            self.num_nodes, list(self._accelerators), self.node_groups, self.accelerator_type,
+            profiling,
         )
 
     # -- queries -----------------------------------------------------------------------
@@ -499,6 +621,31 @@ class ClusterSpec:
             f"unknown node group {label!r}; known node groups: {', '.join(self.node_group_labels)}"
         )
 
+    # -- RLinf's ClusterConfig queries -------------------------------------------------
+
+    def get_node_labels_by_rank(self, node_rank: int) -> list[str]:
+        """The labels of the user node groups that contain ``node_rank`` (declaration
+        order; ``[]`` for a node in none, or a rank outside the cluster)."""
+        return [g.label for g in self._groups.values() if node_rank in g.node_ranks]
+
+    def get_node_hw_configs_by_rank(self, node_rank: int) -> list[Any]:
+        """The typed hardware configs every user group declares on ``node_rank``."""
+        return [c for g in self._groups.values() for c in g.get_node_hw_configs(node_rank)]
+
+    def get_node_python_interpreter_path_by_rank(self, node_rank: int) -> list[str]:
+        """The interpreters the groups containing ``node_rank`` configure for it."""
+        paths = (g.python_interpreter_for(node_rank) for g in self._groups.values()
+                 if node_rank in g.node_ranks)
+        return [p for p in paths if p is not None]
+
+    def profiling_for(self, node_group_label: str) -> ProfilingConfig | None:
+        """The profiling section for workers placed through ``node_group_label``: the
+        group's own, else the cluster's."""
+        group = self._groups.get(node_group_label)
+        if group is not None and group.profiling is not None:
+            return group.profiling
+        return self.profiling
+
     def describe(self) -> str:
         """One line such as ``2 nodes, 8 cuda accelerators per node (16 in all)``."""
         nodes = f"{self.num_nodes} node{'s' if self.num_nodes != 1 else ''}"
@@ -524,6 +671,7 @@ class ClusterSpec:
             and self._accelerators == other._accelerators
             and self.accelerator_type == other.accelerator_type
             and self._groups == other._groups
+            and self.profiling == other.profiling
         )
 
     __hash__ = None  # type: ignore[assignment]  # mutable groups; equality is by value

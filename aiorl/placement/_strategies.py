@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiorl.errors import PlacementError
+from aiorl.placement._profiling import ProfilerLaunch, ProfilingConfig
 from aiorl.placement._ranks import format_ranks, parse_range
 from aiorl.placement._spec import ACCELERATOR, NODE, ClusterSpec, NodeGroup
 
@@ -48,6 +49,14 @@ class Placement:
         env: environment variables the node group's ``env_configs`` set on that node.
         resource_ranks: its resources as ranks in the strategy's resource numbering
             (group-relative, consecutive across several groups); for diagnostics.
+        isolate_accelerator: False when the process sees every accelerator of its node
+            (``get_placement(..., isolate_accelerator=False)``); its ``LOCAL_RANK`` is
+            then ``local_accelerator_rank``, the real id of its first accelerator.
+        local_accelerator_rank: the node-local id of its first accelerator, -1 if none.
+        python_interpreter: the interpreter the node group's ``env_configs`` name for
+            its node, or None for the node agent's own.
+        profiling: the profiling section that applies to its node group (the group's
+            own or the cluster's); see :meth:`profiler_launch`.
     """
 
     rank: int
@@ -60,6 +69,25 @@ class Placement:
     hardware_type: str
     env: dict[str, str] = field(default_factory=dict)
     resource_ranks: list[int] = field(default_factory=list)
+    isolate_accelerator: bool = True
+    local_accelerator_rank: int = -1
+    python_interpreter: str | None = None
+    profiling: ProfilingConfig | None = None
+
+    @property
+    def launch_local_rank(self) -> int:
+        """The ``LOCAL_RANK`` the process gets: its index among the group's processes on
+        the node, or, when it sees every accelerator of the node, its device id."""
+        if not self.isolate_accelerator and self.local_accelerator_rank >= 0:
+            return self.local_accelerator_rank
+        return self.local_rank
+
+    def profiler_launch(self, group_name: str) -> ProfilerLaunch | None:
+        """The profiler command and environment for rank ``rank`` of group ``group_name``,
+        or None when that group is not profiled."""
+        if self.profiling is None or not self.profiling.profiles(group_name):
+            return None
+        return self.profiling.launch(f"{group_name}:{self.rank}")
 
 
 def resolve_spec(cluster_or_spec: Any) -> ClusterSpec:
@@ -74,6 +102,15 @@ def resolve_spec(cluster_or_spec: Any) -> ClusterSpec:
         "expected a ClusterSpec or an object with a .spec ClusterSpec (such as a Cluster), "
         f"got {type(cluster_or_spec).__name__}"
     )
+
+
+def _either_label(
+    node_group: str | Sequence[str] | None, node_group_label: str | Sequence[str] | None
+) -> str | Sequence[str] | None:
+    """``node_group`` or RLinf's name for it, ``node_group_label``; not both."""
+    if node_group is not None and node_group_label is not None:
+        raise PlacementError("give node_group or node_group_label (its RLinf name), not both")
+    return node_group if node_group is not None else node_group_label
 
 
 def _group_labels(node_group: str | Sequence[str] | None) -> list[str]:
@@ -140,13 +177,17 @@ def _describe_table(spec: ClusterSpec, labels: Sequence[str], table: Sequence[_R
 
 
 def _build(
+    spec: ClusterSpec,
     table: Sequence[_Resource],
     assignments: Sequence[Sequence[int]],
     where: Callable[[int], str],
+    isolate_accelerator: bool = True,
 ) -> list[Placement]:
     """Turn per-rank resource-rank lists into placements.
 
     Args:
+        isolate_accelerator: False gives a process on accelerators every accelerator of
+            its node instead of only its own (RLinf's ``isolate_accelerator``).
         assignments: ``assignments[rank]`` lists the resource ranks (indices into
             ``table``) of process ``rank``; already range-checked.
         where: gives the error-message prefix for a process rank (the segment or the
@@ -185,7 +226,10 @@ def _build(
         local_rank = seen.get(node, 0)
         seen[node] = local_rank + 1
         hardware = [r.local_index for r in res]
-        visible = [str(i) for i in hardware] if first.kind == ACCELERATOR else []
+        visible: list[str] = []
+        if first.kind == ACCELERATOR:
+            every = range(spec.accelerators_on(node))
+            visible = [str(i) for i in (hardware if isolate_accelerator else every)]
         placements.append(
             Placement(
                 rank=rank,
@@ -198,6 +242,10 @@ def _build(
                 hardware_type=first.kind,
                 env=first.group.env_for(node),
                 resource_ranks=list(res_ranks),
+                isolate_accelerator=isolate_accelerator,
+                local_accelerator_rank=hardware[0] if first.kind == ACCELERATOR else -1,
+                python_interpreter=first.group.python_interpreter_for(node),
+                profiling=spec.profiling_for(first.group.label),
             )
         )
     return placements
@@ -212,11 +260,16 @@ class PlacementStrategy:
 
     node_group_labels: list[str]
 
-    def get_placement(self, cluster_or_spec: Any) -> list[Placement]:
+    def get_placement(
+        self, cluster_or_spec: Any, isolate_accelerator: bool = True
+    ) -> list[Placement]:
         """One :class:`Placement` per process, sorted by rank.
 
         Args:
             cluster_or_spec: a :class:`ClusterSpec`, or an object whose ``.spec`` is one.
+            isolate_accelerator: True (the default) shows a process only its own
+                accelerators (``CUDA_VISIBLE_DEVICES``); False shows it every accelerator
+                of its node, and its ``LOCAL_RANK`` is its device id.
 
         Raises:
             PlacementError: the strategy does not fit the cluster.
@@ -264,7 +317,10 @@ class PackedPlacementStrategy(PlacementStrategy):
         num_hardware_per_process: int = 1,
         stride: int = 1,
         node_group: str | Sequence[str] | None = None,
+        *,
+        node_group_label: str | Sequence[str] | None = None,
     ) -> None:
+        node_group = _either_label(node_group, node_group_label)
         self.start_hardware_rank = start_hardware_rank
         self.end_hardware_rank = end_hardware_rank
         self.num_hardware_per_process = num_hardware_per_process
@@ -297,7 +353,9 @@ class PackedPlacementStrategy(PlacementStrategy):
             f"node_group={','.join(self.node_group_labels)!r})"
         )
 
-    def get_placement(self, cluster_or_spec: Any) -> list[Placement]:
+    def get_placement(
+        self, cluster_or_spec: Any, isolate_accelerator: bool = True
+    ) -> list[Placement]:
         spec = resolve_spec(cluster_or_spec)
         table = _resource_table(spec, self.node_group_labels)
         if self.end_hardware_rank >= len(table):
@@ -310,18 +368,20 @@ class PackedPlacementStrategy(PlacementStrategy):
         for base in range(self.start_hardware_rank, self.end_hardware_rank + 1, num * stride):
             for offset in range(stride):
                 assignments.append([base + offset + i * stride for i in range(num)])
-        return _build(table, assignments, lambda _rank: repr(self))
+        return _build(spec, table, assignments, lambda _rank: repr(self), isolate_accelerator)
 
 
 class FlexiblePlacementStrategy(PlacementStrategy):
     """Explicit resources per process: process ``i`` gets ``hardware_ranks_list[i]``.
 
-    Ranks are in the node group's resource numbering; each list is kept in the given
-    order (it becomes the order of ``visible_accelerators``).
+    Ranks are in the node group's resource numbering. As in RLinf, each process's
+    list is sorted, and the processes are ordered by their first resource rank:
+    ``[[3, 2], [0]]`` gives rank 0 resource 0 and rank 1 resources 2 and 3.
 
     Args:
         hardware_ranks_list: one non-empty list of resource ranks per process.
-        node_group: label, ``"a,b"`` or list of labels; default ``cluster``.
+        node_group: label, ``"a,b"`` or list of labels; default ``cluster``
+            (``node_group_label`` is RLinf's name for it).
 
     Raises:
         PlacementError: no processes, an empty list, a negative rank, or a rank used
@@ -333,8 +393,10 @@ class FlexiblePlacementStrategy(PlacementStrategy):
         self,
         hardware_ranks_list: Sequence[Sequence[int]],
         node_group: str | Sequence[str] | None = None,
+        *,
+        node_group_label: str | Sequence[str] | None = None,
     ) -> None:
-        self.node_group_labels = _group_labels(node_group)
+        self.node_group_labels = _group_labels(_either_label(node_group, node_group_label))
         try:
             lists = [list(ranks) for ranks in hardware_ranks_list]
         except TypeError:
@@ -361,6 +423,8 @@ class FlexiblePlacementStrategy(PlacementStrategy):
                         f"{who}; each resource may appear once"
                     )
                 owner[r] = proc
+        # RLinf's order: ranks ascending within a process, processes by their first rank.
+        self.hardware_ranks_list = sorted((sorted(r) for r in lists), key=lambda r: r[0])
 
     def __repr__(self) -> str:
         return (
@@ -368,7 +432,9 @@ class FlexiblePlacementStrategy(PlacementStrategy):
             f"node_group={','.join(self.node_group_labels)!r})"
         )
 
-    def get_placement(self, cluster_or_spec: Any) -> list[Placement]:
+    def get_placement(
+        self, cluster_or_spec: Any, isolate_accelerator: bool = True
+    ) -> list[Placement]:
         spec = resolve_spec(cluster_or_spec)
         table = _resource_table(spec, self.node_group_labels)
         for proc, ranks in enumerate(self.hardware_ranks_list):
@@ -378,31 +444,46 @@ class FlexiblePlacementStrategy(PlacementStrategy):
                         f"{self!r}: resource rank {r} of process {proc} is out of range; "
                         f"{_describe_table(spec, self.node_group_labels, table)}"
                     )
-        return _build(table, self.hardware_ranks_list, lambda _rank: repr(self))
+        return _build(
+            spec, table, self.hardware_ranks_list, lambda _rank: repr(self), isolate_accelerator
+        )
 
 
 class NodePlacementStrategy(PlacementStrategy):
     """One process per entry of ``node_ranks``, on that node, using the whole node.
 
-    Repeating a node rank puts several processes there. The processes get no
-    accelerators (``visible_accelerators == []``, ``hardware_type == "node"``,
-    ``hardware_ranks == [0]``); use it for CPU-side workers.
+    ``node_ranks`` index the nodes of the selected node groups, in the order the groups
+    are listed and, within a group, by ascending node rank (RLinf's rule). Without a
+    node group every node is selected, so the entries are global node ranks;
+    ``NodePlacementStrategy([0, 1], node_group="a,b")`` with ``a`` = node 3 and ``b`` =
+    nodes 5-6 places rank 0 on node 3 and rank 1 on node 5. Repeating an entry puts
+    several processes on that node; the order given is the rank order.
+
+    The processes get no accelerators (``visible_accelerators == []``,
+    ``hardware_type == "node"``, ``hardware_ranks == [0]``); use it for CPU-side workers.
+    Each process gets the environment of the group its node was selected through.
 
     Args:
-        node_ranks: global node ranks, one per process, in rank order.
-        node_group: a single label whose nodes may be used and whose ``env_configs``
-            apply; default ``node`` (every node).
+        node_ranks: one entry per process, in rank order.
+        node_group: a label, ``"a,b"`` or a list of labels whose nodes may be used;
+            default ``node`` (every node). The groups must not share a node.
+            ``node_group_label`` is RLinf's name for it.
 
     Raises:
-        PlacementError: empty or negative ``node_ranks`` (at construction); a node
-            outside the cluster or the group (in :meth:`get_placement`).
+        PlacementError: empty or negative ``node_ranks`` (at construction); an entry
+            past the selected nodes, or groups that share a node (in
+            :meth:`get_placement`).
     """
 
-    def __init__(self, node_ranks: Sequence[int], node_group: str | None = None) -> None:
-        labels = _group_labels("node" if node_group is None else node_group)
-        if len(labels) != 1:
-            raise PlacementError(f"NodePlacementStrategy takes one node group, got {node_group!r}")
-        self.node_group_labels = labels
+    def __init__(
+        self,
+        node_ranks: Sequence[int] | int,
+        node_group: str | Sequence[str] | None = None,
+        *,
+        node_group_label: str | Sequence[str] | None = None,
+    ) -> None:
+        node_group = _either_label(node_group, node_group_label)
+        self.node_group_labels = _group_labels("node" if node_group is None else node_group)
         self.node_ranks = [node_ranks] if isinstance(node_ranks, int) else list(node_ranks)
         where = repr(self)
         if not self.node_ranks:
@@ -412,29 +493,38 @@ class NodePlacementStrategy(PlacementStrategy):
 
     def __repr__(self) -> str:
         return (
-            f"NodePlacementStrategy({self.node_ranks!r}, node_group={self.node_group_labels[0]!r})"
+            f"NodePlacementStrategy({self.node_ranks!r}, "
+            f"node_group={','.join(self.node_group_labels)!r})"
         )
 
-    def get_placement(self, cluster_or_spec: Any) -> list[Placement]:
+    def get_placement(
+        self, cluster_or_spec: Any, isolate_accelerator: bool = True
+    ) -> list[Placement]:
         spec = resolve_spec(cluster_or_spec)
-        group = spec.get_node_group(self.node_group_labels[0])
-        members = set(group.node_ranks)
+        # Whole nodes as the resources, whatever the groups' own resource kind.
+        table: list[_Resource] = []
+        owner: dict[int, str] = {}
+        for label in self.node_group_labels:
+            group = spec.get_node_group(label)
+            for n in group.node_ranks:
+                if n in owner:
+                    raise PlacementError(
+                        f"{self!r}: node groups {owner[n]!r} and {label!r} both contain node "
+                        f"{n}; node placement across several groups needs disjoint node sets"
+                    )
+                owner[n] = label
+                table.append(_Resource(n, 0, group, NODE))
         for n in self.node_ranks:
-            if n >= spec.num_nodes:
-                raise PlacementError(
-                    f"{self!r}: node rank {n} is out of range; the cluster has "
-                    f"{spec.num_nodes} node(s) (0-{spec.num_nodes - 1})"
+            if n >= len(table):
+                selected = (
+                    f"the cluster has {spec.num_nodes} node(s) (0-{spec.num_nodes - 1})"
+                    if self.node_group_labels == ["node"]
+                    else f"node group(s) {', '.join(map(repr, self.node_group_labels))} have "
+                    f"{len(table)} node(s): {format_ranks(r.node_rank for r in table)}"
                 )
-            if n not in members:
-                raise PlacementError(
-                    f"{self!r}: node {n} is not in node group {group.label!r} "
-                    f"(nodes {format_ranks(group.node_ranks)})"
-                )
-        # Whole nodes as the resources, whatever the group's own resource kind.
-        table = [_Resource(n, 0, group, NODE) for n in group.node_ranks]
-        index = {n: i for i, n in enumerate(group.node_ranks)}
-        assignments = [[index[n]] for n in self.node_ranks]
-        return _build(table, assignments, lambda _rank: repr(self))
+                raise PlacementError(f"{self!r}: node rank {n} is out of range; {selected}")
+        assignments = [[n] for n in self.node_ranks]
+        return _build(spec, table, assignments, lambda _rank: repr(self), isolate_accelerator)
 
 
 @dataclass(frozen=True)
@@ -682,7 +772,9 @@ class RankStringPlacementStrategy(PlacementStrategy):
 
         return where
 
-    def get_placement(self, cluster_or_spec: Any) -> list[Placement]:
+    def get_placement(
+        self, cluster_or_spec: Any, isolate_accelerator: bool = True
+    ) -> list[Placement]:
         spec = resolve_spec(cluster_or_spec)
         suffix = self._suffix(self.context, self.placement)
         try:
@@ -704,7 +796,7 @@ class RankStringPlacementStrategy(PlacementStrategy):
             ends.append(count)
         seg_of = self._segment_of(ends)
         try:
-            return _build(table, assignments, seg_of)
+            return _build(spec, table, assignments, seg_of, isolate_accelerator)
         except PlacementError as exc:
             raise PlacementError(f"{exc}{suffix}") from None
 

@@ -10,10 +10,9 @@ import-linter contract lets only the runtime's service layers import it.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 from typing import Any, TypeVar
 
-from aiorl.runtime.work import AsyncWork, mirror_to
+from aiorl.runtime.work import AsyncWork, _allocate_lock
 
 __all__ = [
     "is_settled", "link_threads", "prepare_threads", "reject", "resolve", "settle_from",
@@ -52,18 +51,19 @@ def is_settled(work: AsyncWork[Any]) -> bool:
 
 
 def prepare_threads(work: AsyncWork[T]) -> None:
-    """Give ``work`` its thread-safe mirror before it is shared (on the creating thread).
+    """Give ``work`` its thread-side signal before it is shared (on the creating thread).
 
     A producer that creates a work off the loop (a thread will most likely wait on it)
     prepares it, then has the loop :func:`link_threads`: ``wait()`` then needs neither an
     extra loop wake-up nor the mirror lock (no contention with the loop thread).
     """
     if work._cf is None:
-        work._cf = concurrent.futures.Future()
+        lock = _allocate_lock()
+        lock.acquire()
+        work._cf = lock
 
 
 def link_threads(work: AsyncWork[T]) -> None:
-    """On the loop: connect a work prepared with :func:`prepare_threads` to its mirror."""
-    cf = work._cf
-    assert cf is not None, "link_threads() needs a work prepared with prepare_threads()"
-    work._fut.add_done_callback(lambda f: mirror_to(f, cf))
+    """On the loop: connect a work prepared with :func:`prepare_threads` to its signal."""
+    assert work._cf is not None, "link_threads() needs a work prepared with prepare_threads()"
+    work._fut.add_done_callback(work._wake_threads)

@@ -26,8 +26,8 @@ complete works through :mod:`aiorl.runtime.promise`.
 
 from __future__ import annotations
 
+import _thread
 import asyncio
-import concurrent.futures
 import threading
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Generic, TypeVar
@@ -40,22 +40,26 @@ __all__ = ["AsyncChannelWork", "AsyncCollWork", "AsyncFuncWork", "AsyncWork"]
 
 T = TypeVar("T")
 
-# Creating a work's thread-safe mirror is rare (a thread waits on it) and must happen once:
+# Creating a work's thread-side signal is rare (a thread waits on it) and must happen once:
 # one lock for all works, not a lock per work on the hot path.
 _mirror_lock = threading.Lock()
+_allocate_lock = _thread.allocate_lock
 
 
 class AsyncWork(Generic[T]):
     """A result that will exist later. See the module docstring for the rules."""
 
-    __slots__ = ("_loop", "_home", "_fut", "_cf", "_next")
+    __slots__ = ("_loop", "_home", "_fut", "_cf", "_next", "_cancelling")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[T] | None = None) -> None:
         self._loop = loop
         self._home: LoopThread | None = loop_thread_of(loop)
         self._fut: asyncio.Future[T] = fut if fut is not None else loop.create_future()
-        self._cf: concurrent.futures.Future[T] | None = None
+        #: Held until the work settles: what other threads block on (see :meth:`_thread_signal`).
+        self._cf: _thread.LockType | None = None
         self._next: AsyncWork[Any] | None = None
+        #: Cancelled from another thread, before the loop got to it: done for every reader now.
+        self._cancelling = False
 
     def _on_loop(self) -> bool:
         home = self._home
@@ -93,22 +97,35 @@ class AsyncWork(Generic[T]):
         else:
             self._set_result(fut.result())
 
-    def _concurrent(self) -> concurrent.futures.Future[T]:
-        """A thread-safe mirror of the result, created once (on first cross-thread use)."""
-        cf = self._cf
-        if cf is not None:  # prepared by its producer (or made earlier): no lock needed
-            return cf
+    def _thread_signal(self) -> _thread.LockType:
+        """A lock held until the work settles, for threads to block on; made once.
+
+        A plain lock (one C call to make) rather than a ``concurrent.futures.Future``
+        (a condition, an RLock and a dozen Python lines): a driver thread with 1,000 calls in
+        flight makes one per call. The loop releases it when the work settles; a waiter
+        acquires it and releases it again at once, so every waiting thread gets through.
+        """
+        lock = self._cf
+        if lock is not None:  # prepared by its producer (or made earlier): no lock needed
+            return lock
         with _mirror_lock:
-            cf = self._cf
-            if cf is None:
-                cf = self._cf = concurrent.futures.Future()
-                self._call_on_loop(self._fut.add_done_callback, lambda f: mirror_to(f, cf))
-            return cf
+            lock = self._cf
+            if lock is None:
+                lock = _allocate_lock()
+                lock.acquire()
+                self._cf = lock
+                self._call_on_loop(self._fut.add_done_callback, self._wake_threads)
+            return lock
+
+    def _wake_threads(self, _fut: asyncio.Future[T]) -> None:
+        """The loop-side future's done-callback: let blocked threads through."""
+        lock = self._cf
+        if lock is not None:
+            lock.release()
 
     # ---------------------------------------------------------------- consuming
     def done(self) -> bool:
-        cf = self._cf
-        return self._fut.done() or (cf is not None and cf.done())
+        return self._fut.done() or self._cancelling
 
     def wait(self, timeout: float | None = None) -> T:
         """Block until done and return the result (or raise the work's exception).
@@ -120,19 +137,21 @@ class AsyncWork(Generic[T]):
         """
         if self._fut.done():
             return self._fut.result()
+        if self._cancelling:
+            raise asyncio.CancelledError()
         if self._on_loop():
             raise RuntimeError(
                 "AsyncWork.wait() was called on the aiorl event loop's thread, where blocking "
                 "would stop the loop that delivers the result; use 'await work' in async code"
             )
-        cf = self._concurrent()
-        try:
-            return cf.result(timeout)
-        except concurrent.futures.TimeoutError:
-            if cf.done():
-                raise  # the work's own result is a TimeoutError (on 3.11 the types are one)
-            self.cancel()
-            raise WaitTimeout(f"AsyncWork not done within {timeout} s (cancelled)") from None
+        lock = self._thread_signal()
+        if lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
+            lock.release()
+            return self._fut.result()
+        if self._fut.done():  # settled as the wait expired
+            return self._fut.result()
+        self.cancel()
+        raise WaitTimeout(f"AsyncWork not done within {timeout} s (cancelled)") from None
 
     async def async_wait(self) -> T:
         """Wait without blocking the event loop; same as ``await work``."""
@@ -141,15 +160,33 @@ class AsyncWork(Generic[T]):
     def __await__(self) -> Generator[Any, None, T]:
         if self._on_loop():
             return (yield from self._fut.__await__())
-        return (yield from asyncio.wrap_future(self._concurrent()).__await__())
+        return (yield from self._await_from_other_loop().__await__())
+
+    async def _await_from_other_loop(self) -> T:
+        """Await on a loop other than the runtime's: the outcome is relayed to this loop."""
+        loop = asyncio.get_running_loop()
+        relayed: asyncio.Future[None] = loop.create_future()
+
+        def relay(_fut: asyncio.Future[T]) -> None:  # on the runtime loop
+            try:
+                loop.call_soon_threadsafe(_set_done, relayed)
+            except RuntimeError:
+                pass  # the awaiting loop is closed: nobody is left to tell
+
+        self._call_on_loop(self._fut.add_done_callback, relay)
+        try:
+            await relayed
+        except asyncio.CancelledError:
+            self.cancel()  # the awaiting task was cancelled: so is the work
+            raise
+        return self._fut.result()
 
     def cancel(self) -> bool:
         """Cancel locally (see the module docstring). False if already done."""
-        if self._fut.done():
+        if self._fut.done() or self._cancelling:
             return False
-        cf = self._cf
-        if cf is not None:
-            cf.cancel()  # visible to other threads now, before the loop gets to it
+        if not self._on_loop():
+            self._cancelling = True  # visible to other threads now, before the loop gets to it
         self._call_on_loop(self._fut.cancel)
         return True
 
@@ -197,6 +234,13 @@ class AsyncWork(Generic[T]):
         while work._next is not None:
             work = work._next
         return work
+
+    def __reduce__(self) -> Any:
+        # A work is a handle on a future in this process: it cannot travel. Met in a
+        # return value or a send, it is almost always a missing ``await``.
+        raise TypeError(
+            f"an {type(self).__name__} cannot be returned from a worker method or sent: it is a "
+            "handle on a result in this process; did you forget `await` (or `.wait()`)?")
 
     def __repr__(self) -> str:
         state = "pending"
@@ -267,14 +311,6 @@ class AsyncChannelWork(AsyncWork[T]):
     __slots__ = ()
 
 
-def mirror_to(fut: asyncio.Future[Any], cf: concurrent.futures.Future[Any]) -> None:
-    """Copy ``fut``'s outcome to the thread-safe ``cf`` (a done-callback of ``fut``)."""
-    if cf.done():
-        return
-    if fut.cancelled():
-        cf.cancel()
-        cf.set_running_or_notify_cancel()
-    elif fut.exception() is not None:
-        cf.set_exception(fut.exception())
-    else:
-        cf.set_result(fut.result())
+def _set_done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

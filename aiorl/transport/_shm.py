@@ -43,6 +43,7 @@ __all__ = [
     "SegmentPool",
     "ShmUnavailable",
     "copy_into",
+    "create_segment",
     "open_segment",
     "probe_segment",
 ]
@@ -111,6 +112,11 @@ def _create(size: int, seg_id: int) -> Segment:
         os.close(fd)
         raise ShmUnavailable(f"cannot allocate a {size}-byte shared segment: {exc}") from exc
     return Segment(seg_id, fd, size, mm)
+
+
+def create_segment(size: int) -> Segment:
+    """A segment of exactly ``size`` bytes outside any pool (its owner closes it)."""
+    return _create(size, 0)
 
 
 class PoolFull(ShmUnavailable):
@@ -190,14 +196,15 @@ class SegmentPool:
         self.total_bytes = 0
 
 
-def open_segment(pid: int, fd: int, size: int) -> mmap.mmap:
-    """Map the segment that process ``pid`` holds as ``fd`` (read-write, shared)."""
+def open_segment(pid: int, fd: int, size: int, writable: bool = True) -> mmap.mmap:
+    """Map the segment that process ``pid`` holds as ``fd`` (shared; read-only unless ``writable``)."""
     try:
-        local = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+        local = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR if writable else os.O_RDONLY)
     except OSError as exc:
         raise ShmUnavailable(f"cannot open shared segment fd {fd} of process {pid}: {exc}") from exc
     try:
-        return mmap.mmap(local, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return mmap.mmap(local, size, mmap.MAP_SHARED | _POPULATE, prot)
     except OSError as exc:
         raise ShmUnavailable(f"cannot map shared segment fd {fd} of process {pid}: {exc}") from exc
     finally:

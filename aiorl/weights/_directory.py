@@ -1,0 +1,250 @@
+"""The directory of one weight name: who publishes which shard, and which versions exist where.
+
+Weight name ``x`` has one directory, hosted by the one-rank worker group ``weights.x``
+(launched on demand by the first publisher or subscriber, on its own node, like a channel).
+It never sees a tensor byte: it holds, per shard, the *sources* of that shard (the
+publisher's segment on its node, and on every other node the segment of that node's relay)
+and which version each source's two slots hold. From that it answers the one question a
+subscriber asks: *what is the newest version every shard has on my node, and in which
+slots?* It also elects one relay per (node, shard) whose publisher is elsewhere, and tells
+that relay which version to fetch.
+
+Publishers and relays report a slot only once it is complete (``announce``), so the
+directory's view never includes a version being written; readers still verify each copy
+with the segment's seqlock, because a slot may be overwritten after the directory answered.
+
+The directory watches every publisher and relay through the registry. A dead publisher
+marks its shard *lost* (``wait_for`` beyond the last complete version then raises
+``PeerLostError``) until a new incarnation registers; a dead relay is replaced by the next
+subscriber of its node that polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from aiorl.errors import PeerLostError
+from aiorl.names import WorkerAddress
+from aiorl.runtime import Runtime, current_runtime
+from aiorl.weights._layout import Layout
+from aiorl.weights._segment import SegmentRef
+
+__all__ = ["GROUP_PREFIX", "NodeView", "RelayJob", "ShardSource", "WeightDirectory",
+           "directory_group"]
+
+log = logging.getLogger("aiorl.weights")
+
+#: The directory of weight name ``x`` is the worker group ``weights.x`` (rank 0).
+GROUP_PREFIX = "weights."
+
+
+def directory_group(name: str) -> str:
+    """The worker group hosting the directory of weight name ``name``; validates the name."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("a weight name must be a non-empty string")
+    group = GROUP_PREFIX + name
+    WorkerAddress(group)  # ValueError for ':' (it separates ranks in worker names)
+    return group
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    """One copy of a shard on one node: the worker writing it, its segment, version -> slot."""
+
+    shard: int
+    worker: str
+    endpoint: str
+    ref: SegmentRef
+    slots: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RelayJob:
+    """Fetch ``version`` of ``shard`` from its publisher into this node's relay segment."""
+
+    shard: int
+    version: int
+    publisher: ShardSource
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A directory answer for one subscriber.
+
+    ``version`` is the newest version every shard holds complete on the subscriber's node
+    (None if there is none), ``sources`` the node's source of each shard, ``layouts`` each
+    shard's layout, ``relay_jobs`` what this subscriber should fetch as its node's relay,
+    ``lost`` why a publisher is gone (None while all are alive), ``generation`` the
+    directory state this answers (pass it back to wait for a change).
+    """
+
+    version: int | None
+    sources: tuple[ShardSource, ...]
+    layouts: tuple[Layout, ...]
+    relay_jobs: tuple[RelayJob, ...]
+    lost: str | None
+    generation: int
+
+
+@dataclass
+class _Publisher:
+    source: ShardSource
+    node_id: str
+    layout: Layout
+
+
+class WeightDirectory:
+    """The instance the ``weights.<name>`` worker hosts; its async methods run on its loop."""
+
+    def __init__(self, name: str) -> None:
+        runtime = current_runtime()
+        if runtime is None:
+            raise RuntimeError("a WeightDirectory runs inside an aiorl worker process")
+        self.name = name
+        self.runtime: Runtime = runtime
+        self.num_shards: int | None = None
+        self._publishers: dict[int, _Publisher] = {}
+        self._relays: dict[tuple[str, int], ShardSource] = {}  # (node, shard) -> relay copy
+        self._relay_workers: dict[tuple[str, int], str] = {}  # (node, shard) -> elected relay
+        self._lost: dict[int, str] = {}  # shard -> why its publisher is gone
+        self._by_endpoint: dict[str, str] = {}  # endpoint address -> worker name
+        self._generation = 0
+        self._changed: asyncio.Event | None = None
+        runtime.submit(runtime.endpoint.on_peer_lost, self._on_peer_lost)
+
+    # ------------------------------------------------------------------ publishers
+    async def register_publisher(self, source: ShardSource, num_shards: int, node_id: str,
+                                 layout: Layout) -> None:
+        """Shard ``source.shard`` of ``num_shards`` is published by ``source.worker``."""
+        if self.num_shards is None:
+            self.num_shards = num_shards
+        elif num_shards != self.num_shards:
+            raise ValueError(f"weights {self.name!r} have {self.num_shards} shard(s); a publisher "
+                             f"says {num_shards}")
+        if not 0 <= source.shard < num_shards:
+            raise ValueError(f"shard {source.shard} is outside 0..{num_shards - 1}")
+        names = {t.name for t in layout.tensors}
+        for shard, other in self._publishers.items():
+            clash = names & {t.name for t in other.layout.tensors}
+            if shard != source.shard and clash:
+                raise ValueError(f"shards {shard} and {source.shard} of weights {self.name!r} "
+                                 f"both publish {sorted(clash)[:3]}: shards must be disjoint")
+        old = self._publishers.get(source.shard)
+        if old is not None and old.source.worker != source.worker \
+                and source.shard not in self._lost:
+            raise ValueError(f"shard {source.shard} of weights {self.name!r} is already "
+                             f"published by {old.source.worker}")
+        self._publishers[source.shard] = _Publisher(source, node_id, layout)
+        self._lost.pop(source.shard, None)
+        # Relays of the previous publisher hold its layout: start them afresh.
+        for key in [k for k in self._relays if k[1] == source.shard]:
+            del self._relays[key]
+        await self._watch(source.worker)
+        self._bump()
+
+    async def announce(self, worker: str, shard: int, version: int, slot: int,
+                       ref: SegmentRef | None = None, node_id: str = "") -> None:
+        """``worker`` (the shard's publisher, or a relay with its ``ref`` and node) completed
+        ``version`` in ``slot``; the other slot keeps the version it held."""
+        pub = self._publishers.get(shard)
+        if pub is None:
+            raise LookupError(f"shard {shard} of weights {self.name!r} has no publisher")
+        if worker == pub.source.worker:
+            source = pub.source
+        else:
+            if self._relay_workers.get((node_id, shard)) != worker or ref is None:
+                return  # a relay that was replaced meanwhile
+            source = self._relays.get((node_id, shard))
+            if source is None or source.ref != ref:
+                source = self._relays[(node_id, shard)] = ShardSource(
+                    shard, worker, "", ref)
+        for held, held_slot in list(source.slots.items()):
+            if held_slot == slot:
+                del source.slots[held]
+        source.slots[version] = slot
+        self._bump()
+
+    # ------------------------------------------------------------------ subscribers
+    async def poll(self, worker: str, node_id: str, generation: int, wait_s: float) -> NodeView:
+        """The state for subscriber ``worker`` on ``node_id`` once it is newer than
+        ``generation`` (or after ``wait_s`` seconds, whichever comes first)."""
+        if generation >= self._generation:
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._changed.wait(), wait_s)
+            except TimeoutError:
+                pass
+        return self._view(worker, node_id)
+
+    def _view(self, worker: str, node_id: str) -> NodeView:
+        n = self.num_shards
+        if n is None or len(self._publishers) < n:
+            return NodeView(None, (), (), (), self._lost_reason(), self._generation)
+        sources: list[ShardSource] = []
+        jobs: list[RelayJob] = []
+        newest = self._newest({s: p.source for s, p in self._publishers.items()})
+        for shard in range(n):
+            pub = self._publishers[shard]
+            if pub.node_id == node_id:
+                sources.append(pub.source)
+                continue
+            key = (node_id, shard)
+            relay = self._relay_workers.setdefault(key, worker)
+            copy = self._relays.get(key)
+            if relay == worker and newest is not None and newest not in (copy.slots if copy else {}) \
+                    and shard not in self._lost:
+                jobs.append(RelayJob(shard, newest, pub.source))
+            sources.append(copy or ShardSource(shard, relay, "", pub.source.ref))
+        version = self._newest(dict(enumerate(sources)))
+        layouts = tuple(self._publishers[s].layout for s in range(n))
+        return NodeView(version, tuple(sources), layouts, tuple(jobs), self._lost_reason(),
+                        self._generation)
+
+    @staticmethod
+    def _newest(sources: dict[int, ShardSource]) -> int | None:
+        """The newest version every source holds complete (None when they share none)."""
+        common: set[int] | None = None
+        for source in sources.values():
+            held = set(source.slots)
+            common = held if common is None else common & held
+        return max(common) if common else None
+
+    def _lost_reason(self) -> str | None:
+        if not self._lost:
+            return None
+        return "; ".join(f"shard {s}: {why}" for s, why in sorted(self._lost.items()))
+
+    # ------------------------------------------------------------------ deaths
+    async def _watch(self, worker: str) -> None:
+        try:
+            info = await self.runtime.resolve_worker(worker, timeout=60.0)
+        except PeerLostError as exc:
+            self._worker_lost(worker, str(exc))
+            return
+        self._by_endpoint[str(info["endpoint"])] = worker
+        if self.runtime.endpoint.is_lost(str(info["endpoint"])):
+            self._worker_lost(worker, f"worker {worker} is gone")
+
+    def _on_peer_lost(self, address: str, exc: BaseException) -> None:
+        worker = self._by_endpoint.get(address)
+        if worker is not None:
+            self._worker_lost(worker, str(exc) or f"worker {worker} is gone")
+
+    def _worker_lost(self, worker: str, reason: str) -> None:
+        for shard, pub in self._publishers.items():
+            if pub.source.worker == worker:
+                self._lost[shard] = f"publisher {worker} is gone: {reason}"
+        for key, relay in list(self._relay_workers.items()):
+            if relay == worker:
+                del self._relay_workers[key]
+                self._relays.pop(key, None)
+        self._bump()
+
+    def _bump(self) -> None:
+        self._generation += 1
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
