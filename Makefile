@@ -1,15 +1,28 @@
-# Every setup path installs the CPU torch wheel first: a looser torch requirement
-# resolved on a machine without torch would pull gigabytes of CUDA packages.
+# Every setup path installs torch first, from PyTorch's CPU wheel index by default: on Linux
+# x86-64, PyPI's torch is the CUDA build, and pinning its version alone still pulls gigabytes of
+# CUDA packages. On a GPU machine: make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# (the index for your CUDA version), or TORCH_INDEX= for PyPI's default build.
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+PIP = $(PYTHON) -m pip install --progress-bar on
 
-.PHONY: setup demo test bench lint
+.PHONY: torch setup demo test bench lint docs docs-build
 
-setup:
-	$(PYTHON) -m pip install -q torch==$(TORCH_VERSION)
-	$(PYTHON) -m pip install -q -e ".[test]"
+torch:
+	@echo "== torch $(TORCH_VERSION) from $(or $(TORCH_INDEX),PyPI) (about 200 MB for the CPU build; nothing to fetch if installed)"
+	@$(PIP) "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) || { \
+	  echo "== $(TORCH_INDEX) is unreachable: installing torch $(TORCH_VERSION) from PyPI instead (on Linux x86-64 that is the CUDA build)"; \
+	  $(PIP) "torch==$(TORCH_VERSION)"; }
 
-demo: setup
+setup: torch
+	@echo "== aiorl, its dependencies and the test tools"
+	$(PIP) -e ".[test]"
+
+demo: torch
+	@echo "== aiorl and its runtime dependencies (pyzmq, msgpack, uvloop, omegaconf, cloudpickle, numpy)"
+	$(PIP) -e .
+	@echo "== aiorl demo --steps 20"
 	$(PYTHON) -m aiorl.cli.main demo --steps 20
 
 test: setup
@@ -27,3 +40,13 @@ lint: setup
 	$(PYTHON) -m ruff check aiorl tests benchmarks examples
 	lint-imports
 	$(PYTHON) -m mypy
+
+# The documentation site (mkdocs.yml): `make docs` serves it on http://127.0.0.1:8000 and
+# rebuilds on every change; `make docs-build` is what CI runs (warnings are errors).
+docs: torch
+	$(PIP) -e ".[docs]"
+	$(PYTHON) -m mkdocs serve
+
+docs-build: torch
+	$(PIP) -e ".[docs]"
+	$(PYTHON) -m mkdocs build --strict --site-dir site

@@ -63,7 +63,15 @@ __all__ = [
 
 
 class AiorlError(Exception):
-    """Base class of every error aiorl raises on purpose."""
+    """Base class of every error aiorl raises on purpose.
+
+    Example::
+
+        try:
+            group.step().wait(60)
+        except aiorl.AiorlError as exc:   # any aiorl failure: remote, lost peer, timeout, ...
+            log.error("step failed: %s", exc)
+    """
 
 
 class RemoteError(AiorlError):
@@ -72,7 +80,9 @@ class RemoteError(AiorlError):
     Where the original type is a built-in exception (``KeyError``, ``ValueError``,
     ``TimeoutError``, ...), the error raised here is also an instance of it, as Ray's task
     errors are, so code written for the local case keeps working; the remote traceback is
-    kept either way::
+    kept either way.
+
+    Example::
 
         try:
             group.lookup("missing").wait()
@@ -119,7 +129,18 @@ class RemoteError(AiorlError):
 
 
 class WorkerInitError(RemoteError):
-    """A worker's ``__init__`` raised, or its process could not start."""
+    """A worker's ``__init__`` raised, or its process could not start.
+
+    Every call to that rank fails with it, carrying ``__init__``'s traceback.
+
+    Example::
+
+        group = Trainer.create_group(bad_cfg).launch(cluster, num_workers=2)
+        try:
+            group.wait_ready(60)
+        except aiorl.WorkerInitError as exc:
+            print(exc.rank, exc.remote_traceback)
+    """
 
 
 _R = TypeVar("_R", bound="RegistryError")
@@ -131,10 +152,18 @@ class RegistryError(RemoteError):
     It is a :class:`RemoteError` raised by the worker named ``"registry"`` at
     rank -1, so code that caught ``RemoteError`` around registry calls keeps
     working. Build one with :meth:`from_message`.
+
+    Example::
+
+        try:
+            Reward.create_group().launch(cluster, name="reward")
+        except aiorl.RegistryError as exc:   # GroupExistsError here
+            print(exc)                       # the registry's reason, alone
     """
 
     @classmethod
     def from_message(cls: type[_R], message: str, remote_traceback: str = "") -> _R:
+        """The error the registry raised with ``message`` (worker ``"registry"``, rank -1)."""
         return cls("registry", -1, cls.__name__, message, remote_traceback)
 
     def __str__(self) -> str:
@@ -142,59 +171,187 @@ class RegistryError(RemoteError):
 
 
 class NotFoundError(RegistryError, LookupError):
-    """The registry has no such group, worker or node."""
+    """The registry has no such group, worker or node (also a :class:`LookupError`).
+
+    Example::
+
+        try:
+            reward = WorkerGroup.from_group_name(cluster, Reward, "reward")
+        except LookupError:               # aiorl.NotFoundError and its subclasses
+            reward = Reward.create_group().launch(cluster, name="reward")
+    """
 
 
 class GroupNotFoundError(NotFoundError):
-    """No live worker group has this name."""
+    """No live worker group has this name.
+
+    Example::
+
+        try:
+            self.recv("nobody", 0).wait(5)
+        except aiorl.GroupNotFoundError as exc:
+            print(exc)                    # ... no worker group named 'nobody' exists ...
+    """
 
 
 class WorkerNotFoundError(NotFoundError):
-    """The group exists, but has no worker of this name or rank."""
+    """The group exists, but has no worker of this name or rank.
+
+    Example::
+
+        try:
+            await self.send(batch, "trainer", 99)   # trainer has 2 ranks
+        except aiorl.WorkerNotFoundError as exc:
+            print(exc)
+    """
 
 
 class ConflictError(RegistryError, ValueError):
-    """The request conflicts with the registry's state (a name or rank already taken)."""
+    """The request conflicts with the registry's state (a name or rank already taken); also a
+    :class:`ValueError`.
+
+    Example::
+
+        try:
+            Reward.create_group().launch(cluster, name="reward")
+        except ValueError:                # aiorl.ConflictError: the name is taken
+            ...
+    """
 
 
 class GroupExistsError(ConflictError):
-    """A live worker group already has this name."""
+    """A live worker group already has this name (a :class:`ValueError`).
+
+    Example::
+
+        Reward.create_group().launch(cluster, name="reward")
+        try:
+            Reward.create_group().launch(cluster, name="reward")
+        except aiorl.GroupExistsError as exc:
+            print(exc)                    # a worker group named 'reward' already exists
+    """
 
 
 class NodeRankTakenError(ConflictError):
-    """Another live node agent already holds this node rank."""
+    """Another live node agent already holds this node rank.
+
+    The registry refuses an ``aiorl-node --node-rank R`` while another live agent holds
+    rank ``R``; leave ``--node-rank`` out to get the lowest free rank.
+
+    Example::
+
+        $ aiorl-node --registry tcp://head:6380 --node-rank 0 --key-file cluster.key
+        ... NodeRankTakenError: node rank 0 is already taken by another live node
+    """
 
 
 class WaitTimeout(AiorlError, TimeoutError):
-    """A wait (``AsyncWork.wait``, a blocking call, resolving a worker) ran out of time."""
+    """A wait (``AsyncWork.wait``, a blocking call, resolving a worker) ran out of time; also a
+    :class:`TimeoutError`. The work is cancelled locally; remote code already running goes on.
+
+    Example::
+
+        try:
+            group.slow_step().wait(timeout=5)
+        except TimeoutError:              # aiorl.WaitTimeout
+            ...
+    """
 
 
 class PeerLostError(AiorlError):
-    """The peer of a pending or new operation died or became unreachable."""
+    """The peer of a pending or new operation died or became unreachable.
+
+    The message names the worker, how it died and its last output lines (docs/failures.md).
+
+    Example::
+
+        try:
+            results = group.step().wait()
+        except aiorl.PeerLostError as exc:
+            print(exc)                    # worker rollout:3 (pid ...) was killed by SIGKILL ...
+            group.close()
+    """
 
 
 class PlacementError(AiorlError, ValueError):
-    """An invalid placement string, node group or strategy."""
+    """An invalid placement string, node group or strategy (also a :class:`ValueError`); the
+    message quotes the offending segment and the rule it breaks.
+
+    Example::
+
+        try:
+            Trainer.create_group().launch(cluster, "0-9")   # the cluster has 8 GPUs
+        except aiorl.PlacementError as exc:
+            print(exc)                    # '0-9': resource rank 9 is out of range; ...
+    """
 
 
 class QueueFull(AiorlError, asyncio.QueueFull):
-    """``put_nowait`` found the channel queue full (also an :class:`asyncio.QueueFull`)."""
+    """``put_nowait`` found the channel queue full (also an :class:`asyncio.QueueFull`).
+
+    Example::
+
+        try:
+            channel.put_nowait(item)
+        except aiorl.QueueFull:
+            dropped += 1
+    """
 
 
 class QueueEmpty(AiorlError, asyncio.QueueEmpty):
-    """``get_nowait`` found the channel queue empty (also an :class:`asyncio.QueueEmpty`)."""
+    """``get_nowait`` found the channel queue empty (also an :class:`asyncio.QueueEmpty`).
+
+    Example::
+
+        try:
+            item = channel.get_nowait()
+        except aiorl.QueueEmpty:
+            item = None
+    """
 
 
 class RegistryUnavailable(AiorlError):
-    """The registry did not answer within the timeout."""
+    """The registry did not answer within the timeout, or refused this process's key.
+
+    The message tells the two apart where the client can: "refused: wrong or missing key"
+    when the registry rejected the handshake, "no answer from tcp://... (wrong address, or a
+    key mismatch)" when it heard nothing (under CURVE, a wrong key is silence).
+
+    Example::
+
+        try:
+            cluster = aiorl.Cluster(registry="tcp://head:6380", key_file="cluster.key")
+        except aiorl.RegistryUnavailable as exc:
+            sys.exit(f"cannot reach the cluster: {exc}")
+    """
 
 
 class AuthenticationError(AiorlError):
-    """A peer failed authentication (e.g. wrong CURVE keys)."""
+    """A peer failed authentication (e.g. wrong CURVE keys), or a key cannot be used here
+    (PLAIN over TCP, a socket directory others can enter); docs/security.md.
+
+    Example::
+
+        try:
+            cluster = aiorl.Cluster(registry="tcp://head:6380", key_file="cluster.key")
+        except (aiorl.AuthenticationError, aiorl.RegistryUnavailable) as exc:
+            sys.exit(f"check the key file: {exc}")
+    """
 
 
 class ProtocolError(AiorlError):
-    """A message was malformed, truncated, or of an unknown protocol version."""
+    """A message was malformed, truncated, or of an unknown protocol version.
+
+    Seen when processes of different aiorl versions meet, or something that is not aiorl
+    talks to an aiorl port; the message names the field.
+
+    Example::
+
+        try:
+            group.step().wait()
+        except aiorl.ProtocolError as exc:   # e.g. a worker started from another aiorl version
+            print(exc)
+    """
 
 
 # ---------------------------------------------------------------------------- wire codec
@@ -248,21 +405,24 @@ def from_wire(meta: Any) -> BaseException:
     return cls(message)
 
 
-#: "builtins.KeyError" -> the RemoteError subclass that also derives from KeyError.
-_BUILTIN_REMOTE_CLASSES: dict[str, type[RemoteError]] = {}
+#: "builtins.KeyError" -> the RemoteError subclass that is also a KeyError (or RemoteError).
+_DERIVED_REMOTE_CLASSES: dict[str, type[RemoteError]] = {}
 
 
 def remote_error(worker_name: str, rank: int, exc_type: str, message: str,
                  remote_traceback: str) -> RemoteError:
     """A :class:`RemoteError` for a remote exception of type ``exc_type`` (a qualified name).
 
-    For a built-in exception type (``"builtins.KeyError"``) the error is an instance of a
-    subclass of both ``RemoteError`` and that type, made once per type and cached, so that
-    ``except KeyError`` catches it. Only built-ins are looked up (by name, in the
-    ``builtins`` module): nothing the sender names is imported. A type whose instance
-    layout or constructor cannot be combined with ``RemoteError`` (``UnicodeDecodeError``,
-    which checks its arguments) gives a plain ``RemoteError``; so do ``StopIteration`` and
-    ``StopAsyncIteration``, which would change control flow where they are raised.
+    Where the type allows, the error is also an instance of the original type, as Ray's task
+    errors are: ``except KeyError`` catches a worker's ``KeyError`` (``"builtins.KeyError"``),
+    ``except ValueError`` a registry refusal a worker met (``"aiorl.errors.GroupExistsError"``:
+    every registry error and ``PlacementError`` qualify), also when passed on by another
+    worker (``"aiorl.errors.RemoteError(KeyError)"``). The class is derived once per type and
+    cached. Only built-ins and aiorl's own error classes are looked up, by name: nothing the
+    sender names is imported. A type whose instance layout or constructor cannot be combined
+    with ``RemoteError`` (``UnicodeDecodeError``, which checks its arguments) gives a plain
+    ``RemoteError``; so do ``StopIteration`` and ``StopAsyncIteration``, which would change
+    control flow where they are raised.
 
     Example::
 
@@ -270,23 +430,41 @@ def remote_error(worker_name: str, rank: int, exc_type: str, message: str,
         assert isinstance(err, KeyError) and isinstance(err, RemoteError)
     """
     fields = (worker_name, rank, exc_type, message, remote_traceback)
-    cls = _BUILTIN_REMOTE_CLASSES.get(exc_type)
+    cls = _DERIVED_REMOTE_CLASSES.get(exc_type)
     if cls is None:
-        cls = RemoteError
-        module, _, name = exc_type.rpartition(".")
-        base = getattr(builtins, name, None) if module == "builtins" else None
-        if isinstance(base, type) and issubclass(base, Exception) and not issubclass(
-                base, (AiorlError, StopIteration, StopAsyncIteration)):  # those change control flow
-            try:
-                derived = type(f"RemoteError({name})", (RemoteError, base),
-                               {"__module__": __name__, "__qualname__": f"RemoteError({name})"})
-                derived(*fields)  # some built-ins check their arguments (UnicodeDecodeError)
-                cls = derived
-            except TypeError:  # an instance layout or constructor that cannot be combined
-                pass
-        if len(_BUILTIN_REMOTE_CLASSES) < 256:  # built-ins are finite; bound it anyway
-            _BUILTIN_REMOTE_CLASSES[exc_type] = cls
+        cls = _derive_remote_class(exc_type, fields)
+        if len(_DERIVED_REMOTE_CLASSES) < 256:  # the types are finite; bound it anyway
+            _DERIVED_REMOTE_CLASSES[exc_type] = cls
     return cls(*fields)
+
+
+def _derive_remote_class(exc_type: str, fields: tuple[Any, ...]) -> type[RemoteError]:
+    module, _, name = exc_type.rpartition(".")
+    if module == __name__ and name.startswith("RemoteError(") and name.endswith(")"):
+        name = name[len("RemoteError("):-1]  # a worker passed on a derived error
+        module = __name__ if name in _WIRE_CLASSES else "builtins"
+    base: Any = None
+    if module == "builtins":
+        base = getattr(builtins, name, None)
+        if not (isinstance(base, type) and issubclass(base, Exception)) or issubclass(
+                base, (AiorlError, StopIteration, StopAsyncIteration)):  # those change control flow
+            return RemoteError
+    elif module == __name__ and issubclass(_WIRE_CLASSES.get(name, AiorlError),
+                                           (RegistryError, PlacementError)):
+        base = _WIRE_CLASSES[name]  # "not found", "exists", a bad placement, met by a worker
+    else:
+        return RemoteError
+    # A RemoteError subclass (a registry error a worker met) is derived from alone; its
+    # str() names the worker that passed it on, as every RemoteError's does.
+    bases = (base,) if issubclass(base, RemoteError) else (RemoteError, base)
+    try:
+        derived: type[RemoteError] = type(
+            f"RemoteError({name})", bases, {"__module__": __name__, "__qualname__":
+                                            f"RemoteError({name})", "__str__": RemoteError.__str__})
+        derived(*fields)  # some built-ins check their arguments (UnicodeDecodeError)
+    except TypeError:  # an instance layout or constructor that cannot be combined
+        return RemoteError
+    return derived
 
 
 def _text(value: Any) -> str:

@@ -62,6 +62,13 @@ class WorkerAddress:
 
     Ordering compares the root name first, then the rank path numerically, so
     ``g:2 < g:10``. Addresses are immutable and hashable.
+
+    Example::
+
+        addr = WorkerAddress("rollout", 3)
+        addr.get_name()                                   # "rollout:3"
+        WorkerAddress.from_name("rollout:3:0").rank_path  # [3, 0]
+        addr.get_child_address(0).get_parent_address() == addr   # True
     """
 
     __slots__ = ("_root", "_path")
@@ -91,10 +98,12 @@ class WorkerAddress:
 
     @property
     def root_group_name(self) -> str:
+        """The group name at the root of the path (``"rollout"``)."""
         return self._root
 
     @property
     def rank_path(self) -> list[int]:
+        """The ranks below the root, outermost first (``[3, 0]`` for ``"rollout:3:0"``)."""
         return list(self._path)
 
     @property
@@ -103,6 +112,7 @@ class WorkerAddress:
         return self._path[-1] if self._path else 0
 
     def get_name(self) -> str:
+        """The address as text, ``"root:rank:subrank"`` (the root alone for a group)."""
         return ":".join([self._root, *map(str, self._path)])
 
     def get_parent_rank(self) -> int:
@@ -110,11 +120,13 @@ class WorkerAddress:
         return self._path[-2] if len(self._path) >= 2 else 0
 
     def get_parent_address(self) -> WorkerAddress | None:
+        """The address one level up (``"g:1"`` for ``"g:1:0"``); None for a root."""
         if not self._path:
             return None
         return WorkerAddress(self._root, self._path[:-1])
 
     def get_child_address(self, rank: int) -> WorkerAddress:
+        """The address one level down, at ``rank``."""
         return WorkerAddress(self._root, (*self._path, rank))
 
     def _key(self) -> tuple[str, tuple[int, ...]]:
@@ -145,7 +157,15 @@ class WorkerAddress:
 
 @dataclass
 class WorkerInfo:
-    """What the registry knows about one running worker."""
+    """What the registry knows about one running worker.
+
+    Example::
+
+        class Rollout(aiorl.Worker):
+            def where(self):
+                info = self.worker_info
+                return info.name, info.node_rank, info.available_accelerators, info.pid
+    """
 
     address: WorkerAddress
     rank: int
@@ -162,6 +182,7 @@ class WorkerInfo:
 
     @property
     def name(self) -> str:
+        """The worker's name, ``"group:rank"``."""
         return self.address.get_name()
 
     def to_wire(self) -> dict[str, Any]:
@@ -183,6 +204,7 @@ class WorkerInfo:
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> WorkerInfo:
+        """Inverse of :meth:`to_wire`."""
         d = dict(d)
         d["address"] = WorkerAddress.from_name(d["address"])
         known = cls.__dataclass_fields__.keys()

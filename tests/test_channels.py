@@ -8,6 +8,7 @@ two nodes, each test with its own channel and group names.
 from __future__ import annotations
 
 import asyncio
+import enum
 import os
 import signal
 import threading
@@ -18,13 +19,18 @@ import pytest
 import torch
 
 import aiorl
-from aiorl.channels import Channel, QueueStats
+from aiorl.channels import Channel, QueuedItem, QueueStats
+from aiorl.channels._client import key_from_wire, wire_key
 from aiorl.channels._queue import Done, WeightedQueue
 from aiorl.errors import PeerLostError, QueueEmpty, QueueFull
 from aiorl.placement import NodePlacementStrategy
 from aiorl.transport.serialization import SerializationError
 
 pytestmark = pytest.mark.timeout(120)
+
+
+class Color(enum.Enum):
+    RED = "red"
 
 
 # ---------------------------------------------------------------------- pure queue logic
@@ -136,6 +142,26 @@ def test_queue_cancel_and_unget_keep_order() -> None:
     assert [q2.get_nowait()[0][0] for _ in range(5)] == ["v", "w", "x", "y", "z"]
 
 
+def test_wire_keys_are_canonical() -> None:
+    """Equal keys name one queue in every process, however they were built; str keys
+    travel as they are; other keys come back as they were given."""
+    a1, a2 = "".join(["a", "b"]), "".join(["a", "b"])  # equal, distinct objects
+    assert a1 is not a2 and wire_key((a1, a1)) == wire_key((a1, a2))  # pickle would differ
+    assert wire_key("plain") == "plain"
+    for key in [("episode", 3, (1.5, None)), 7, None, b"raw", Color.RED]:
+        assert key_from_wire(wire_key(key)) == key
+    assert len({wire_key(1), wire_key(1.0), wire_key(True)}) == 3  # documented: three keys
+    with pytest.raises(TypeError, match="hashable"):
+        wire_key(["a", "list"])  # type: ignore[arg-type]
+
+
+def test_queue_errors_are_asyncio_queue_errors() -> None:
+    """RLinf code catches asyncio.QueueEmpty / asyncio.QueueFull."""
+    assert issubclass(aiorl.QueueEmpty, asyncio.QueueEmpty)
+    assert issubclass(aiorl.QueueFull, asyncio.QueueFull)
+    assert issubclass(aiorl.QueueFull, aiorl.AiorlError)
+
+
 # ---------------------------------------------------------------------- workers for the system tests
 class Producer(aiorl.Worker):
     async def produce(self, ch: Channel, n: int, window: int = 512) -> int:
@@ -236,6 +262,10 @@ class Producer(aiorl.Worker):
         after = await ch.get("mixed")
         stats = await ch.statistics()
         return [first, batch, after, stats["mixed"].qsize]
+
+    async def peek_on_loop(self, ch: Channel) -> tuple[str, list[Any]]:
+        """On the event loop str() cannot block (it is the repr) and peek_all is awaited."""
+        return str(ch), await ch.peek_all("shown")
 
     async def pending_get(self, ch: Channel) -> str:
         try:
@@ -638,4 +668,27 @@ def test_statistics_from_a_coroutine_on_another_loop(cluster: aiorl.Cluster) -> 
         assert stats["idle"].waiting_getters == 1
         assert ch.get().wait(10) == "x"
     finally:
+        ch.destroy().wait(10)
+
+
+def test_str_and_peek_all_on_a_plain_channel(cluster: aiorl.Cluster) -> None:
+    ch = Channel.create(cluster, "shown", maxsize=5)
+    group = Producer.create_group().launch(cluster, name="shown-w")
+    try:
+        ch.put({"obs": list(range(100))}, weight=3, key="shown")
+        ch.put("second", weight=1, key="shown")
+        assert [q.item for q in ch.peek_all(queue_name="shown")] == [
+            {"obs": list(range(100))}, "second"]
+        assert str(ch).splitlines() == [
+            "Channel 'shown': 1 queue",
+            "  'shown': 2/5 item(s), weight 4",
+            "    [0] weight 3: {'obs': [0, 1, 2, 3, ...]}",
+            "    [1] weight 1: 'second'",
+        ]
+        text, peeked = group.peek_on_loop(ch).wait(30)[0]
+        assert text.startswith("<Channel 'shown'")  # the repr: no blocking snapshot
+        assert peeked == [QueuedItem({"obs": list(range(100))}, 3.0), QueuedItem("second", 1.0)]
+        assert ch.qsize("shown") == 2  # nothing was taken
+    finally:
+        group.close()
         ch.destroy().wait(10)

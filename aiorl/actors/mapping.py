@@ -41,7 +41,8 @@ log = logging.getLogger("aiorl.mapping")
 
 
 class MappingThread:
-    """See the module docstring.
+    """A thread that takes items from ``upstream_queue``, maps them with ``map_fn`` and puts
+    the results into ``downstream_queue``, until :meth:`stop` (details: the module docstring).
 
     Args:
         map_fn: called with each upstream item; its result goes downstream.
@@ -53,6 +54,17 @@ class MappingThread:
         poll_interval: seconds to wait on a queue before re-checking the stop flag.
         daemon: whether the thread is a daemon (default True, so a thread left
             running does not keep its process alive).
+
+    Example::
+
+        raw, ready = queue.Queue(maxsize=8), queue.Queue(maxsize=8)
+        t = MappingThread(lambda batch: batch.to("cuda", non_blocking=True), raw, ready,
+                          cuda_device=0)
+        t.start()
+        raw.put(cpu_batch)
+        gpu_batch = ready.get()
+        t.stop()
+        t.join()          # re-raises what map_fn raised, if anything
     """
 
     def __init__(
@@ -86,6 +98,7 @@ class MappingThread:
 
     @property
     def name(self) -> str:
+        """The thread's name."""
         return self._thread.name
 
     def start(self) -> None:
@@ -101,6 +114,7 @@ class MappingThread:
         return self._stop.is_set()
 
     def is_alive(self) -> bool:
+        """Whether the thread is running (started, and not ended)."""
         return self._thread.is_alive()
 
     def join(self, timeout: float | None = None) -> None:

@@ -65,7 +65,14 @@ DEFAULT_STATS_INTERVAL = 10.0
 
 @dataclass(frozen=True)
 class PollResult:
-    """What one ``_poll()`` did: samples produced/consumed and batches completed."""
+    """What one ``_poll()`` did: samples produced/consumed and batches completed.
+
+    Example::
+
+        def _poll(self):
+            batch = self.env.step()
+            return aiorl.PollResult(sample_count=len(batch), batch_count=1)
+    """
 
     sample_count: int = 0
     batch_count: int = 0
@@ -245,6 +252,24 @@ class PollingWorker(Worker):
       log stats to Weights & Biases (when ``wandb`` is installed);
     * ``tensorboard``: true, or ``{"log_dir": ...}``, to also write them as
       TensorBoard scalars (when ``tensorboard`` is installed).
+
+    Example::
+
+        class Actor(aiorl.PollingWorker):
+            def _configure(self, config):
+                self.env = make_env(config["env"])
+
+            def _poll(self):
+                self.env.step()
+                return aiorl.PollResult(sample_count=1)
+
+        actors = Actor.create_group().launch(cluster, num_workers=4, name="actor")
+        actors.configure({"env": "CartPole"}).wait()
+        running = actors.run()               # polls while running; returns after exit()
+        actors.start().wait()
+        ...
+        actors.exit().wait()
+        running.wait()
     """
 
     # Class-level defaults: the lifecycle works also in a subclass whose __init__

@@ -63,7 +63,29 @@ class _AnyWorker(metaclass=_AnyPublicMethod):
 
 
 class Worker:
-    """Base class of aiorl workers. See the module docstring."""
+    """Base class of aiorl workers: subclass it, then ``create_group(...).launch(cluster)``.
+
+    In the worker process, ``async def`` methods run concurrently on the worker's event loop;
+    plain methods run one at a time, in arrival order, on the worker's method thread (so they
+    may block, and may ``.wait()`` on works). ``__init__`` runs on the method thread; call
+    ``super().__init__()`` first. Identity (``rank``, ``world_size``, ``worker_name``, ...)
+    is known from the start of ``__init__``.
+
+    Example::
+
+        class Rollout(aiorl.Worker):
+            def __init__(self, hidden):
+                super().__init__()
+                self.policy = torch.nn.Linear(hidden, 2)
+
+            async def generate(self, n):      # concurrent, on the event loop
+                return self.policy(torch.randn(n, self.policy.in_features))
+
+            def where(self):                  # in order, on the method thread
+                return f"{self.worker_name} on node {self.worker_info.node_rank}"
+
+        group = Rollout.create_group(16).launch(cluster, num_workers=4, name="rollout")
+    """
 
     _aiorl_ctx: WorkerContext | None
 
@@ -80,26 +102,32 @@ class Worker:
     # ------------------------------------------------------------------ identity
     @property
     def worker_info(self) -> WorkerInfo:
+        """Where this worker runs: node, accelerators, pid, endpoint (:class:`~aiorl.WorkerInfo`)."""
         return self._ctx().info
 
     @property
     def worker_address(self) -> WorkerAddress:
+        """This worker's address (``WorkerAddress("rollout", 3)``)."""
         return self._ctx().info.address
 
     @property
     def worker_name(self) -> str:
+        """This worker's name, ``"group:rank"`` (``"rollout:3"``)."""
         return self._ctx().info.name
 
     @property
     def rank(self) -> int:
+        """This worker's rank in its group, ``0 .. world_size - 1``."""
         return self._ctx().info.rank
 
     @property
     def world_size(self) -> int:
+        """The number of ranks in this worker's group."""
         return self._ctx().info.group_world_size
 
     @property
     def worker_group_name(self) -> str:
+        """The name of this worker's group (``"rollout"``)."""
         return self._ctx().info.address.root_group_name
 
     def _ctx(self) -> WorkerContext:
@@ -121,34 +149,55 @@ class Worker:
         logger.log(level, msg, *args, stacklevel=3)
 
     def log_debug(self, msg: str, *args: Any) -> None:
+        """Log at DEBUG; the line carries the worker's name (``self.log_info("step %d", i)``)."""
         self._log(logging.DEBUG, msg, *args)
 
     def log_info(self, msg: str, *args: Any) -> None:
+        """Log at INFO, ``%``-style arguments; the line carries the worker's name."""
         self._log(logging.INFO, msg, *args)
 
     def log_warning(self, msg: str, *args: Any) -> None:
+        """Log at WARNING; the line carries the worker's name."""
         self._log(logging.WARNING, msg, *args)
 
     def log_error(self, msg: str, *args: Any) -> None:
+        """Log at ERROR; the line carries the worker's name."""
         self._log(logging.ERROR, msg, *args)
 
     # ------------------------------------------------------------------ point-to-point
     # Implemented in aiorl.p2p; see API.md section 4 and docs/ordering.md.
-    def send(self, obj: Any, dst_group_name: str, dst_rank: int | Sequence[int]) -> AsyncWork[None]:
+    # ``async_op`` is RLinf's switch: True (aiorl's default) returns the AsyncWork;
+    # False waits for it and returns its result (RLinf's default; not on the event loop).
+    def send(self, obj: Any, dst_group_name: str, dst_rank: int | Sequence[int],
+             async_op: bool = True) -> Any:
         """Send ``obj`` (any picklable object, tensors, containers of tensors) to a worker."""
-        return self._p2p().send(obj, dst_group_name, dst_rank)
+        return _sync_unless(async_op, self._p2p().send(obj, dst_group_name, dst_rank))
 
-    def recv(self, src_group_name: str, src_rank: int | Sequence[int]) -> AsyncWork[Any]:
+    def recv(self, src_group_name: str, src_rank: int | Sequence[int],
+             async_op: bool = True) -> Any:
         """Receive the next object sent to this worker by ``src_group_name:src_rank``."""
-        return self._p2p().recv(src_group_name, src_rank)
+        return _sync_unless(async_op, self._p2p().recv(src_group_name, src_rank))
 
-    def send_tensor(self, tensor: Any, dst_group_name: str, dst_rank: int | Sequence[int]) -> AsyncWork[None]:
+    def send_tensor(self, tensor: Any, dst_group_name: str, dst_rank: int | Sequence[int],
+                    async_op: bool = True) -> Any:
         """Send one tensor into a receiver's preallocated buffer, with no metadata exchange."""
-        return self._p2p().send_tensor(tensor, dst_group_name, dst_rank)
+        return _sync_unless(async_op, self._p2p().send_tensor(tensor, dst_group_name, dst_rank))
 
-    def recv_tensor(self, tensor: Any, src_group_name: str, src_rank: int | Sequence[int]) -> AsyncWork[Any]:
+    def recv_tensor(self, tensor: Any, src_group_name: str, src_rank: int | Sequence[int],
+                    async_op: bool = True) -> Any:
         """Fill the preallocated ``tensor`` with the next ``send_tensor`` from the source."""
-        return self._p2p().recv_tensor(tensor, src_group_name, src_rank)
+        return _sync_unless(async_op, self._p2p().recv_tensor(tensor, src_group_name, src_rank))
+
+    # Implemented in aiorl.collective; see API.md section 8 and docs/broadcast.md.
+    def broadcast(self, obj: Any = None, groups: list[tuple[str, Any]] | None = None,
+                  src: tuple[str, Any] | None = None, async_op: bool = False) -> Any:
+        """Broadcast ``obj`` from ``src`` (default: the first worker ``groups`` names) to every
+        worker of ``groups``; every member calls it with the same ``groups`` and ``src`` and gets
+        the object (an AsyncWork of it with ``async_op=True``). RLinf's signature and errors."""
+        from aiorl.collective import get_broadcaster
+
+        work = get_broadcaster(self._runtime).broadcast(obj, groups, src, self.worker_address)
+        return _sync_unless(async_op, work)
 
     def _p2p(self) -> P2PEngine:
         return get_p2p(self._runtime)
@@ -157,22 +206,53 @@ class Worker:
     # Implemented in aiorl.channels; see API.md section 5.
     def create_channel(
         self,
-        name: str,
+        name: str | None = None,
         group_affinity: str | None = None,
         group_rank_affinity: int | None = None,
         maxsize: int = 0,
+        distributed: bool = False,
+        node_rank: int | None = None,
+        *,
+        node_ranks: Sequence[int] | None = None,
+        channel_name: str | None = None,
     ) -> Any:
-        """Create (or connect to, if it exists) the channel ``name``, hosted near the affine worker."""
+        """Create (or connect to, with a warning, if it exists) the channel ``name``.
+
+        A plain channel is hosted near the affine worker (``group_affinity:
+        group_rank_affinity``), else on ``node_rank``, by default on this worker's
+        node; a ``distributed`` one has a replica on each node of ``node_ranks``
+        (default: every node) and keeps each key on the replica of the node that
+        used it first. ``channel_name=`` is RLinf's name of ``name``. See ``Channel.create``.
+        """
         from aiorl.channels import create_channel_from_worker
 
-        return create_channel_from_worker(self._runtime, self.worker_info, name, group_affinity,
-                                          group_rank_affinity, maxsize)
+        return create_channel_from_worker(self._runtime, self.worker_info,
+                                          _channel_name(name, channel_name), group_affinity,
+                                          group_rank_affinity, maxsize, distributed, node_rank,
+                                          node_ranks)
 
-    def connect_channel(self, name: str) -> Any:
-        """Connect to the existing channel ``name``."""
+    def connect_channel(self, name: str | None = None, *, channel_name: str | None = None) -> Any:
+        """Connect to the existing channel ``name`` (plain or distributed; ``channel_name=``
+        is RLinf's name of ``name``)."""
         from aiorl.channels import connect_channel_from_worker
 
-        return connect_channel_from_worker(self._runtime, name)
+        return connect_channel_from_worker(self._runtime, _channel_name(name, channel_name))
+
+    # ------------------------------------------------------------------ weights
+    # Implemented in aiorl.weights; see API.md section 8 and docs/weights.md.
+    def weight_publisher(self, name: str, *, shard: int = 0, num_shards: int = 1,
+                         bucket_mb: int = 256) -> Any:
+        """The publisher of weights ``name`` (shard ``shard`` of ``num_shards``) in this worker."""
+        from aiorl.weights import weight_publisher
+
+        return weight_publisher(self._runtime, self.worker_info, name, shard=shard,
+                                num_shards=num_shards, bucket_bytes=bucket_mb << 20)
+
+    def weight_subscriber(self, name: str) -> Any:
+        """This worker's subscriber of weights ``name``: ``pull``, ``latest_version``, ``wait_for``."""
+        from aiorl.weights import weight_subscriber
+
+        return weight_subscriber(self._runtime, self.worker_info, name)
 
     # ------------------------------------------------------------------ groups
     @classmethod
@@ -230,3 +310,16 @@ class Worker:
             cache[name] = handle
         return handle
 
+
+def _sync_unless(async_op: bool, work: AsyncWork[Any]) -> Any:
+    """``work`` itself, or (``async_op=False``, RLinf's blocking call) its result."""
+    return work if async_op else work.wait()
+
+
+def _channel_name(name: str | None, channel_name: str | None) -> str:
+    """The channel named as ``name`` or by RLinf's keyword ``channel_name`` (exactly one)."""
+    if name is not None and channel_name is None:
+        return name
+    if channel_name is not None and name is None:
+        return channel_name
+    raise TypeError("name the channel once: name (or RLinf's channel_name=)")

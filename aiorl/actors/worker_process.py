@@ -18,13 +18,16 @@ import asyncio
 import concurrent.futures
 import ctypes
 import gc
+import importlib
 import inspect
 import logging
+import os
 import signal
 import sys
 from typing import Any
 
 from aiorl.actors import worker as worker_mod
+from aiorl.collective import get_broadcaster
 from aiorl.errors import to_wire
 from aiorl.names import WorkerInfo
 from aiorl.p2p import get_p2p
@@ -51,7 +54,8 @@ class WorkerServer:
         self.instance: Any = None
         self.method_thread = method_thread
         self._methods: dict[str, tuple[Any, bool]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        #: Running async methods and the call each answers.
+        self._tasks: dict[asyncio.Task[Any], Incoming] = {}
         runtime.endpoint.handle(WorkerOp.CALL, self._on_call)
 
     def _lookup(self, name: str) -> tuple[Any, bool]:
@@ -90,32 +94,37 @@ class WorkerServer:
         msg.reply(None, frames)
 
     def _start_async(self, msg: Incoming, coro: Any) -> None:
-        """Run an ``async def`` method in its own task and answer when it returns.
+        """Run an ``async def`` method as a task and answer when it ends.
 
-        On Python 3.12+ the task starts eagerly: a method that finishes without awaiting
-        is answered in this loop turn. Its first step runs inside the task either way, so
-        ``asyncio.timeout()``, ``current_task()`` and ``wait_for`` work before the first
-        ``await`` too (they raise outside a task).
+        The method's own coroutine is the task (no wrapper coroutine), and its done-callback
+        answers: one frame less per call. On Python 3.12+ the task starts eagerly: a method
+        that finishes without awaiting is answered in this loop turn. Its first step runs
+        inside the task either way, so ``asyncio.timeout()``, ``current_task()`` and
+        ``wait_for`` work before the first ``await`` too (they raise outside a task).
         """
         if _EAGER_TASKS:
-            task = asyncio.Task(self._serve_async(msg, coro), loop=self.runtime.loop,
+            task = asyncio.Task(coro, loop=self.runtime.loop,
                                 eager_start=True)  # type: ignore[call-arg]  # 3.12+ only
         else:
-            task = self.runtime.loop.create_task(self._serve_async(msg, coro))
-        if not task.done():
-            self._tasks.add(task)  # a pending task needs a strong reference
-            task.add_done_callback(self._tasks.discard)
+            task = self.runtime.loop.create_task(coro)
+        if task.done():
+            self._answer(msg, task)
+        else:
+            self._tasks[task] = msg  # a pending task needs a strong reference
+            task.add_done_callback(self._task_done)
 
-    async def _serve_async(self, msg: Incoming, coro: Any) -> None:
-        try:
-            result = await coro
-        except asyncio.CancelledError:
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        msg = self._tasks.pop(task, None)
+        if msg is not None:
+            self._answer(msg, task)
+
+    def _answer(self, msg: Incoming, task: asyncio.Task[Any]) -> None:
+        if task.cancelled():
             self._reply_error(msg, asyncio.CancelledError(f"{msg.meta} was cancelled in the worker"))
-            raise
-        except BaseException as exc:  # noqa: BLE001 - goes back to the caller
+        elif (exc := task.exception()) is not None:
             self._reply_error(msg, exc)
-            return
-        self._reply_value(msg, result)
+        else:
+            self._reply_value(msg, task.result())
 
     def _reply_value(self, msg: Incoming, result: Any) -> None:
         try:
@@ -140,10 +149,22 @@ def _configure_logging(name: str, level: str) -> None:
     )
 
 
+def _register_ext_modules() -> None:
+    """``AIORL_EXT_MODULE`` (RLinf's ``RLINF_EXT_MODULE``): import each named module
+    (comma-separated) and call its ``register()``, once per worker process, before the
+    worker class is loaded, so custom environments and models exist when it is built."""
+    for name in filter(None, (n.strip() for n in os.environ.get("AIORL_EXT_MODULE", "").split(","))):
+        register = getattr(importlib.import_module(name), "register", None)
+        if not callable(register):
+            raise AttributeError(f"AIORL_EXT_MODULE module {name!r} has no register() function")
+        register()
+
+
 def _load_class(spec: WorkerSpawn) -> tuple[type, tuple[Any, ...], dict[str, Any]]:
     for p in spec.launch.sys_path:
         if p not in sys.path:
             sys.path.append(p)
+    _register_ext_modules()
     import cloudpickle
 
     return cloudpickle.loads(spec.payload)  # type: ignore[no-any-return]
@@ -157,6 +178,7 @@ async def _main(spec: WorkerSpawn, listen: str) -> int:
     registry = RegistryClient(endpoint, spec.registry)
     runtime = Runtime(LoopThread.adopt_running(), endpoint, registry, name)
     get_p2p(runtime, spec.node.node_id)  # p2p handlers exist before any peer can send to us
+    get_broadcaster(runtime, spec.node.node_id)  # and broadcast handlers
     set_current_runtime(runtime)
     info = spec.worker_info(endpoint.address)
     method_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"aiorl-{name}")

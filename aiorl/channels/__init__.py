@@ -1,7 +1,8 @@
 """Channels: named, distributed, weighted FIFO queues with batching and backpressure.
 
 A channel is hosted by a channel worker (a one-rank worker group named
-``channel.<name>``) and reached by name from the driver and from any worker::
+``channel.<name>``; a distributed channel has one rank per node and keeps each
+key on one of them) and reached by name from the driver and from any worker::
 
     ch = Channel.create(cluster, "rollouts", maxsize=64)      # driver
     ch = self.create_channel("rollouts")                      # inside a worker
@@ -15,7 +16,19 @@ there to the consumer's, over ZMQ, with tensors as zero-copy out-of-band frames.
 See ``docs/channels.md`` for the semantics (ordering, backpressure, failure).
 """
 
-from aiorl.channels._client import Channel, connect_channel_from_worker, create_channel_from_worker
-from aiorl.channels._queue import QueueStats
+from aiorl.channels._client import (
+    Channel,
+    ReplicaStatistics,
+    connect_channel_from_worker,
+    create_channel_from_worker,
+)
+from aiorl.channels._queue import QueuedItem, QueueStats
 
-__all__ = ["Channel", "QueueStats", "connect_channel_from_worker", "create_channel_from_worker"]
+__all__ = [
+    "Channel",
+    "QueueStats",
+    "QueuedItem",
+    "ReplicaStatistics",
+    "connect_channel_from_worker",
+    "create_channel_from_worker",
+]

@@ -5,8 +5,8 @@ Threads
     (the driver's threads, a worker's method thread, a worker's event loop). The
     payload is pickled in the calling thread; everything else happens on the
     runtime loop. From the loop thread an operation is handled directly (the fast
-    path); from other threads it goes through :meth:`Runtime.call_soon
-    <aiorl.runtime.Runtime.call_soon>` (one loop wake-up per burst of calls).
+    path); from other threads it goes through ``Runtime.submit`` (one loop
+    wake-up per burst of calls).
 
 Batching
     Operations issued to one channel during one turn of the loop leave as one
@@ -34,6 +34,16 @@ Failure
     endpoint marks it lost and every pending operation fails with
     :class:`~aiorl.errors.PeerLostError`, and so does the next operation if
     pipelined puts had not yet reached their queue.
+
+Keys and distributed channels
+    Each queue is named by a key: a ``str`` travels as it is, any other hashable
+    as its canonical bytes (:func:`wire_key`). Every channel worker has its own
+    :class:`_ChannelState`; a plain channel has one, a distributed channel one per
+    replica, and everything below (outboxes, credits, prefetch, failure) works
+    per replica unchanged. Replica 0's state also knows the channel's replicas
+    and caches which replica holds each key; an operation on a key it does not
+    know yet waits (in call order with the others on that key) for replica 0's
+    answer to a ``ROUTE`` (:meth:`_ClientCore.submit_routed`).
 
 Cancellation
     Cancelling a pending put or get (``work.cancel()``, ``wait(timeout)``
@@ -65,6 +75,7 @@ from aiorl.channels import _protocol as P
 from aiorl.channels._queue import QueuedItem, QueueStats
 from aiorl.channels._server import ChannelHost, QueueKey, group_name_for
 from aiorl.errors import (
+    AiorlError,
     GroupExistsError,
     GroupNotFoundError,
     NotFoundError,
@@ -112,6 +123,10 @@ _SEES_PREFETCH = frozenset((P.GET_NOWAIT, P.GET_BATCH, P.INFO, P.PEEK))
 _CREDITED = frozenset((P.PUT, P.PUT_NOWAIT))
 
 Received = tuple[Any, tuple[float, int], Sequence[Any]]  # (payload, (weight, seq), frames)
+#: Gives the node ranks of a new channel's workers, one per replica, for a session.
+NodeChoice = Callable[[Session], Coroutine[Any, Any, list[int]]]
+#: Combines the answers of every replica (in replica order) to a fanned-out operation.
+Combine = Callable[[list["_ChannelState"], list[Any]], Any]
 
 
 class _Op(asyncio.Future):  # type: ignore[type-arg]
@@ -229,7 +244,7 @@ class _ChannelState:
         self.address: str | None = None  # the channel worker's endpoint, once resolved
         self.node_rank: int | None = None  # the channel worker's node, once resolved
         self.backlog: list[_Op] = []  # operations issued before the address was known
-        self.task: asyncio.Task[str] | None = None  # the resolution whose outcome counts
+        self.task: asyncio.Task[dict[str, Any]] | None = None  # the resolution whose outcome counts
         self.ready_waiters: list[AsyncChannelWork[Any]] = []
         self.credits: dict[QueueKey, int] = {}  # queue -> puts that may complete at once
         self.unconfirmed = 0  # credited puts sent and not yet reported admitted
@@ -304,7 +319,7 @@ def wire_key(key: Hashable) -> QueueKey:
     their pickle.
     """
     if key.__class__ is str:
-        return key  # type: ignore[return-value]
+        return key
     if isinstance(key, str):
         return str(key)
     try:
@@ -403,18 +418,19 @@ class _ClientCore:
             self.runtime.submit(self._route_from_thread, op, work)
         return work
 
-    def fan_out(self, st: _ChannelState, kind: int) -> AsyncChannelWork[list[Any]]:
+    def fan_out(self, st: _ChannelState, kind: int, combine: Combine) -> AsyncChannelWork[Any]:
         """``kind`` (``STATS`` or ``FLUSH``) sent to every replica of channel ``st``, once the
         channel is resolved and the routes this process asked for are known (so it comes
-        after every earlier operation); the work gives the answers in replica order."""
-        work: AsyncChannelWork[list[Any]] = AsyncChannelWork(self.loop)
+        after every earlier operation); the work gives ``combine(replicas, answers)``."""
+        work: AsyncChannelWork[Any] = AsyncChannelWork(self.loop)
 
-        async def run() -> list[Any]:
+        async def run() -> Any:
             await self.ready(st)
             while st.routing:  # operations waiting for their route go out first
                 await asyncio.gather(*st.routing.values(), return_exceptions=True)
-            works = [self.submit(replica, kind, "", 0) for replica in st.replicas]
-            return [await w for w in works]
+            replicas = list(st.replicas)
+            works = [self.submit(replica, kind, "", 0) for replica in replicas]
+            return combine(replicas, [await w for w in works])
 
         def start() -> None:
             task = self.loop.create_task(run())
@@ -741,6 +757,9 @@ class _ClientCore:
                     f"channel {st.name!r} is gone (its worker {st.worker} was lost) with "
                     f"{st.unconfirmed} pipelined put(s) not yet in their queue: {exc}"))
             st.unconfirmed = 0
+            if st.rank == 0:  # learn the channel's shape and routes again (it may be re-created)
+                st.world_size = None
+                st.key_ranks.clear()
             for stream in st.streams.values():  # prefetched items were lost with it
                 self._stream_failed(stream, PeerLostError(
                     f"channel {st.name!r} is gone (its worker {st.worker} was lost): {exc}"))
@@ -943,19 +962,25 @@ class _ClientCore:
         if st.address is None and st.task is None:
             self._start(st, self._connect(st, DEFAULT_CONNECT_TIMEOUT))
 
-    def _start(self, st: _ChannelState, coro: Coroutine[Any, Any, str]) -> None:
+    def _start(self, st: _ChannelState, coro: Coroutine[Any, Any, dict[str, Any]]) -> None:
         task = self.loop.create_task(coro)
         st.task = task
         task.add_done_callback(functools.partial(self._resolved, st))
 
-    def _resolved(self, st: _ChannelState, task: asyncio.Task[str]) -> None:
+    def _resolved(self, st: _ChannelState, task: asyncio.Task[dict[str, Any]]) -> None:
         exc = task.exception() if not task.cancelled() else PeerLostError("resolution cancelled")
         if exc is None:
             if st.address is None:
-                st.address = task.result()
+                info = task.result()
+                st.address = str(info["endpoint"])
+                st.node_rank = int(info["node_rank"])
                 self._by_address[st.address] = st
+                if st.rank == 0:
+                    self._learn_replicas(st, int(info["group_world_size"]))
             if st.task is task:
                 st.task = None
+            if st.unrouted:  # before the backlog: they were issued first, or concern other keys
+                self._route_waiting(st)
             backlog, st.backlog = st.backlog, []
             for op in backlog:
                 self._enqueue(st.address, op)
@@ -966,12 +991,23 @@ class _ClientCore:
         if st.task is not task or st.address is not None:
             return  # a newer attempt decides (or another attempt already succeeded)
         st.task = None
+        unrouted, st.unrouted = st.unrouted, {}
+        for ops in unrouted.values():
+            for op in ops:
+                if not op.done():
+                    op.set_exception(exc)
         backlog, st.backlog = st.backlog, []
         for op in backlog:
             self._fail(op, exc)
         waiters, st.ready_waiters = st.ready_waiters, []
         for w in waiters:
             reject(w, exc)
+
+    def _learn_replicas(self, st: _ChannelState, world_size: int) -> None:
+        """Replica 0 of channel ``st`` says the channel has ``world_size`` replicas."""
+        if len(st.replicas) != world_size:
+            st.replicas = [st] + [self.state(st.name, r) for r in range(1, world_size)]
+        st.world_size = world_size
 
     def ready(self, st: _ChannelState) -> AsyncChannelWork[None]:
         """A work done once ``st`` is resolved (starting a connect if nothing is under way)."""
@@ -987,7 +1023,9 @@ class _ClientCore:
         self.runtime.submit(check)
         return work
 
-    async def _connect(self, st: _ChannelState, timeout: float, launched: bool = False) -> str:
+    async def _connect(self, st: _ChannelState, timeout: float,
+                       launched: bool = False) -> dict[str, Any]:
+        """The registry's info on the channel worker of ``st`` once it is ready."""
         name = st.worker
         try:
             # Also makes this runtime watch the channel worker: when it dies, the endpoint
@@ -1001,7 +1039,7 @@ class _ClientCore:
             if newest is None or self.endpoint.is_lost(str(newest["endpoint"])):
                 raise
             info = newest
-        return str(info["endpoint"])
+        return info
 
     async def _lookup_ready(self, name: str, wait: float) -> dict[str, Any] | None:
         """The registry's info on worker ``name`` once ready (None if not within ``wait`` s).
@@ -1019,7 +1057,7 @@ class _ClientCore:
                 return record.info.to_wire()
             if record is not None and record.state == WorkerState.FAILED:
                 d = record.detail
-                raise WorkerInitError(name, 0, str(d.get("type", "Exception")),
+                raise WorkerInitError(name, record.info.rank, str(d.get("type", "Exception")),
                                       str(d.get("message", "")), str(d.get("traceback", "")))
             if self.loop.time() + delay > deadline:
                 return None
@@ -1027,18 +1065,23 @@ class _ClientCore:
             delay = min(delay * 2, 0.2)
 
     async def _create(self, st: _ChannelState, session: Session, maxsize: int,
-                      where: Callable[[], Coroutine[Any, Any, int]], timeout: float) -> str:
+                      where: NodeChoice, distributed: bool, timeout: float) -> dict[str, Any]:
+        """Launch the channel's worker group (one rank per node ``where`` gives), or
+        connect to the channel of that name if it exists, as RLinf does, with a warning."""
         launched = False
         if not await self._group_exists(st.group):
-            node_rank = await where()
             if isinstance(session, WorkerSession):
                 await session.refresh()  # its node list must be current for the placement
-            builder = WorkerGroupBuilder(ChannelHost, (st.name, maxsize), {})
+            nodes = await where(session)
+            args = (st.name, maxsize, nodes) if distributed else (st.name, maxsize)
+            builder = WorkerGroupBuilder(ChannelHost, args, {})
             try:
-                await builder.launch_async(session, NodePlacementStrategy([node_rank]), st.group)
+                await builder.launch_async(session, NodePlacementStrategy(nodes), st.group)
                 launched = True
             except GroupExistsError:
                 pass  # another creator won the race: connect to its channel
+        if not launched:
+            _warn_exists(st.name)
         return await self._connect(st, timeout, launched)
 
     async def _group_exists(self, group: str) -> bool:
@@ -1063,22 +1106,35 @@ def _core_for(runtime: Runtime) -> _ClientCore:
 
 # ---------------------------------------------------------------------- placement of new channels
 def _affinity_node(runtime: Runtime, group: str | None, rank: int | None, default: int,
-                   own: tuple[str, int] | None,
-                   timeout: float) -> Callable[[], Coroutine[Any, Any, int]]:
-    """A coroutine function giving the node rank a new channel should live on."""
+                   own: tuple[str, int] | None, timeout: float) -> NodeChoice:
+    """Where a new plain channel lives: the affine worker's node, else ``default``."""
 
-    async def where() -> int:
+    async def where(session: Session) -> list[int]:
         if group is None:
-            return default
+            return [default]
         name = f"{group}:{rank or 0}"
         if own is not None and name == own[0]:
-            return own[1]  # ourselves: possibly still in __init__, so not yet registered
+            return [own[1]]  # ourselves: possibly still in __init__, so not yet registered
         try:
-            return int((await runtime.registry.lookup(name)).info.node_rank)
+            return [int((await runtime.registry.lookup(name)).info.node_rank)]
         except NotFoundError:
             pass  # not registered yet: wait until it is ready
         info = await runtime.resolve_worker(name, timeout, wait_for_group=True)
-        return int(info["node_rank"])
+        return [int(info["node_rank"])]
+
+    return where
+
+
+def _replica_nodes(node_ranks: Sequence[int] | None) -> NodeChoice:
+    """Where the replicas of a new distributed channel live: ``node_ranks``, else every node."""
+    if node_ranks is not None:
+        nodes = [int(n) for n in node_ranks]
+        if not nodes or len(set(nodes)) != len(nodes):
+            raise ValueError(f"node_ranks must name distinct nodes, one per replica, "
+                             f"got {list(node_ranks)!r}")
+
+    async def where(session: Session) -> list[int]:
+        return nodes if node_ranks is not None else list(range(session.spec.num_nodes))
 
     return where
 
@@ -1094,6 +1150,14 @@ def _check_weight(weight: Any, what: str) -> float:
 
 
 # ---------------------------------------------------------------------- the handle
+class ReplicaStatistics(NamedTuple):
+    """What :meth:`Channel.replica_statistics` reports for one channel worker."""
+
+    rank: int  #: the replica (0 for a plain channel)
+    node_rank: int  #: the node it runs on
+    queues: dict[Any, QueueStats]  #: the queues of the keys it holds, as ``statistics()``
+
+
 class Channel:
     """A handle on a named, distributed set of weighted FIFO queues.
 
@@ -1102,18 +1166,36 @@ class Channel:
     is cheap, thread-safe and picklable: pass it to worker methods and use it
     there (it binds to the receiving process's runtime).
 
-    Every queue of the channel is created on first use with the channel's
-    ``maxsize`` (0 = unbounded). ``put``/``get``/``get_batch``/``statistics``
-    return an :class:`~aiorl.AsyncChannelWork` (``await`` it, or ``.wait()`` from
-    synchronous code). ``put_nowait``, ``get_nowait``, ``qsize``, ``empty`` and
-    ``full`` return plain values when called from synchronous code; see each
+    Every queue of the channel is named by a *key* (any hashable; ``"default"``
+    when none is given; ``queue_name=`` is an alias of ``key=``) and created on
+    first use with the channel's ``maxsize`` (0 = unbounded). ``put``/``get``/
+    ``get_batch``/``statistics`` return an :class:`~aiorl.AsyncChannelWork`
+    (``await`` it, or ``.wait()`` from synchronous code); with ``async_op=False``
+    ``put``/``get``/``get_batch`` wait and return the result, as in RLinf.
+    ``put_nowait``, ``get_nowait``, ``qsize``, ``empty``, ``full`` and
+    ``peek_all`` return plain values when called from synchronous code; see each
     method for the event-loop thread. See ``docs/channels.md``.
+
+    Example::
+
+        channel = aiorl.Channel.create(cluster, "trajectories", maxsize=32)   # driver
+
+        class Trainer(aiorl.Worker):
+            def __init__(self):
+                super().__init__()
+                self.channel = self.connect_channel("trajectories")
+
+            async def step(self):
+                batch = await self.channel.get_batch(4096)   # items until weights >= 4096
     """
 
-    def __init__(self, name: str, runtime: Runtime | None = None) -> None:
+    def __init__(self, name: str, runtime: Runtime | None = None,
+                 session: Session | None = None) -> None:
         group_name_for(name)  # validates the name
         self._name = name
         self._runtime = runtime
+        self._session = session  # the cluster it was created or connected through, if any
+        self._group: WorkerGroup[ChannelHost] | None = None  # worker_group, once asked for
         self._core: _ClientCore | None = None
         self._state: _ChannelState | None = None
 
@@ -1124,40 +1206,50 @@ class Channel:
         cluster: Any,
         name: str,
         maxsize: int = 0,
+        distributed: bool = False,
+        node_rank: int | None = None,
         *,
+        node_ranks: Sequence[int] | None = None,
         group_affinity: str | None = None,
         group_rank_affinity: int | None = None,
-        node_rank: int | None = None,
         timeout: float = DEFAULT_CONNECT_TIMEOUT,
     ) -> Channel:
-        """Create channel ``name`` (or connect to it if it already exists) from the driver.
+        """Create channel ``name`` (or connect to it, with a warning, if it already exists)
+        from the driver.
 
-        The channel worker runs on the node of worker ``group_affinity:group_rank_affinity``
-        when given, else on ``node_rank`` (default 0). ``maxsize`` bounds every
-        queue of the channel (0 = unbounded); when the channel exists already, its
-        own ``maxsize`` stays. Blocks until the channel is ready (from the runtime
-        loop's thread it returns at once; operations then wait for readiness).
+        A plain channel's worker runs on the node of worker
+        ``group_affinity:group_rank_affinity`` when given, else on ``node_rank``
+        (default 0). A ``distributed`` channel runs one worker (replica) on each node
+        of ``node_ranks`` (default: every node); each key lives on one replica, the
+        one on the node of the first process that uses it (replica 0 if that node has
+        none), so producers and consumers on that node stay local. ``node_rank`` and
+        the affinities do not apply to it. ``maxsize`` bounds every queue (0 =
+        unbounded); when the channel exists already, its own ``maxsize`` and replicas
+        stay. Blocks until the channel is ready (from the runtime loop's thread it
+        returns at once; operations then wait for readiness).
 
         Raises :class:`~aiorl.PlacementError` for a node outside the cluster,
-        :class:`~aiorl.WorkerInitError` if the channel worker cannot start and
+        :class:`ValueError` for repeated ``node_ranks``,
+        :class:`~aiorl.WorkerInitError` if a channel worker cannot start and
         :class:`TimeoutError` if it is not ready within ``timeout`` seconds.
         """
-        ch = cls(name, cluster.runtime)
+        ch = cls(name, cluster.runtime, cluster)
         maxsize = _check_maxsize(maxsize)
-        where = _affinity_node(cluster.runtime, group_affinity, group_rank_affinity,
-                               0 if node_rank is None else int(node_rank), None, timeout)
-        ch._start_create(cluster, maxsize, where, timeout)
+        where = _replica_nodes(node_ranks) if distributed else _affinity_node(
+            cluster.runtime, group_affinity, group_rank_affinity,
+            0 if node_rank is None else int(node_rank), None, timeout)
+        ch._start_create(cluster, maxsize, where, distributed, timeout)
         return ch._settle()
 
     @classmethod
     def connect(cls, cluster: Any, name: str, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> Channel:
-        """Connect to channel ``name`` from the driver.
+        """Connect to channel ``name`` (plain or distributed) from the driver.
 
         Waits up to ``timeout`` seconds for the channel to exist and be ready (so
         a consumer may connect before its producer created the channel), then
         raises :class:`TimeoutError`.
         """
-        ch = cls(name, cluster.runtime)
+        ch = cls(name, cluster.runtime, cluster)
         ch._start_connect(timeout)
         return ch._settle()
 
@@ -1175,13 +1267,15 @@ class Channel:
         assert self._state is not None
         return core, self._state
 
-    def _start_create(self, session: Session, maxsize: int,
-                      where: Callable[[], Coroutine[Any, Any, int]], timeout: float) -> None:
+    def _start_create(self, session: Session, maxsize: int, where: NodeChoice,
+                      distributed: bool, timeout: float) -> None:
         core, st = self._bind()
 
         def start() -> None:
             if st.address is None:
-                core._start(st, core._create(st, session, maxsize, where, timeout))
+                core._start(st, core._create(st, session, maxsize, where, distributed, timeout))
+            else:
+                _warn_exists(st.name)
 
         core.runtime.submit(start)
 
@@ -1216,18 +1310,96 @@ class Channel:
     # ------------------------------------------------------------------ identity
     @property
     def name(self) -> str:
+        """The channel's name."""
         return self._name
+
+    @property
+    def worker_group(self) -> WorkerGroup[ChannelHost]:
+        """The channel's worker group (``channel.<name>``; one rank per replica), for
+        ``world_size``, ``close()`` and the like. Blocks: synchronous code only.
+
+        Raises :class:`RuntimeError` for a handle that came to the driver as an
+        argument or result (it knows no cluster there: use ``Channel.connect``).
+        """
+        if self._group is None:
+            _, st = self._bind()
+            session = self._session
+            if session is None:
+                if "AIORL_WORKER_NAME" not in os.environ:
+                    raise RuntimeError(
+                        f"channel {self._name!r} was not created or connected through a "
+                        "cluster in this process; use Channel.connect(cluster, name).worker_group")
+                session = WorkerSession.current()
+            self._group = WorkerGroup.from_group_name(session, ChannelHost, st.group)
+        return self._group
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_unpickle_channel, (self._name,))
 
     def __repr__(self) -> str:
-        address = self._state.address if self._state is not None else None
-        return f"<Channel {self._name!r}{' at ' + address if address else ''}>"
+        st = self._state
+        address = st.address if st is not None else None
+        replicas = f" x{st.world_size}" if st is not None and (st.world_size or 1) > 1 else ""
+        return f"<Channel {self._name!r}{replicas}{' at ' + address if address else ''}>"
+
+    def __str__(self) -> str:
+        """A readable snapshot of what is queued (counts, weights, the first items of every
+        queue), taken without removing anything. On the runtime loop's thread, where
+        nothing may block, and if the channel cannot answer, it is ``repr(channel)``."""
+        core, _ = self._bind()
+        if core.runtime.on_loop_thread():
+            return repr(self)
+        try:
+            replicas = self.replica_statistics().wait(STR_TIMEOUT)
+            peeks = {key: self._peek(_queue_key(key, None), STR_ITEMS_PER_QUEUE)
+                     for replica in replicas for key in replica.queues}
+            shown = {key: work.wait(STR_TIMEOUT) for key, work in peeks.items()}
+        except (AiorlError, TimeoutError) as exc:
+            return f"{self!r} (no snapshot: {exc})"
+        return _describe(self._name, replicas, shown)
 
     # ------------------------------------------------------------------ operations
-    def put(self, item: Any, weight: float = 0, queue_name: str = "default") -> AsyncChannelWork[None]:
-        """Put ``item`` into queue ``queue_name``; the work completes once the item is accepted.
+    def _submit(self, kind: int, key: QueueKey, number: Any, payload: Any = 0,
+                frames: Sequence[Any] = ()) -> AsyncChannelWork[Any]:
+        """Submit an operation on queue ``key`` to the replica that holds it."""
+        core, st = self._bind()
+        if st.world_size == 1:  # a plain channel: everything goes to its one worker
+            return core.submit(st, kind, key, number, payload, frames)
+        rank = st.key_ranks.get(key) if st.world_size is not None else None
+        if rank is None:
+            return core.submit_routed(st, kind, key, number, payload, frames)
+        return core.submit(st.replicas[rank], kind, key, number, payload, frames)
+
+    def _everywhere(self, kind: int, combine: Combine) -> AsyncChannelWork[Any]:
+        """``kind`` (``STATS``, ``FLUSH``) at every replica, answers combined by ``combine``;
+        a plain channel's one answer as it is."""
+        core, st = self._bind()
+        if st.world_size == 1:
+            return core.submit(st, kind, "", 0)
+        return core.fan_out(st, kind, combine)
+
+    @overload
+    def put(self, item: Any, weight: float = 0, key: Hashable = DEFAULT_KEY,
+            async_op: Literal[True] = True, *,
+            queue_name: Hashable | None = None) -> AsyncChannelWork[None]: ...
+
+    @overload
+    def put(self, item: Any, weight: float, key: Hashable, async_op: Literal[False], *,
+            queue_name: Hashable | None = None) -> None: ...
+
+    @overload
+    def put(self, item: Any, weight: float = 0, key: Hashable = DEFAULT_KEY, *,
+            async_op: Literal[False], queue_name: Hashable | None = None) -> None: ...
+
+    @overload
+    def put(self, item: Any, weight: float = 0, key: Hashable = DEFAULT_KEY,
+            async_op: bool = True, *,
+            queue_name: Hashable | None = None) -> AsyncChannelWork[None] | None: ...
+
+    def put(self, item: Any, weight: float = 0, key: Hashable = DEFAULT_KEY,
+            async_op: bool = True, *,
+            queue_name: Hashable | None = None) -> AsyncChannelWork[None] | None:
+        """Put ``item`` into queue ``key``; the work completes once the item is accepted.
 
         Accepted means: in the queue, or, while this process holds a *credit* for
         the queue, promised room there. The channel worker grants credits for
@@ -1236,7 +1408,9 @@ class Channel:
         get makes room. Puts from one process enter the queue in call order.
         ``item`` is pickled now; an item with out-of-band buffers (a tensor of
         64 KiB or more, sent zero-copy) always waits for the channel worker's
-        answer, so it may be modified once its put is done.
+        answer, so it may be modified once its put is done. With
+        ``async_op=False`` this waits for the work and returns None (RLinf's
+        default; synchronous code only).
 
         Raises :class:`~aiorl.transport.serialization.SerializationError` at once
         for an item that cannot be pickled; the work fails with
@@ -1244,12 +1418,13 @@ class Channel:
         put cannot reach its queue, the next operation on the channel from this
         process (or :meth:`flush`) fails with that error.
         """
-        core, st = self._bind()
         payload, frames = encode_item(item)
-        return core.submit(st, P.PUT, _check_queue(queue_name), _check_weight(weight, "weight"),
-                           payload, frames)
+        work = self._submit(P.PUT, _queue_key(key, queue_name), _check_weight(weight, "weight"),
+                            payload, frames)
+        return work if async_op else work.wait()
 
-    def put_nowait(self, item: Any, weight: float = 0, queue_name: str = "default") -> Any:
+    def put_nowait(self, item: Any, weight: float = 0, key: Hashable = DEFAULT_KEY, *,
+                   queue_name: Hashable | None = None) -> Any:
         """Put ``item`` only if its queue has room, else raise :class:`~aiorl.QueueFull`.
 
         From synchronous code this blocks for one round trip (none while this process
@@ -1257,84 +1432,158 @@ class Channel:
         On the runtime loop's thread (``async`` worker methods) it returns an
         :class:`~aiorl.AsyncChannelWork` to await, which raises ``QueueFull``.
         """
-        core, st = self._bind()
+        core, _ = self._bind()
         payload, frames = encode_item(item)
-        work = core.submit(st, P.PUT_NOWAIT, _check_queue(queue_name),
-                           _check_weight(weight, "weight"), payload, frames)
+        work = self._submit(P.PUT_NOWAIT, _queue_key(key, queue_name),
+                            _check_weight(weight, "weight"), payload, frames)
         return work if core.runtime.on_loop_thread() else work.wait()
 
-    def get(self, queue_name: str = "default") -> AsyncChannelWork[Any]:
-        """Take the first item of ``queue_name``, waiting while the queue is empty.
+    @overload
+    def get(self, key: Hashable = DEFAULT_KEY, async_op: Literal[True] = True, *,
+            queue_name: Hashable | None = None) -> AsyncChannelWork[Any]: ...
 
+    @overload
+    def get(self, key: Hashable, async_op: Literal[False], *,
+            queue_name: Hashable | None = None) -> Any: ...
+
+    @overload
+    def get(self, key: Hashable = DEFAULT_KEY, *, async_op: Literal[False],
+            queue_name: Hashable | None = None) -> Any: ...
+
+    @overload
+    def get(self, key: Hashable = DEFAULT_KEY, async_op: bool = True, *,
+            queue_name: Hashable | None = None) -> Any: ...
+
+    def get(self, key: Hashable = DEFAULT_KEY, async_op: bool = True, *,
+            queue_name: Hashable | None = None) -> Any:
+        """Take the first item of queue ``key``, waiting while the queue is empty.
+
+        Returns an :class:`~aiorl.AsyncChannelWork` of the item; with
+        ``async_op=False`` it waits and returns the item itself (synchronous code).
         Waiting getters are served in the order their requests reached the channel.
         Gets that follow each other closely prefetch items already queued, so a
         loop of ``await ch.get()`` streams without a round trip per item.
         """
-        core, st = self._bind()
-        return core.submit(st, _USER_GET, _check_queue(queue_name), 0)
+        work = self._submit(_USER_GET, _queue_key(key, queue_name), 0)
+        return work if async_op else work.wait()
 
     def flush(self) -> AsyncChannelWork[None]:
         """A work that completes once every put this process issued to the channel before
         it is in its queue; it fails with the error of a pipelined put that could not be."""
-        core, st = self._bind()
-        return core.submit(st, P.FLUSH, "", 0)
+        return self._everywhere(P.FLUSH, lambda _replicas, _answers: None)
 
-    def get_nowait(self, queue_name: str = "default") -> Any:
+    def get_nowait(self, key: Hashable = DEFAULT_KEY, *,
+                   queue_name: Hashable | None = None) -> Any:
         """Take the first item at once, or raise :class:`~aiorl.QueueEmpty`.
 
         From synchronous code this blocks for one round trip and returns the
         item; on the runtime loop's thread it returns an
         :class:`~aiorl.AsyncChannelWork` to await.
         """
-        core, st = self._bind()
-        work = core.submit(st, P.GET_NOWAIT, _check_queue(queue_name), 0)
+        core, _ = self._bind()
+        work = self._submit(P.GET_NOWAIT, _queue_key(key, queue_name), 0)
         return work if core.runtime.on_loop_thread() else work.wait()
 
-    def get_batch(self, batch_weight: float, queue_name: str = "default") -> AsyncChannelWork[list[Any]]:
+    @overload
+    def get_batch(self, batch_weight: float | None = None, key: Hashable = DEFAULT_KEY,
+                  async_op: Literal[True] = True, *, target_weight: float | None = None,
+                  queue_name: Hashable | None = None) -> AsyncChannelWork[list[Any]]: ...
+
+    @overload
+    def get_batch(self, batch_weight: float | None, key: Hashable, async_op: Literal[False], *,
+                  target_weight: float | None = None,
+                  queue_name: Hashable | None = None) -> list[Any]: ...
+
+    @overload
+    def get_batch(self, batch_weight: float | None = None, key: Hashable = DEFAULT_KEY, *,
+                  async_op: Literal[False], target_weight: float | None = None,
+                  queue_name: Hashable | None = None) -> list[Any]: ...
+
+    @overload
+    def get_batch(self, batch_weight: float | None = None, key: Hashable = DEFAULT_KEY,
+                  async_op: bool = True, *, target_weight: float | None = None,
+                  queue_name: Hashable | None = None
+                  ) -> AsyncChannelWork[list[Any]] | list[Any]: ...
+
+    def get_batch(self, batch_weight: float | None = None, key: Hashable = DEFAULT_KEY,
+                  async_op: bool = True, *, target_weight: float | None = None,
+                  queue_name: Hashable | None = None) -> Any:
         """Take items in FIFO order until their summed weight reaches or exceeds ``batch_weight``.
 
         The work completes with the list of items as soon as the sum reaches
         ``batch_weight`` and waits for more items while it is below (weights
         1, 2, 3 and ``batch_weight=3`` give the first two; one item heavier than
         ``batch_weight`` comes alone). Items of weight 0 never complete a batch.
-        Raises :class:`ValueError` unless ``batch_weight > 0``.
+        ``target_weight`` is RLinf's name of ``batch_weight``; ``async_op=False``
+        waits and returns the list. Raises :class:`ValueError` unless the weight
+        is > 0, and :class:`TypeError` if neither or both names are given.
         """
-        w = _check_weight(batch_weight, "batch_weight")
+        if (batch_weight is None) == (target_weight is None):
+            raise TypeError("get_batch() takes batch_weight (or its alias target_weight), "
+                            "exactly one of them")
+        w = _check_weight(batch_weight if batch_weight is not None else target_weight,
+                          "batch_weight")
         if not w > 0:
-            raise ValueError(f"batch_weight must be > 0, got {batch_weight!r}")
-        core, st = self._bind()
-        return core.submit(st, P.GET_BATCH, _check_queue(queue_name), w)
+            raise ValueError(f"batch_weight must be > 0, got {w!r}")
+        work = self._submit(P.GET_BATCH, _queue_key(key, queue_name), w)
+        return work if async_op else work.wait()
 
-    def statistics(self) -> AsyncChannelWork[dict[str, QueueStats]]:
-        """Per-queue counters: ``{queue_name: QueueStats(qsize, weight, maxsize,
-        waiting_putters, waiting_getters, reserved)}`` for every queue used so far."""
-        core, st = self._bind()
-        return core.submit(st, P.STATS, "", 0)
+    def statistics(self) -> AsyncChannelWork[dict[Any, QueueStats]]:
+        """Per-queue counters: ``{key: QueueStats(qsize, weight, maxsize, waiting_putters,
+        waiting_getters, reserved)}`` for every queue used so far (of every replica)."""
+        return self._everywhere(P.STATS, lambda _replicas, answers: {
+            key: s for answer in answers for key, s in answer.items()})
 
-    def _info(self, queue_name: str, what: str) -> tuple[int, int]:
+    def replica_statistics(self) -> AsyncChannelWork[list[ReplicaStatistics]]:
+        """:meth:`statistics` per channel worker, in replica order, with the node each
+        runs on: where the keys of a distributed channel live (one entry when plain)."""
         core, st = self._bind()
+        return core.fan_out(st, P.STATS, lambda replicas, answers: [
+            ReplicaStatistics(replica.rank, replica.node_rank or 0, answer)
+            for replica, answer in zip(replicas, answers, strict=True)])
+
+    def peek_all(self, key: Hashable = DEFAULT_KEY, *, queue_name: Hashable | None = None,
+                 limit: int | None = None) -> Any:
+        """The items queued in ``key`` now, oldest first, each as ``QueuedItem(item,
+        weight)``, without taking them (the first ``limit`` only, when given).
+
+        Items a waiting ``get_batch`` has reserved are not shown (nor counted by
+        :meth:`qsize`). Each item is copied and unpickled here, so keep ``limit``
+        small for large queues. From synchronous code this blocks for one round trip
+        and returns the list; on the runtime loop's thread it returns an
+        :class:`~aiorl.AsyncChannelWork` to await.
+        """
+        core, _ = self._bind()
+        work = self._peek(_queue_key(key, queue_name), -1 if limit is None else max(0, int(limit)))
+        return work if core.runtime.on_loop_thread() else work.wait()
+
+    def _peek(self, key: QueueKey, limit: int) -> AsyncChannelWork[list[QueuedItem]]:
+        return self._submit(P.PEEK, key, limit)
+
+    def _info(self, key: Hashable, queue_name: Hashable | None, what: str) -> tuple[int, int]:
+        core, _ = self._bind()
         if core.runtime.on_loop_thread():
             raise RuntimeError(
                 f"Channel.{what}() blocks and cannot run on the aiorl event loop's thread; "
                 "in async code use 'stats = await channel.statistics()'")
-        qsize, maxsize = core.submit(st, P.INFO, _check_queue(queue_name), 0).wait()
+        qsize, maxsize = self._submit(P.INFO, _queue_key(key, queue_name), 0).wait()
         return int(qsize), int(maxsize)
 
-    def qsize(self, queue_name: str = "default") -> int:
-        """Items in ``queue_name`` now (0 for a queue never used). Synchronous code only."""
-        return self._info(queue_name, "qsize")[0]
+    def qsize(self, key: Hashable = DEFAULT_KEY, *, queue_name: Hashable | None = None) -> int:
+        """Items in queue ``key`` now (0 for a queue never used). Synchronous code only."""
+        return self._info(key, queue_name, "qsize")[0]
 
-    def empty(self, queue_name: str = "default") -> bool:
-        """Whether ``queue_name`` holds no item. Synchronous code only."""
-        return self._info(queue_name, "empty")[0] == 0
+    def empty(self, key: Hashable = DEFAULT_KEY, *, queue_name: Hashable | None = None) -> bool:
+        """Whether queue ``key`` holds no item. Synchronous code only."""
+        return self._info(key, queue_name, "empty")[0] == 0
 
-    def full(self, queue_name: str = "default") -> bool:
-        """Whether a put to ``queue_name`` would wait now. Synchronous code only."""
-        qsize, maxsize = self._info(queue_name, "full")
+    def full(self, key: Hashable = DEFAULT_KEY, *, queue_name: Hashable | None = None) -> bool:
+        """Whether a put to queue ``key`` would wait now. Synchronous code only."""
+        qsize, maxsize = self._info(key, queue_name, "full")
         return maxsize > 0 and qsize >= maxsize
 
     def destroy(self) -> AsyncChannelWork[None]:
-        """Stop the channel worker: pending and later operations, everywhere, fail with
+        """Stop the channel's workers: pending and later operations, everywhere, fail with
         :class:`~aiorl.PeerLostError`. Items still queued are dropped."""
         core, st = self._bind()
         work: AsyncChannelWork[None] = AsyncChannelWork(core.loop)
@@ -1344,9 +1593,11 @@ class Channel:
                 await core.runtime.registry.close_group(st.group)
             except GroupNotFoundError:
                 pass  # destroyed already
-            if st.address is not None:
-                st.unconfirmed = 0  # pipelined puts are dropped with the queues, as asked
-                core.endpoint.mark_peer_lost(st.address, f"channel {st.name!r} was destroyed")
+            for replica in st.replicas:
+                if replica.address is not None:
+                    replica.unconfirmed = 0  # pipelined puts are dropped with the queues
+                    core.endpoint.mark_peer_lost(replica.address,
+                                                 f"channel {st.name!r} was destroyed")
 
         def start() -> None:
             task = core.loop.create_task(destroy())
@@ -1356,10 +1607,18 @@ class Channel:
         return work
 
 
-def _check_queue(queue_name: Any) -> str:
-    if not isinstance(queue_name, str):
-        raise TypeError(f"queue_name must be a str, got {type(queue_name).__name__}")
-    return queue_name
+def _queue_key(key: Hashable, queue_name: Hashable | None) -> QueueKey:
+    """The wire form of the queue an operation names (``queue_name`` is ``key``'s alias)."""
+    if queue_name is not None:
+        if key is not DEFAULT_KEY and key != DEFAULT_KEY:
+            raise TypeError("give the queue as key= or as its alias queue_name=, not both")
+        key = queue_name
+    return key if isinstance(key, str) and key.__class__ is str else wire_key(key)
+
+
+def _warn_exists(name: str) -> None:
+    log.warning("channel %r already exists; connecting to it (its maxsize and replicas stay "
+                "as they are)", name)
 
 
 def _check_maxsize(maxsize: Any) -> int:
@@ -1375,6 +1634,50 @@ def _unpickle_channel(name: str) -> Channel:
     return ch
 
 
+def _short_reprs() -> reprlib.Repr:
+    """A ``reprlib.Repr`` whose reprs fit on one line of ``str(channel)``."""
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = 48
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = 4
+    short.maxlevel = 2
+    return short
+
+
+_SHORT = _short_reprs()
+
+
+def _short_repr(item: Any) -> str:
+    """One line about ``item``: shape and dtype for a tensor or array, else a short repr."""
+    shape, dtype = getattr(item, "shape", None), getattr(item, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"{type(item).__name__}(shape={tuple(shape)}, dtype={dtype})"
+    return _SHORT.repr(item)
+
+
+def _describe(name: str, replicas: list[ReplicaStatistics],
+              shown: dict[Any, list[QueuedItem]]) -> str:
+    """The text of ``str(channel)``."""
+    distributed = len(replicas) > 1
+    queues = sum(len(r.queues) for r in replicas)
+    head = f"Channel {name!r}: {queues} queue{'s' if queues != 1 else ''}"
+    lines = [head + (f" on {len(replicas)} replicas" if distributed else "")]
+    for replica in replicas:
+        where = f" (replica {replica.rank}, node {replica.node_rank})" if distributed else ""
+        for key, s in replica.queues.items():
+            bound = f"/{s.maxsize}" if s.maxsize else ""
+            waiting = "".join([f", {s.waiting_putters} put(s) waiting" if s.waiting_putters else "",
+                               f", {s.waiting_getters} get(s) waiting" if s.waiting_getters else "",
+                               f", {s.reserved} reserved" if s.reserved else ""])
+            lines.append(f"  {key!r}{where}: {s.qsize}{bound} item(s), weight {s.weight:g}"
+                         f"{waiting}")
+            items = shown.get(key, [])
+            lines.extend(f"    [{i}] weight {q.weight:g}: {_short_repr(q.item)}"
+                         for i, q in enumerate(items))
+            if s.qsize > len(items):
+                lines.append(f"    ... {s.qsize - len(items)} more")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------- inside workers
 def create_channel_from_worker(
     runtime: Runtime,
@@ -1383,25 +1686,36 @@ def create_channel_from_worker(
     group_affinity: str | None = None,
     group_rank_affinity: int | None = None,
     maxsize: int = 0,
+    distributed: bool = False,
+    node_rank: int | None = None,
+    node_ranks: Sequence[int] | None = None,
 ) -> Channel:
     """``Worker.create_channel``: create (or connect to) channel ``name`` from inside a worker.
 
-    ``runtime`` and ``info`` are the calling worker's. The channel worker runs on
-    the node of ``group_affinity:group_rank_affinity`` (rank 0 if only the group
-    is given, this worker's group if only the rank is), by default on this
-    worker's node. From a plain method (the method thread) this blocks until the
-    channel is ready and raises creation errors; from an ``async`` method (the
-    event loop) it returns the handle at once, its operations wait for
-    readiness, and ``await`` on the handle waits explicitly.
+    ``runtime`` and ``info`` are the calling worker's. A plain channel's worker
+    runs on the node of ``group_affinity:group_rank_affinity`` (rank 0 if only the
+    group is given, this worker's group if only the rank is), else on ``node_rank``,
+    by default on this worker's node; a ``distributed`` one runs a replica on each
+    node of ``node_ranks`` (default: every node), see :meth:`Channel.create`. From
+    a plain method (the method thread) this blocks until the channel is ready and
+    raises creation errors; from an ``async`` method (the event loop) it returns
+    the handle at once, its operations wait for readiness, and ``await`` on the
+    handle waits explicitly.
     """
+    if isinstance(group_affinity, int) and not isinstance(group_affinity, bool):
+        raise TypeError("create_channel(name, group_affinity, group_rank_affinity, maxsize): "
+                        "the second argument is a group name; pass maxsize by keyword "
+                        "(RLinf's create_channel takes maxsize second)")
     maxsize = _check_maxsize(maxsize)
     session = WorkerSession.current()
     if group_affinity is None and group_rank_affinity is not None:
         group_affinity = info.address.root_group_name
-    where = _affinity_node(runtime, group_affinity, group_rank_affinity, int(info.node_rank),
-                           (info.name, int(info.node_rank)), DEFAULT_CONNECT_TIMEOUT)
-    ch = Channel(name, runtime)
-    ch._start_create(session, maxsize, where, DEFAULT_CONNECT_TIMEOUT)
+    where = _replica_nodes(node_ranks) if distributed else _affinity_node(
+        runtime, group_affinity, group_rank_affinity,
+        int(info.node_rank) if node_rank is None else int(node_rank),
+        (info.name, int(info.node_rank)), DEFAULT_CONNECT_TIMEOUT)
+    ch = Channel(name, runtime, session)
+    ch._start_create(session, maxsize, where, distributed, DEFAULT_CONNECT_TIMEOUT)
     return ch._settle()
 
 
@@ -1411,6 +1725,6 @@ def connect_channel_from_worker(runtime: Runtime, name: str) -> Channel:
     Waits (up to 60 s) for the channel to exist and be ready: blocking from a
     plain method, lazily (operations wait) from an ``async`` method.
     """
-    ch = Channel(name, runtime)
+    ch = Channel(name, runtime, WorkerSession.current())
     ch._start_connect(DEFAULT_CONNECT_TIMEOUT)
     return ch._settle()

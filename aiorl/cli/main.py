@@ -54,7 +54,7 @@ def _status(args: argparse.Namespace) -> int:
     address, keys, host = target
 
     async def fetch() -> dict[str, Any]:
-        endpoint = Endpoint("aiorl-status", keys=keys, **({"host": host} if host else {}))
+        endpoint = Endpoint("aiorl-status", keys=keys, host=host or "127.0.0.1")
         try:
             report = await RegistryClient(endpoint, address).status(timeout=args.timeout)
             return report.to_wire()

@@ -46,10 +46,40 @@ atexit.register(_close_all_at_exit)
 
 
 class Cluster:
-    """See the module docstring. Usable as ``with Cluster() as c`` and ``async with``.
+    """The driver's handle on a set of nodes: what groups and channels are launched into.
+
+    Without a registry address (no ``registry=``, no ``$AIORL_REGISTRY``, none in
+    ``cluster_cfg``) it is **embedded**: a registry and ``num_nodes`` node agents start as
+    child processes on this machine and stop with :meth:`close`, or when this process dies
+    however it dies. With an address it **attaches** to a running registry and waits up to
+    ``timeout`` seconds until ``num_nodes`` agents have joined. An embedded cluster is
+    announced to ``aiorl status`` through a per-user runtime file.
 
     A Cluster is a :class:`DriverSession` (this driver's registration, runtime and
     node list) plus, in embedded mode, the :class:`EmbeddedProcesses` it started.
+
+    Args:
+        cluster_cfg: an omegaconf ``DictConfig`` or dict shaped like RLinf's ``cluster:``
+            section (``num_nodes``, ``node_groups``, ``component_placement``, ``registry``).
+        registry: the registry's address, ``tcp://host:port``.
+        num_nodes: node agents to start (embedded) or wait for (attached); default 1.
+        accelerators_per_node: embedded only: declare this many accelerators per node, so
+            placement and ``CUDA_VISIBLE_DEVICES`` can be tried on a machine without GPUs.
+        key_file: attached only: the cluster's key file (default ``$AIORL_KEY_FILE``, then
+            ``~/.aiorl/cluster.key``).
+        log_to_driver: print workers' output here, each line prefixed with the worker's name.
+        timeout: seconds to wait for the registry and the agents.
+
+    Example::
+
+        with aiorl.Cluster() as cluster:                       # embedded, one node
+            group = Rollout.create_group().launch(cluster, num_workers=4)
+
+        cluster = aiorl.Cluster(registry="tcp://head:6380", num_nodes=2,
+                                key_file="~/.aiorl/cluster.key")   # attached
+
+        async with aiorl.Cluster(accelerators_per_node=8) as cluster:
+            ...
     """
 
     def __init__(
@@ -109,14 +139,17 @@ class Cluster:
 
     @property
     def runtime(self) -> Runtime:
+        """This driver's runtime: its event loop thread, endpoint and registry client."""
         return self.session.runtime
 
     @property
     def registry_address(self) -> str:
+        """The registry's address (``ipc://...`` for an embedded cluster)."""
         return self.session.registry_address
 
     @property
     def driver_id(self) -> str:
+        """This driver's id at the registry; its groups are torn down when it goes."""
         return self.session.driver_id
 
     @property
@@ -153,10 +186,12 @@ class Cluster:
 
     @property
     def num_nodes(self) -> int:
+        """The number of live nodes."""
         return len(self._node_list())
 
     @property
     def num_accelerators(self) -> int:
+        """Accelerators over all live nodes (detected GPUs, or declared ones)."""
         return sum(int(n.get("num_accelerators", 0)) for n in self._node_list())
 
     @property

@@ -190,7 +190,7 @@ def _live_lines(snap: Snapshot, rates: tuple[float, ...]) -> list[str]:
         f"  trainers  trained on {snap.consumed_items} traj  {cons_s:6.1f} traj/s  "
         f"{cons_bs / _MB:6.3f} MB/s out of the channel",
         f"  channel   {snap.queue_items} trajectories waiting ({snap.queue_weight:.0f} env steps)"
-        f"  weights pushed {w_bs / _MB:.3f} MB/s (P2P)",
+        f"  weights published {w_bs / _MB:.3f} MB/s (aiorl.weights)",
         "",
     ]
     table = _table(["worker", "node", "state", "doing", "weights", "items", "env steps", "MB"],
@@ -224,8 +224,9 @@ def summary_text(snap: Snapshot, *, wall_s: float, train_s: float, first_length:
         ("throughput", f"{snap.consumed_items / span:.1f} traj/s trained, "
                        f"{snap.consumed_bytes / _MB / span:.3f} MB/s out of the channel, "
                        f"{snap.produced_bytes / _MB / span:.3f} MB/s into it"),
-        ("weights pushed", f"{snap.weights_bytes / _MB:.2f} MB "
-                           f"({snap.weights_bytes / _MB / span:.3f} MB/s, P2P from trainer:0)"),
+        ("weights published", f"{snap.weights_bytes / _MB:.2f} MB "
+                              f"({snap.weights_bytes / _MB / span:.3f} MB/s, written once by "
+                              "trainer:0, pulled by every worker)"),
         ("backpressure", f"rollouts waited {rollout_totals.get('put_wait_s', 0.0):.2f} s "
                          "in total for room in the channel"),
     ]

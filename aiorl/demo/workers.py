@@ -4,16 +4,19 @@ Data flow (``docs/demo.md`` has the diagram)::
 
     rollout:r --put(trajectory, weight=len)--> channel --get_batch(w)--> trainer:t
     trainer:t (t > 0) --send(gradients)--> trainer:0
-    trainer:0 --send({version, weights})--> every trainer:t (t > 0) and every rollout:r
+    trainer:0 --publish(weights, version)--> "policy" (aiorl.weights)
+    every trainer:t (t > 0) and every rollout:r --pull("policy")--> its own policy
 
 * :class:`RolloutWorker` is a :class:`~aiorl.PollingWorker`: each poll plays one CartPole
   episode with its current policy and puts the trajectory into the channel with
-  ``weight`` = its length. A background task on the worker's event loop receives new
-  weights from ``trainer:0`` (P2P ``recv``) and hands the newest one to the poll thread,
-  which loads it before its next episode: generation never waits for weights.
+  ``weight`` = its length. A background task on the worker's event loop waits for a new
+  weight version (``wait_for``) and flags it; the poll thread pulls the newest version
+  into the policy before its next episode: generation never waits for weights, and a
+  rollout that fell behind skips straight to the newest version.
 * :class:`TrainerWorker` runs :meth:`TrainerWorker.train`: take a batch with
   ``get_batch(batch_weight)``, compute the REINFORCE gradients, average them on rank 0
-  (P2P), take an Adam step there and push the new, versioned weights to everyone.
+  (P2P), take an Adam step there and publish the new version once (shared memory on its
+  node, one relay per other node); every other trainer pulls it before its next step.
   Synchronous data parallelism with rank 0 as the source of truth.
 
 torch is imported lazily (inside methods): the driver imports this module to name the
@@ -42,6 +45,8 @@ DemoConfig = Mapping[str, Any]
 
 #: How often a poll blocked on a full channel checks whether it should give up (exit()).
 _PUT_CHECK_S = 0.1
+#: The weight name trainer 0 publishes under (the demo's one policy).
+WEIGHTS = "policy"
 
 
 def _set_torch_threads(cfg: DemoConfig) -> None:
@@ -67,8 +72,7 @@ class RolloutWorker(PollingWorker):
     def __init__(self) -> None:
         super().__init__()
         self._cfg: DemoConfig = {}
-        self._lock = threading.Lock()  # guards _pending (loop thread writes, poll thread reads)
-        self._pending: dict[str, Any] | None = None
+        self._new_version = threading.Event()  # set by the listener, cleared by the poll thread
         self._give_up = threading.Event()  # set by exit(): a poll blocked on a full channel ends
         self._last_put: tuple[Any, threading.Event] | None = None  # the put not yet waited for
         self._listener: asyncio.Task[None] | None = None
@@ -102,6 +106,7 @@ class RolloutWorker(PollingWorker):
         self._rl = rl
         # On the event loop this returns at once; the first put waits for readiness.
         self._channel = self.connect_channel(str(cfg["channel"]))
+        self._weights = self.weight_subscriber(WEIGHTS)
         self._listener = asyncio.get_running_loop().create_task(self._listen_for_weights())
 
     def _poll(self) -> PollResult:
@@ -155,6 +160,12 @@ class RolloutWorker(PollingWorker):
         await super().exit()
         if self._listener is not None and not self._listener.done():
             self._listener.cancel()
+        # The final report counts every version published, including one announced a
+        # moment ago: ask the directory rather than trust the listener's last news.
+        try:
+            self._weights_received = await self._weights.refresh() or 0
+        except PeerLostError:
+            pass
 
     # ------------------------------------------------------------------ internals
     def _issue_put(self, traj: dict[str, Any], length: int, nbytes: int) -> None:
@@ -185,35 +196,30 @@ class RolloutWorker(PollingWorker):
         return True
 
     def _load_newest_weights(self) -> None:
-        """Swap in the newest weights received, if any (poll thread, between episodes)."""
-        with self._lock:
-            msg, self._pending = self._pending, None
-        if msg is None:
+        """Pull the newest weight version into the policy, if there is a new one (poll
+        thread, between episodes: the policy is not in use)."""
+        if not self._new_version.is_set():
             return
+        self._new_version.clear()
         self._activity = "loading weights"
-        # load_state_dict copies into the policy's own tensors, so the received ones (which
-        # may view a shared-memory segment) are released when msg goes out of scope.
-        self._policy.load_state_dict(msg["state"])
-        self._version = int(msg["version"])
+        # In place, straight out of the node's shared copy of the newest complete version.
+        self._version = self._weights.pull(into=self._policy.state_dict()).wait()
+        self._weights_bytes = self._weights.statistics().bytes_copied
 
     async def _listen_for_weights(self) -> None:
-        """Receive versioned weights from trainer rank 0 until it says it has finished."""
-        src = str(self._cfg["trainer_group"])
+        """Flag each new weight version for the poll thread until the trainer is gone."""
         self._listener_state = "listening"
         while True:
             try:
-                msg = await self.recv(src, 0)
+                await self._weights.wait_for(self._seen_version() + 1)
             except PeerLostError:
                 self._listener_state = "trainer gone"
                 return
-            self._weights_received += 1
-            self._weights_bytes += int(msg.get("nbytes", 0))
-            with self._lock:
-                # Only the newest version matters; an older one not yet loaded is dropped.
-                self._pending = msg
-            if msg.get("final"):
-                self._listener_state = "done"
-                return
+            self._weights_received = self._seen_version()
+            self._new_version.set()
+
+    def _seen_version(self) -> int:
+        return self._weights.latest_version or 0
 
 
 class TrainerWorker(Worker):
@@ -293,10 +299,11 @@ class TrainerWorker(Worker):
                 self._activity = "sending gradients"
                 await self.send([p.grad for p in params], group, 0)
                 self._activity = "waiting for weights"
-                msg = await self.recv(group, 0)
-                policy.load_state_dict(msg["state"])
-                self._version = int(msg["version"])
-                if msg["final"]:
+                version, final = await self.recv(group, 0)
+                self._version = await self.weight_subscriber(WEIGHTS).pull(
+                    into=policy.state_dict())
+                assert self._version == version  # rank 0 publishes no newer before our grads
+                if final:
                     break
                 continue
             assert optimizer is not None
@@ -337,15 +344,14 @@ class TrainerWorker(Worker):
         self._bytes += stats.nbytes
 
     async def _push_weights(self, policy: Any, final: bool) -> None:
-        """Send the new version to the other trainers and to every rollout worker (rank 0)."""
-        self._activity = "pushing weights"
-        state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
-        nbytes = sum(v.numel() * v.element_size() for v in state.values())
-        msg = {"version": self._version, "state": state, "final": final, "nbytes": nbytes}
-        dests = [(self.worker_group_name, r) for r in range(1, self.world_size)]
-        dests += [(str(self._cfg["rollout_group"]), r)
-                  for r in range(int(self._cfg["num_rollouts"]))]
-        works = [self.send(msg, g, r) for g, r in dests]
-        for work in works:
-            await work
-        self._weights_bytes_sent += nbytes * len(dests)
+        """Publish the new version once (rank 0); tell the other trainers its number.
+
+        Rollouts learn of it from the publication itself; the other trainers wait for
+        the small (version, final) message because they step in lockstep with rank 0.
+        """
+        self._activity = "publishing weights"
+        state = policy.state_dict()
+        await self.weight_publisher(WEIGHTS).publish(state, self._version)
+        for r in range(1, self.world_size):
+            await self.send((self._version, final), self.worker_group_name, r)
+        self._weights_bytes_sent += sum(v.numel() * v.element_size() for v in state.values())

@@ -43,6 +43,35 @@ class _Rank:
         self.queued: list[Callable[[], None]] = []
 
 
+class _GroupCall:
+    """One call on some ranks: the per-rank answers, gathered into the work's result list."""
+
+    __slots__ = ("work", "results", "remaining")
+
+    def __init__(self, work: AsyncWork[list[Any]], n: int) -> None:
+        self.work = work
+        self.results: list[Any] = [None] * n
+        self.remaining = n
+
+    def settle(self, i: int, error: BaseException | None, reply: Any) -> None:
+        """Rank ``i`` answered (an endpoint settle): the first error fails the call."""
+        work = self.work
+        if is_settled(work):
+            return
+        if error is None:
+            payload = reply[1]
+            try:
+                self.results[i] = serialization.loads(payload) if payload else None
+            except Exception as exc:  # noqa: BLE001 - an unreadable result fails the call
+                error = exc
+        if error is not None:
+            reject(work, error)
+            return
+        self.remaining -= 1
+        if self.remaining == 0:
+            resolve(work, self.results)
+
+
 class GroupCore:
     """Rank slots, readiness queues, deaths and close of one group (runtime loop only)."""
 
@@ -65,44 +94,26 @@ class GroupCore:
         if self.closed:
             reject(work, PeerLostError(f"worker group {self.name} is closed"))
             return
-        results: list[Any] = [None] * len(ranks)
-        remaining = [len(ranks)]
-        endpoint = self.runtime.endpoint
-
-        def collect(i: int, fut: Any) -> None:
-            if fut.cancelled():
-                work.cancel()
-                return
-            exc = fut.exception()  # retrieved even when unused, so asyncio does not warn
-            if is_settled(work):
-                return
-            if exc is not None:
-                reject(work, exc)
-                return
-            _, payload = fut.result()
-            results[i] = serialization.loads(payload) if payload else None
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                resolve(work, results)
-
-        for i, r in enumerate(ranks):
-            state = self.ranks[r]
-
-            def send(i: int = i, state: _Rank = state) -> None:
-                if state.error is not None:
-                    if not is_settled(work):
-                        reject(work, _fresh(state.error))
-                    return
-                assert state.address is not None
-                fut = endpoint.request(state.address, WorkerOp.CALL, method, frames)
-                fut.add_done_callback(functools.partial(collect, i))
-
-            if state.address is not None or state.error is not None:
-                send()
-            else:
-                state.queued.append(send)
         if not ranks:
             resolve(work, [])
+            return
+        call = _GroupCall(work, len(ranks))
+        for i, r in enumerate(ranks):
+            state = self.ranks[r]
+            if state.error is not None or state.address is not None:
+                self._send_call(call, i, state, method, frames)
+            else:
+                state.queued.append(
+                    functools.partial(self._send_call, call, i, state, method, frames))
+
+    def _send_call(self, call: _GroupCall, i: int, state: _Rank, method: str,
+                   frames: list[Any]) -> None:
+        if state.error is not None:
+            call.settle(i, _fresh(state.error), None)
+            return
+        assert state.address is not None
+        self.runtime.endpoint.request_then(
+            state.address, WorkerOp.CALL, method, frames, functools.partial(call.settle, i))
 
     def ready(self) -> AsyncWork[None]:
         work: AsyncWork[None] = AsyncWork(self.runtime.loop)
@@ -156,16 +167,18 @@ class GroupCore:
                                                             AgentOp.FREE_PORT, timeout=10)
         by_node: dict[int, list[WorkerLaunch]] = {}
         for p in placements:
+            profiler = p.profiler_launch(self.name)  # None unless profiling selects us
             env = {
                 "RANK": str(p.rank), "WORLD_SIZE": str(len(placements)),
-                "LOCAL_RANK": str(p.local_rank), "LOCAL_WORLD_SIZE": str(p.local_world_size),
+                "LOCAL_RANK": str(p.launch_local_rank),
+                "LOCAL_WORLD_SIZE": str(p.local_world_size),
                 "NODE_LOCAL_RANK": str(p.local_rank), "NODE_LOCAL_WORLD_SIZE": str(p.local_world_size),
                 "NODE_RANK": str(p.node_rank), "NODE_GROUP_LABEL": p.node_group_label,
                 "MASTER_ADDR": master_node["ip"], "MASTER_PORT": str(port_reply["port"]),
                 "AIORL_WORKER_NAME": f"{self.name}:{p.rank}",
                 "AIORL_REGISTRY": self.session.registry_address,
                 "AIORL_DRIVER_ID": self.session.driver_id,
-                **p.env, **extra_env,
+                **(profiler.env if profiler else {}), **p.env, **extra_env,
             }
             if p.visible_accelerators:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(p.visible_accelerators)
@@ -174,6 +187,8 @@ class GroupCore:
                 visible_accelerators=tuple(p.visible_accelerators),
                 sys_path=tuple(x for x in sys.path if x), log_level=logging.getLevelName(
                     logging.getLogger("aiorl").getEffectiveLevel()),
+                launcher=profiler.argv if profiler else (),
+                python_interpreter=p.python_interpreter,
             ))
         output_to = self.runtime.endpoint.address if getattr(self.session, "log_to_driver",
                                                              False) else None

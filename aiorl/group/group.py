@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from aiorl.group.core import GroupCore, ship_class
-from aiorl.names import WorkerAddress
+from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.placement import (
     ClusterSpec,
     ComponentPlacement,
@@ -46,7 +46,13 @@ W = TypeVar("W")
 
 
 class WorkerGroupBuilder(Generic[W]):
-    """What ``Worker.create_group(*args, **kwargs)`` returns; ``launch`` starts it."""
+    """What ``Worker.create_group(*args, **kwargs)`` returns; ``launch`` starts it.
+
+    Example::
+
+        builder = Trainer.create_group(cfg)        # nothing runs yet
+        trainer = builder.launch(cluster, "0-7", name="trainer")
+    """
 
     def __init__(self, cls: type[W], args: tuple[Any, ...], kwargs: dict[str, Any],
                  base: type = object) -> None:
@@ -74,6 +80,7 @@ class WorkerGroupBuilder(Generic[W]):
         *,
         num_workers: int | None = None,
         env: dict[str, str] | None = None,
+        isolate_gpu: bool = True,
     ) -> WorkerGroup[W]:
         """Start the group's processes and return at once (calls wait for readiness).
 
@@ -87,6 +94,9 @@ class WorkerGroupBuilder(Generic[W]):
           contiguous blocks (ranks ``0..k-1`` on node 0, the next block on node 1, ...);
         * neither: one rank per declared accelerator, or one rank on node 0.
 
+        ``isolate_gpu=False`` (RLinf's name) shows every rank all accelerators of its node
+        instead of only its own, with ``LOCAL_RANK`` set to its device id.
+
         Example::
 
             group = Rollout.create_group(cfg).launch(cluster, num_workers=4, name="rollout")
@@ -99,7 +109,8 @@ class WorkerGroupBuilder(Generic[W]):
                 and ``num_workers`` are given.
             RuntimeError: ``cluster`` is closed.
         """
-        request, start = self._plan(cluster, placement_strategy, name, num_workers, env)
+        request, start = self._plan(cluster, placement_strategy, name, num_workers, env,
+                                    isolate_gpu)
         runtime = cluster.runtime
         runtime.run_sync(runtime.registry.create_group(request), timeout=30)
         return start()
@@ -112,22 +123,26 @@ class WorkerGroupBuilder(Generic[W]):
         *,
         num_workers: int | None = None,
         env: dict[str, str] | None = None,
+        isolate_gpu: bool = True,
     ) -> WorkerGroup[W]:
         """:meth:`launch` for code on the runtime loop's thread (channels launch their
         host from there): it awaits the registry instead of blocking the loop."""
-        request, start = self._plan(cluster, placement_strategy, name, num_workers, env)
+        request, start = self._plan(cluster, placement_strategy, name, num_workers, env,
+                                    isolate_gpu)
         await cluster.runtime.registry.create_group(request)
         return start()
 
     def _plan(self, cluster: Session, placement_strategy: PlacementStrategy | str | int | None,
               name: str | None, num_workers: int | None, env: dict[str, str] | None,
-              ) -> tuple[GroupSpec, Callable[[], WorkerGroup[W]]]:
+              isolate_gpu: bool = True) -> tuple[GroupSpec, Callable[[], WorkerGroup[W]]]:
         """The registry's create_group request, and what starts the group once it succeeded."""
         group_name = name if name is not None else self.cls.__name__
         WorkerAddress(group_name)  # validates the name
         spec = cluster.spec
         strategy = _strategy(spec, placement_strategy, num_workers, group_name)
-        placements = strategy.get_placement(spec)
+        # Custom strategies written for get_placement(spec) keep working when isolating.
+        placements = (strategy.get_placement(spec) if isolate_gpu
+                      else strategy.get_placement(spec, isolate_accelerator=False))
         runtime = cluster.runtime
         payload = ship_class(self.cls, self.args, self.kwargs)
         request = GroupSpec(group_name, len(placements), cluster.driver_id,
@@ -189,6 +204,13 @@ class WorkerGroup(Generic[W]):
     :meth:`on_ranks` (alias :meth:`execute_on`) returns a view of some ranks; it does
     not change this object, so ``group.execute_on(0).step()`` followed by
     ``group.step()`` calls rank 0, then every rank.
+
+    Example::
+
+        group = Rollout.create_group(cfg).launch(cluster, num_workers=4, name="rollout")
+        results = group.generate(8).wait()            # [r0, r1, r2, r3]
+        first = await group.execute_on(0, 3).generate(1)   # [r0, r3], in a coroutine
+        group.close()
     """
 
     _VIEW_CACHE_SIZE = 64
@@ -200,6 +222,7 @@ class WorkerGroup(Generic[W]):
     # ------------------------------------------------------------------ public surface
     @property
     def worker_group_name(self) -> str:
+        """The group's name (``launch(name=...)``, the class name by default)."""
         return self._core.name
 
     @property
@@ -214,7 +237,18 @@ class WorkerGroup(Generic[W]):
 
     @property
     def worker_cls(self) -> type[W]:
+        """The worker class whose methods this group calls."""
         return self._core.cls
+
+    @property
+    def worker_info_list(self) -> list[WorkerInfo]:
+        """The :class:`~aiorl.WorkerInfo` of every rank of the group, in rank order, as the
+        workers registered it (node, pid, accelerators, endpoint). Waits until every
+        rank is ready; call it from synchronous code, not from the runtime loop."""
+        self.wait_ready()
+        core = self._core
+        record = core.runtime.run_sync(core.runtime.registry.lookup_group(core.name), timeout=30)
+        return [record.workers[f"{core.name}:{rank}"].info for rank in range(core.world_size)]
 
     def on_ranks(self, *ranks: int | list[int] | tuple[int, ...]) -> WorkerGroup[W]:
         """A view that calls only ``ranks`` (results in the order given); views are cached."""
@@ -252,6 +286,7 @@ class WorkerGroup(Generic[W]):
         self._ready().wait(timeout)
 
     async def async_wait_ready(self) -> None:
+        """:meth:`wait_ready` for coroutines: ``await group.async_wait_ready()``."""
         await self._ready()
 
     def close(self) -> None:
@@ -269,6 +304,7 @@ class WorkerGroup(Generic[W]):
             log.debug("closing group %s: %s", core.name, exc)
 
     async def aclose(self) -> None:
+        """:meth:`close` for coroutines: ``await group.aclose()``."""
         core = self._core
         if core.closed:
             return

@@ -230,7 +230,11 @@ class NodeAgent:
             log.warning("ignored a malformed worker_ready: %s", exc)
             return
         child = self.children.get(info.pid)
-        if child is not None and child.name == info.name:
+        if child is None or child.name != info.name:
+            # A worker started under a profiler is the profiler's child: its pid is not
+            # the one the zygote forked, but its name is unique among ours.
+            child = next((c for c in self.children.values() if c.name == info.name), None)
+        if child is not None:
             child.info = info
 
     def _start_zygote(self) -> None:

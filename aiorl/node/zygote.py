@@ -33,6 +33,7 @@ import sys
 import traceback
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from aiorl.node.environment import merge_environment
 from aiorl.protocol.spawn import WorkerSpawn
 
 if TYPE_CHECKING:
@@ -133,7 +134,11 @@ def _child(spec: WorkerSpawn, session: _Session, channel: socket.socket, parent_
         os.close(log_fd)
         sys.stdout = os.fdopen(1, "w", buffering=1)
         sys.stderr = os.fdopen(2, "w", buffering=1)
-        os.environ.update(spec.launch.env)
+        os.environ.update(merge_environment(spec.launch.env, os.environ))
+        _extend_sys_path(spec.launch.env.get("PYTHONPATH", ""))
+        if _needs_exec(spec):
+            code = _exec_worker(spec, session)  # returns only if exec failed
+            return
         from aiorl.actors import worker_process
 
         code = worker_process.run(spec, keys=session.keys, listen=session.listen)
@@ -148,6 +153,55 @@ def _child(spec: WorkerSpawn, session: _Session, channel: socket.socket, parent_
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _extend_sys_path(pythonpath: str) -> None:
+    """Make a ``PYTHONPATH`` from the launch environment importable in this forked child.
+
+    The interpreter reads ``PYTHONPATH`` only when it starts, and a forked worker never
+    starts: without this, ``env_configs: [{PYTHONPATH: /opt/ext}]`` would show in
+    ``os.environ`` and import nothing. New entries go where the interpreter puts them,
+    after the script directory and before the standard library."""
+    new = [e for e in dict.fromkeys(pythonpath.split(os.pathsep)) if e and e not in sys.path]
+    sys.path[1:1] = new
+
+
+def _needs_exec(spec: WorkerSpawn) -> bool:
+    """A worker under a profiler, or with an interpreter other than ours, must start as a
+    new program; naming this very interpreter (RLinf configs often do) still forks."""
+    interpreter = spec.launch.python_interpreter
+    other = interpreter is not None and (
+        os.path.realpath(interpreter) != os.path.realpath(sys.executable))
+    return bool(spec.launch.launcher) or other
+
+
+def _exec_worker(spec: WorkerSpawn, session: _Session) -> int:
+    """Replace this forked child with ``launcher... python -m aiorl.node.exec_worker FD``.
+
+    Everything the worker needs travels in a memfd inherited as ``FD`` (see
+    :mod:`aiorl.node.exec_worker`). Returns only when exec fails: the reason goes to the
+    worker's log, whose last lines reach the driver with the exit code (127, as a shell
+    reports a missing program)."""
+    launch = spec.launch
+    fd = os.memfd_create("aiorl-worker-spawn", 0)
+    data = pickle.dumps((spec, session.keys, session.listen), protocol=5)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.set_inheritable(fd, True)
+    output_dir = os.environ.get("AIORL_PROFILE_OUTPUT_DIR")
+    if launch.launcher and output_dir:
+        os.makedirs(output_dir, exist_ok=True)  # nsys does not create it
+    interpreter = launch.python_interpreter or sys.executable
+    argv = [*launch.launcher, interpreter, "-m", "aiorl.node.exec_worker", str(fd)]
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as exc:
+        print(f"aiorl: cannot start worker {spec.name} as {' '.join(argv[:-1])} ...: "
+              f"{argv[0]!r}: {exc.strerror or exc} (is it installed and on the node's PATH?)",
+              file=sys.stderr, flush=True)
+    return 127
 
 
 def serve(channel: socket.socket, parent_pid: int) -> None:

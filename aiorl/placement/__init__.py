@@ -18,6 +18,23 @@ from __future__ import annotations
 
 from aiorl.errors import PlacementError
 from aiorl.placement._component import ComponentPlacement
+from aiorl.placement._hardware import (
+    HARDWARE_KINDS,
+    CustomHardwareConfig,
+    FrankaConfig,
+    HardwareConfig,
+    HardwareType,
+    NodeHardware,
+    get_hardware_type,
+    hardware_types,
+    register_hardware,
+)
+from aiorl.placement._model_parallel import (
+    HybridComponentPlacement,
+    ModelParallelComponentPlacement,
+    PlacementMode,
+)
+from aiorl.placement._profiling import ProfilerLaunch, ProfilingConfig, parse_profiling
 from aiorl.placement._ranks import format_ranks, parse_rank_config
 from aiorl.placement._render import render_placements, render_plan
 from aiorl.placement._spec import (
@@ -37,21 +54,36 @@ from aiorl.placement._strategies import (
 )
 
 __all__ = [
+    "HARDWARE_KINDS",
     "RESERVED_GROUP_LABELS",
     "ClusterSpec",
     "ComponentPlacement",
+    "CustomHardwareConfig",
     "EnvConfig",
     "FlexiblePlacementStrategy",
+    "FrankaConfig",
+    "HardwareConfig",
+    "HardwareType",
+    "HybridComponentPlacement",
+    "ModelParallelComponentPlacement",
     "NodeGroup",
+    "NodeHardware",
     "NodePlacementStrategy",
     "PackedPlacementStrategy",
     "Placement",
     "PlacementError",
+    "PlacementMode",
     "PlacementStrategy",
+    "ProfilerLaunch",
+    "ProfilingConfig",
     "RankStringPlacementStrategy",
     "default_placement_strategy",
     "format_ranks",
+    "get_hardware_type",
+    "hardware_types",
+    "parse_profiling",
     "parse_rank_config",
+    "register_hardware",
     "render_placements",
     "render_plan",
 ]

@@ -45,7 +45,10 @@ class ComponentPlacement:
             spec = resolve_spec(cluster_or_spec)
             if not spec.node_groups and section.get("node_groups"):
                 spec = spec.with_node_groups(section["node_groups"])
+            if spec.profiling is None and section.get("profiling") is not None:
+                spec = spec.with_profiling(section["profiling"])
         self._spec = spec
+        self._config = cfg
         raw = section.get("component_placement") or {}
         if not isinstance(raw, dict):
             raise PlacementError(
@@ -120,9 +123,24 @@ class ComponentPlacement:
             f"unknown component {component!r}; components: {', '.join(self._key_of) or 'none'}"
         )
 
-    def get_strategy(self, component: str) -> RankStringPlacementStrategy:
-        """The strategy of ``component``; components of one key share the object."""
+    def has_component(self, component: str) -> bool:
+        """Whether ``component_placement`` places ``component``."""
+        return component in self._key_of or component in self._keys
+
+    def get_strategy(self, component: str, required: bool = True) -> Any:
+        """The strategy of ``component``; components of one key share the object.
+
+        With ``required=False`` an unknown component gives ``None`` instead of raising
+        :class:`PlacementError` (RLinf's signature)."""
+        if not required and not self.has_component(component):
+            return None
         return self._keys[self._key(component)]
+
+    def get_hardware_ranks(self, component: str) -> list[int]:
+        """The resource ranks ``component``'s placement string uses, ascending, in the
+        numbering of its node group(s) (``0-3:0-7,6-7`` gives ``[0, 1, 2, 3, 6, 7]``)."""
+        placements = self._placements[self._key(component)]
+        return sorted({r for p in placements for r in p.resource_ranks})
 
     def get_world_size(self, component: str) -> int:
         """The number of processes of ``component``."""
@@ -130,11 +148,11 @@ class ComponentPlacement:
 
     def get_placement(self, component: str) -> list[Placement]:
         """The placements of ``component``'s processes, sorted by rank."""
-        return self.get_strategy(component).get_placement(self._spec)
+        return self._keys[self._key(component)].get_placement(self._spec)
 
     def get_node_group_labels(self, component: str) -> list[str]:
         """The node group(s) whose resources ``component``'s placement string counts."""
-        return list(self.get_strategy(component).node_group_labels)
+        return list(self._keys[self._key(component)].node_group_labels)
 
     def __repr__(self) -> str:
         rules = ", ".join(f"{k}: {s.placement!r}" for k, s in self._keys.items())

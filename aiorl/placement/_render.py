@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from aiorl.placement._component import ComponentPlacement
+from aiorl.placement._profiling import ProfilingConfig
 from aiorl.placement._ranks import format_ranks
 from aiorl.placement._spec import ACCELERATOR, NODE, ClusterSpec
 from aiorl.placement._strategies import Placement
@@ -125,6 +126,12 @@ def render_plan(component_placement: ComponentPlacement) -> str:
                 for g in groups
             )
         )
+    if spec.profiling is not None:
+        out.append(f"profiling: {_profiling_text(spec.profiling)}")
+    for group in groups:
+        if group.profiling is not None:
+            out.append(f"profiling on node group {group.label}: "
+                       f"{_profiling_text(group.profiling)}")
     if not component_placement.keys:
         out.append("")
         out.append("no components: cluster.component_placement is empty")
@@ -140,4 +147,24 @@ def render_plan(component_placement: ComponentPlacement) -> str:
                 f"{key} [{strategy.placement}]",
             )
         )
+        profiled = sorted({
+            f"{name} under {p.profiling.backend}"
+            for name in key.split(",") for p in placements
+            if p.profiling is not None and p.profiling.profiles(name.strip())
+        })
+        if profiled:
+            out.append(f"  profiled: {', '.join(profiled)}")
     return "\n".join(out)
+
+
+def _profiling_text(config: ProfilingConfig) -> str:
+    """``nsys for worker groups actor, rollout, steps 5,10, reports in /out``."""
+    if not config.enabled:
+        return f"{config.backend}, disabled"
+    if config.worker_groups is not None:
+        who = f"worker groups {', '.join(config.worker_groups)}"
+    else:
+        who = "every worker group" if config.applies_to_all else "no worker group"
+    steps = "every step" if config.steps is None else "steps " + ",".join(map(str, config.steps))
+    where = config.output_dir or "the temporary directory"
+    return f"{config.backend} for {who}, {steps}, reports in {where}"

@@ -34,7 +34,14 @@ _MAX_WORLD = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class WorkerLaunch:
-    """One rank to start: its environment and the devices it may use."""
+    """One rank to start: its environment and the devices it may use.
+
+    ``env`` is merged into the node's environment when the worker starts (path lists
+    such as ``PATH`` are prepended, see :mod:`aiorl.node.environment`). A worker with a
+    ``launcher`` (a profiler command such as ``nsys profile ...``) or an interpreter
+    other than the zygote's cannot be forked from the warm zygote: it is started by
+    exec, as ``launcher... python_interpreter -m aiorl.node.exec_worker``.
+    """
 
     rank: int
     env: Mapping[str, str] = field(default_factory=dict)
@@ -42,12 +49,18 @@ class WorkerLaunch:
     visible_accelerators: tuple[str, ...] = ()
     sys_path: tuple[str, ...] = ()
     log_level: str = "INFO"
+    launcher: tuple[str, ...] = ()
+    python_interpreter: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"rank": self.rank, "env": dict(self.env),
+        wire = {"rank": self.rank, "env": dict(self.env),
                 "hardware_ranks": list(self.hardware_ranks),
                 "visible_accelerators": list(self.visible_accelerators),
-                "sys_path": list(self.sys_path), "log_level": self.log_level}
+                "sys_path": list(self.sys_path), "log_level": self.log_level,
+                "launcher": list(self.launcher)}
+        if self.python_interpreter is not None:
+            wire["python_interpreter"] = self.python_interpreter
+        return wire
 
     @classmethod
     def read(cls, f: Fields) -> Self:
@@ -61,6 +74,8 @@ class WorkerLaunch:
             visible_accelerators=f.text_list("visible_accelerators", (), max_len=64),
             sys_path=f.text_list("sys_path", ()),
             log_level=f.text("log_level", "INFO", max_len=16),
+            launcher=f.text_list("launcher", ()),
+            python_interpreter=f.optional_text("python_interpreter"),
         )
 
 

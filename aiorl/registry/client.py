@@ -87,11 +87,13 @@ class RegistryClient:
         try:
             reply_meta, _ = await self.endpoint.request(self.address, op, meta, timeout=timeout)
         except (TimeoutError, PeerLostError) as exc:
-            raise RegistryUnavailable(
-                f"the registry at {self.address} did not answer '{op}' within {timeout:g} s"
+            raise RegistryUnavailable(  # a CURVE key mismatch looks like silence here
+                f"no answer from {self.address} to '{op}' within {timeout:g} s (wrong address, "
+                "or a key mismatch: every process needs the registry's key file)"
             ) from exc
         except AuthenticationError as exc:  # whoever answers there is not our registry (yet)
-            raise RegistryUnavailable(f"'{op}' failed: {exc}") from exc
+            raise RegistryUnavailable(
+                f"{self.address} refused '{op}': wrong or missing key ({exc})") from exc
         return reply_meta
 
     # ------------------------------------------------------------------ typed operations

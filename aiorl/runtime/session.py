@@ -56,6 +56,7 @@ def spec_from_nodes(nodes: Sequence[Mapping[str, Any]], cluster_cfg: Mapping[str
         len(nodes),
         accelerators_per_node=[int(n.get("num_accelerators", 0)) for n in nodes],
         node_groups=hw_groups or None,
+        profiling=cluster_cfg.get("profiling"),
     )
 
 

@@ -47,7 +47,15 @@ _allocate_lock = _thread.allocate_lock
 
 
 class AsyncWork(Generic[T]):
-    """A result that will exist later. See the module docstring for the rules."""
+    """A result that will exist later. See the module docstring for the rules.
+
+    Example::
+
+        work = group.step(batch)              # returns at once
+        results = work.wait(timeout=60)       # from synchronous code, or:
+        results = await group.step(batch)     # from a coroutine, on any event loop
+        group.step(batch).then(print)         # a callback, on the runtime loop
+    """
 
     __slots__ = ("_loop", "_home", "_fut", "_cf", "_next", "_cancelling")
 
@@ -125,6 +133,7 @@ class AsyncWork(Generic[T]):
 
     # ---------------------------------------------------------------- consuming
     def done(self) -> bool:
+        """Whether the work has completed (with a result, an error, or cancelled)."""
         return self._fut.done() or self._cancelling
 
     def wait(self, timeout: float | None = None) -> T:
@@ -191,6 +200,7 @@ class AsyncWork(Generic[T]):
         return True
 
     def exception(self) -> BaseException | None:
+        """The error the work failed with; None while pending or when it succeeded."""
         return self._fut.exception() if self._fut.done() else None
 
     # ---------------------------------------------------------------- chaining
@@ -251,7 +261,13 @@ class AsyncWork(Generic[T]):
 
 
 class AsyncFuncWork(AsyncWork[T]):
-    """The result of ``then``: completes with the callback's value (or the work it returned)."""
+    """The result of ``then``: completes with the callback's value (or the work it returned).
+
+    Example::
+
+        sizes = group.generate(8).then(lambda results: [len(r) for r in results])
+        print(sizes.wait())
+    """
 
     __slots__ = ()
 
@@ -267,6 +283,11 @@ class AsyncCollWork(AsyncWork[T]):
     done only once its recorded CUDA events have completed too. The work resolves to
     ``on_done()`` when given, else to ``result``; a failed torch work (``wait()`` raises)
     fails it.
+
+    Example::
+
+        work = self.broadcast(tensor, groups=[("trainer", [0, 1])], async_op=True)
+        tensor = await work                   # an AsyncCollWork where NCCL carries it
     """
 
     __slots__ = ()
@@ -306,7 +327,13 @@ _WAITER = BlockingWaiter()
 
 
 class AsyncChannelWork(AsyncWork[T]):
-    """An operation on a :class:`~aiorl.Channel` (put, get, get_batch, statistics)."""
+    """An operation on a :class:`~aiorl.Channel` (put, get, get_batch, statistics).
+
+    Example::
+
+        await channel.put(trajectory, weight=len(trajectory))
+        batch = await channel.get_batch(4096)
+    """
 
     __slots__ = ()
 

@@ -196,15 +196,22 @@ class SegmentPool:
         self.total_bytes = 0
 
 
-def open_segment(pid: int, fd: int, size: int, writable: bool = True) -> mmap.mmap:
-    """Map the segment that process ``pid`` holds as ``fd`` (shared; read-only unless ``writable``)."""
+def open_segment(
+    pid: int, fd: int, size: int, writable: bool = True, private: bool = False
+) -> mmap.mmap:
+    """Map the segment that process ``pid`` holds as ``fd`` (shared; read-only unless ``writable``).
+
+    ``private``: a copy-on-write mapping, faulted in on first touch, for segments many readers
+    map at once (a broadcast): reads share the owner's pages, a reader's writes stay its own.
+    """
     try:
-        local = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR if writable else os.O_RDONLY)
+        local = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR if writable and not private else os.O_RDONLY)
     except OSError as exc:
         raise ShmUnavailable(f"cannot open shared segment fd {fd} of process {pid}: {exc}") from exc
     try:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        return mmap.mmap(local, size, mmap.MAP_SHARED | _POPULATE, prot)
+        flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED | _POPULATE
+        return mmap.mmap(local, size, flags, prot)
     except OSError as exc:
         raise ShmUnavailable(f"cannot map shared segment fd {fd} of process {pid}: {exc}") from exc
     finally:

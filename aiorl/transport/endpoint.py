@@ -55,6 +55,7 @@ Threads
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -102,8 +103,10 @@ _REQUEST, _REPLY, _ERROR, _ONEWAY, _EVENT, _BATCH = (
 # per-part dispatch) cost ~5 us per message here, more than the send itself.
 _RawSocket: Any = zmq.Socket.__mro__[1]
 _raw_send = _RawSocket.send
+_raw_recv = _RawSocket.recv
 _raw_get = _RawSocket.get
 _EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
 #: Frames at least this large are handed to ZMQ without a copy (it keeps a reference).
 _ZERO_COPY_BYTES = 64 * 1024
 
@@ -119,6 +122,14 @@ def send_parts(sock: zmq.Socket[Any], parts: Sequence[Any]) -> None:
             _raw_send(sock, part, flags, False, False)
 
 
+def recv_parts(sock: zmq.Socket[Any]) -> list[bytes]:
+    """Receive one whole multipart message without blocking (raises ``zmq.Again`` if none)."""
+    parts = [_raw_recv(sock, _NOBLOCK, True, False)]
+    while _raw_get(sock, _RCVMORE):
+        parts.append(_raw_recv(sock, _NOBLOCK, True, False))
+    return parts
+
+
 #: Messages handled per wake-up before yielding to other callbacks (fairness).
 _DRAIN_BATCH = 256
 #: At most this many messages to one peer leave as one BATCH (a burst larger than this
@@ -128,6 +139,9 @@ _MAX_HELD_BYTES = 1 << 62
 
 _FROM_ENVIRONMENT = object()
 Reply = tuple[Any, list[Any]]  # (meta, payload frames)
+#: How a pending request is completed: ``settle(None, reply)`` or ``settle(error, None)``,
+#: exactly once, on the loop.
+Settle = Callable[[BaseException | None, "Reply | None"], None]
 Handler = Callable[["Incoming"], None]
 EventHandler = Callable[[str, Any, list[Any]], None]
 
@@ -248,7 +262,7 @@ class _Watched:
                 # Checking EVENTS is cheaper than provoking zmq.Again to learn the queue is empty.
                 if self.closed or not _raw_get(sock, _EVENTS) & _POLLIN:
                     return
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = recv_parts(sock)
             try:
                 self.on_message(frames)
             except Exception:
@@ -365,7 +379,7 @@ class _Peer:
         self.address = address
         self.watched: _Watched | None = None
         self.monitor: _Watched | None = None
-        self.pending: dict[int, asyncio.Future[Reply]] = {}
+        self.pending: dict[int, Settle] = {}
         self.lost: BaseException | None = None
         self.refused: AuthenticationError | None = None
         self.backoff = 0.0
@@ -515,17 +529,47 @@ class Endpoint:
         :class:`TimeoutError`; a late reply is dropped.
         """
         fut: asyncio.Future[Reply] = self.loop.create_future()
+        self.request_then(peer, op, meta, frames, functools.partial(self._settle_future, fut),
+                          timeout)
+        return fut
+
+    def _settle_future(self, fut: asyncio.Future[Reply], error: BaseException | None,
+                       reply: Reply | None) -> None:
+        """The settle of :meth:`request`: complete its future (unless cancelled meanwhile)."""
+        if fut.done():
+            return
+        if error is None:
+            fut.set_result(reply)  # type: ignore[arg-type]
+            return
+        fut.set_exception(error)
+        if self.closed:
+            fut.exception()  # closing: an abandoned request need not warn
+
+    def request_then(
+        self,
+        peer: str,
+        op: str,
+        meta: Any,
+        frames: Sequence[Any],
+        settle: Settle,
+        timeout: float | None = None,
+    ) -> None:
+        """:meth:`request` for the hot path: ``settle(error, reply)`` runs when it ends.
+
+        No future and no extra loop callback per request: the reply (or the failure: a lost
+        peer, a refused handshake, the timeout, close) calls ``settle`` directly, once, on
+        the loop, in the order replies arrive. ``settle`` must not raise.
+        """
         p = self._peer(peer)
         if p.lost is not None or p.refused is not None:
-            fut.set_exception(_copy_failure(p))
-            return fut
+            settle(_copy_failure(p), None)
+            return
         rid = next(self._request_ids)
-        p.pending[rid] = fut
-        self._send_dealer(p, _REQUEST, rid, op, meta, frames)
         if timeout is not None:
             handle = self.loop.call_later(timeout, _expire, p, rid, op, timeout)
-            fut.add_done_callback(lambda _f: handle.cancel())
-        return fut
+            settle = functools.partial(_cancel_then, handle, settle)
+        p.pending[rid] = settle
+        self._send_dealer(p, _REQUEST, rid, op, meta, frames)
 
     def send_oneway(self, peer: str, op: str, meta: Any = None, frames: Sequence[Any] = ()) -> None:
         """Send a message that expects no reply. Raises PeerLostError for a lost peer and
@@ -614,9 +658,8 @@ class Endpoint:
         p.close_sockets()
         p.refused = error
         pending, p.pending = p.pending, {}
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(_copy_failure(p))
+        for settle in pending.values():
+            settle(_copy_failure(p), None)
         p.rebuild = self.loop.call_later(delay, self._rebuild, p)
 
     def _rebuild(self, p: _Peer) -> None:
@@ -646,15 +689,15 @@ class Endpoint:
                 return
             handler(p.address, header.meta, frames[1:])
             return
-        fut = p.pending.pop(header.request_id, None)
-        if fut is None or fut.done():
-            return  # timed out or cancelled locally; the late answer has no reader
+        settle = p.pending.pop(header.request_id, None)
+        if settle is None:
+            return  # timed out locally; the late answer has no reader
         if header.kind == _REPLY:
-            fut.set_result((header.meta, frames[1:]))
+            settle(None, (header.meta, frames[1:]))
         elif header.kind == _ERROR:
-            fut.set_exception(from_wire(header.meta))  # data only: never unpickled
+            settle(from_wire(header.meta), None)  # data only: never unpickled
         else:
-            fut.set_exception(ProtocolError(f"unexpected {Kind(header.kind).name} in reply to a request"))
+            settle(ProtocolError(f"unexpected {Kind(header.kind).name} in reply to a request"), None)
 
     # ------------------------------------------------------------------ failure
     def on_peer_lost(self, callback: Callable[[str, BaseException], None]) -> None:
@@ -674,9 +717,8 @@ class Endpoint:
         if p is not None:
             p.lost = exc
             pending, p.pending = p.pending, {}
-            for fut in pending.values():
-                if not fut.done():
-                    fut.set_exception(_copy_lost(exc))
+            for settle in pending.values():
+                settle(_copy_lost(exc), None)
             # Nothing more will be read from or written to a dead peer's connection.
             p.close_sockets()
             del self._peers[address]
@@ -697,10 +739,9 @@ class Endpoint:
         self.closed = True
         exc = PeerLostError(f"endpoint {self.name} closed")
         for p in list(self._peers.values()):
-            for fut in p.pending.values():
-                if not fut.done():
-                    fut.set_exception(_copy_lost(exc))
-                    fut.exception()  # closing: an abandoned request need not warn
+            pending, p.pending = p.pending, {}
+            for settle in pending.values():
+                settle(_copy_lost(exc), None)
             p.close_sockets()
             # Layers above (channels, p2p) fail what they hold for this peer too.
             for cb in list(self._peer_lost_callbacks):
@@ -732,6 +773,12 @@ def _refuse_plain_over_tcp(keys: ClusterKeys | None, action: str) -> None:
 
 
 def _expire(p: _Peer, rid: int, op: str, timeout: float) -> None:
-    fut = p.pending.pop(rid, None)
-    if fut is not None and not fut.done():
-        fut.set_exception(WaitTimeout(f"'{op}' to {p.address} got no answer within {timeout:g} s"))
+    settle = p.pending.pop(rid, None)
+    if settle is not None:
+        settle(WaitTimeout(f"'{op}' to {p.address} got no answer within {timeout:g} s"), None)
+
+
+def _cancel_then(handle: asyncio.TimerHandle, settle: Settle, error: BaseException | None,
+                 reply: Reply | None) -> None:
+    handle.cancel()
+    settle(error, reply)

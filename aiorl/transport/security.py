@@ -215,6 +215,7 @@ _auth_lock = threading.Lock()
 #: new context that reuses a dead one's id (after a fork, say) gets its own authenticator.
 _authenticators: dict[int, tuple[Any, Any]] = {}
 _allowed: dict[bytes, bytes] = {}  # cluster public key -> secret, for every cluster served here
+_zap_peer = ""  # the address of the peer whose ZAP request is being checked (for the log)
 
 
 def _authenticator_class() -> type:
@@ -225,12 +226,18 @@ def _authenticator_class() -> type:
 
         Replaces pyzmq's PLAIN check, which logs passwords at debug level."""
 
+        async def handle_zap_message(self, msg: list[bytes]) -> None:
+            global _zap_peer  # one request at a time on this thread: the refusal log names it
+            _zap_peer = msg[3].decode(errors="replace") if len(msg) > 3 else "?"
+            await super().handle_zap_message(msg)
+
         def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
             expected = _allowed.get(username.encode() if isinstance(username, str) else username)
             got = password.encode() if isinstance(password, str) else password
             if expected is not None and hmac.compare_digest(expected, got):
                 return True, b"OK"
-            log.warning("refused a connection that did not present this cluster's secret")
+            log.warning("refused a connection from %s that did not present this cluster's "
+                        "secret", _zap_peer or "a local process")
             return False, b"not a member of this cluster"
 
     return ClusterAuthenticator
@@ -242,7 +249,8 @@ class _ClusterKeyCheck:
     def callback(self, domain: str, key: bytes) -> bool:
         if key in _allowed:
             return True
-        log.warning("refused a connection that did not present this cluster's key")
+        log.warning("refused a connection from %s that did not present this cluster's key",
+                    _zap_peer)
         return False
 
 

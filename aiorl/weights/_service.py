@@ -22,6 +22,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+import numpy as np
+
 from aiorl.errors import GroupExistsError, GroupNotFoundError
 from aiorl.group import WorkerGroupBuilder
 from aiorl.names import WorkerInfo
@@ -131,20 +133,23 @@ class WeightsService:
         if segment is None or slot is None:
             msg.reply(False)  # that version is no longer (or not yet) here
             return
-        task = self.loop.create_task(self._answer_fetch(msg, segment, slot, version, start, end))
-        task.add_done_callback(_log_failure)
+        self.loop.create_task(self._answer_fetch(msg, segment, slot, version, start, end))
 
     async def _answer_fetch(self, msg: Incoming, segment: VersionedSegment, slot: int,
                             version: int, start: int, end: int) -> None:
-        copy = bytearray(end - start)
+        """Reply with a private copy of the bucket, taken under the slot's seqlock (so the
+        answer says whether it is intact), as :data:`CHUNK`-sized frames."""
+        copy = np.empty(end - start, dtype=np.uint8)
 
         def take() -> bool:
-            def fill() -> None:
-                copy[:] = segment.slot(slot)[start:end]
+            return read_slot(segment.header, slot, version,
+                             lambda: np.copyto(copy, segment.slot(slot)[start:end]))
 
-            return read_slot(segment.header, slot, version, fill)
-
-        intact = await self.copy(take)
+        try:
+            intact = await self.copy(take)
+        except Exception as exc:  # e.g. the segment closed under us: the relay must hear
+            msg.reply_error(exc)
+            return
         if not intact:
             msg.reply(False)
             return
@@ -164,14 +169,6 @@ class WeightsService:
 
 def settle_on_done(work: AsyncWork[T], task: asyncio.Future[T]) -> None:
     task.add_done_callback(lambda t: settle_from(work, t))
-
-
-def _log_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        import logging
-
-        logging.getLogger("aiorl.weights").warning(
-            "serving a weight fetch failed", exc_info=task.exception())
 
 
 _create_lock = threading.Lock()

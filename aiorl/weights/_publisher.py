@@ -1,0 +1,110 @@
+"""The publishing side: ``pub = self.weight_publisher(name); await pub.publish(sd, version)``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from aiorl.runtime import AsyncWork
+from aiorl.weights._directory import ShardSource
+from aiorl.weights._layout import Layout, tensor_bytes
+from aiorl.weights._segment import VersionedSegment
+from aiorl.weights._service import WeightsService
+
+__all__ = ["WeightPublisher", "write_tensors"]
+
+
+class WeightPublisher:
+    """Publishes versions of one shard of the weights ``name`` (see docs/weights.md).
+
+    A publish writes the state dict once into the spare slot of this publisher's shared
+    segment (the slot not holding the newest version), then tells the directory that the
+    version is complete. It never waits for a subscriber: readers of the slot being
+    overwritten lose their copy (the seqlock says so) and retry with the newest version.
+    """
+
+    def __init__(self, service: WeightsService, name: str, shard: int, num_shards: int,
+                 bucket_bytes: int) -> None:
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
+        self.service = service
+        self.name = name
+        self.shard = shard
+        self.num_shards = num_shards
+        self.bucket_bytes = bucket_bytes
+        self._layout: Layout | None = None
+        self._segment: VersionedSegment | None = None
+        self._version: int | None = None
+        self._lock: asyncio.Lock | None = None
+
+    @property
+    def version(self) -> int | None:
+        """The newest version this publisher completed (None before the first)."""
+        return self._version
+
+    def publish(self, state_dict: Mapping[str, Any], version: int) -> AsyncWork[int]:
+        """Publish ``state_dict`` (name -> tensor, CPU or CUDA) as ``version``.
+
+        Versions must increase (ValueError otherwise); the tensors must keep the names,
+        dtypes and shapes of the first publish. The work completes with ``version`` once
+        the version is readable by subscribers; the tensors may be changed right after.
+        """
+        if type(version) is not int:
+            raise TypeError(f"a version must be an int, got {type(version).__name__}")
+        Layout.of(state_dict, self.bucket_bytes)  # type errors now, on the caller's thread
+        return self.service.run(self._publish(state_dict, version))
+
+    async def _publish(self, state_dict: Mapping[str, Any], version: int) -> int:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._version is not None and version <= self._version:
+                raise ValueError(f"version {version} is not newer than the published "
+                                 f"{self._version}: versions must increase")
+            segment, layout = await self._segment_for(state_dict)
+            slot = segment.spare_slot()
+            segment.begin_write(slot, version)
+            complete = False
+            try:
+                await self.service.copy(lambda: write_tensors(layout, state_dict,
+                                                              segment.slot(slot)))
+                complete = True
+            finally:
+                segment.end_write(slot, complete)
+            self._version = version
+            await self.service.call_directory(self.name, "announce", self.service.worker,
+                                              self.shard, version, slot)
+            return version
+
+    async def _segment_for(self, state_dict: Mapping[str, Any]) -> tuple[VersionedSegment, Layout]:
+        if self._segment is not None and self._layout is not None:
+            self._layout.check(state_dict)
+            return self._segment, self._layout
+        layout = Layout.of(state_dict, self.bucket_bytes)
+        segment = VersionedSegment(layout.nbytes)
+        service = self.service
+        service.segments[(self.name, self.shard)] = segment
+        source = ShardSource(self.shard, service.worker, service.info.endpoint, segment.ref)
+        await service.call_directory(self.name, "register_publisher", source, self.num_shards,
+                                     service.node_id, layout)
+        self._segment, self._layout = segment, layout
+        return segment, layout
+
+
+def write_tensors(layout: Layout, state_dict: Mapping[str, Any], slot: Any) -> None:
+    """Copy every tensor of ``state_dict`` into its place in ``slot`` (a uint8 array)."""
+    import torch
+
+    for spec in layout.tensors:
+        if spec.nbytes == 0:
+            continue
+        src = state_dict[spec.name]
+        dst = slot[spec.offset : spec.offset + spec.nbytes]
+        if src.device.type == "cpu" and src.is_contiguous():
+            np.copyto(dst, tensor_bytes(src))
+        else:  # a CUDA or strided tensor: torch copies it into a typed view of the slot
+            with torch.no_grad():
+                torch.from_numpy(dst).view(src.dtype).view(src.shape).copy_(src)

@@ -1,0 +1,313 @@
+"""The subscribing side: ``sub = self.weight_subscriber(name); v = await sub.pull(into=sd)``.
+
+A subscriber follows its weight name's directory with one long poll at a time (so
+``latest_version`` is a plain attribute read) and pulls by copying each shard straight out
+of the node's shared segment into the caller's tensors under the segment's seqlock. When the
+directory elects it as its node's relay for a shard published on another node, the same
+follow loop fetches each new version's buckets from the publisher into a segment of its
+own, which every subscriber of the node then reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from aiorl.errors import PeerLostError
+from aiorl.runtime import AsyncWork
+from aiorl.weights._directory import NodeView, RelayJob
+from aiorl.weights._layout import Layout, tensor_bytes
+from aiorl.weights._segment import SegmentReader, SegmentRef, VersionedSegment
+from aiorl.weights._service import OP_FETCH, POLL_S, WeightsService
+
+__all__ = ["SubscriberStatistics", "WeightSubscriber", "read_tensors"]
+
+log = logging.getLogger("aiorl.weights")
+
+#: Bucket fetches a relay keeps in flight (bucket k+1 on the wire while k is copied).
+FETCH_DEPTH = 2
+
+
+@dataclass(frozen=True)
+class SubscriberStatistics:
+    """What one subscriber did: pulls, bytes copied into the caller's tensors, pulls
+    retried after a torn copy, versions skipped between pulls, and, as its node's relay,
+    versions and bytes it received from publishers on other nodes."""
+
+    pulls: int
+    bytes_copied: int
+    torn_retries: int
+    versions_skipped: int
+    relayed_versions: int
+    relayed_bytes: int
+
+
+class WeightSubscriber:
+    """Pulls complete versions of the weights ``name`` (see docs/weights.md)."""
+
+    def __init__(self, service: WeightsService, name: str) -> None:
+        self.service = service
+        self.name = name
+        self._view: NodeView | None = None
+        self._latest: int | None = None
+        self._lost: str | None = None
+        self._changed: asyncio.Event | None = None
+        self._readers: dict[SegmentRef, SegmentReader] = {}
+        self._relay_segments: dict[int, VersionedSegment] = {}
+        self._pulled: int | None = None
+        self._stats = {"pulls": 0, "bytes_copied": 0, "torn_retries": 0, "versions_skipped": 0,
+                       "relayed_versions": 0, "relayed_bytes": 0}
+        self._task: asyncio.Task[None] | None = None
+        service.runtime.submit(self._start)
+
+    # ------------------------------------------------------------------ public
+    @property
+    def latest_version(self) -> int | None:
+        """The newest complete version on this node known here (None before the first).
+
+        Never blocks: it is what the directory last told this subscriber.
+        """
+        return self._latest
+
+    def pull(self, into: Mapping[str, Any]) -> AsyncWork[int]:
+        """Copy the newest complete version into ``into`` (name -> tensor) and return it.
+
+        Every published tensor must be in ``into`` with the same dtype and shape; the copy
+        is in place. Waits only when no version exists yet; never for a publish in
+        progress. A pull returns one complete version: a copy the publisher overwrote
+        meanwhile is retried with the newest version.
+        """
+        if not isinstance(into, Mapping):
+            raise TypeError(f"into must be a mapping of names to tensors, "
+                            f"got {type(into).__name__}")
+        return self.service.run(self._pull(into))
+
+    def wait_for(self, min_version: int, timeout: float | None = None) -> AsyncWork[int]:
+        """Wait until a version >= ``min_version`` is complete on this node; return it.
+
+        Raises :class:`~aiorl.PeerLostError` when a publisher (or the directory) is gone
+        before that version exists, and :class:`~aiorl.WaitTimeout` after ``timeout`` s.
+        """
+        return self.service.run(self._wait_for(min_version, timeout))
+
+    def refresh(self) -> AsyncWork[int | None]:
+        """Ask the directory now (not at its next change) and return ``latest_version``.
+
+        For code that must not miss a version published just before it asks, such as a
+        final report: ``latest_version`` alone may lag by one directory round trip.
+        """
+        return self.service.run(self._refresh())
+
+    async def _refresh(self) -> int | None:
+        service = self.service
+        view: NodeView = await service.call_directory(
+            self.name, "poll", service.worker, service.node_id, -1, 0.0)
+        if view.version is not None and (self._latest is None or view.version > self._latest):
+            self._latest = view.version
+        return self._latest
+
+    def statistics(self) -> SubscriberStatistics:
+        return SubscriberStatistics(**self._stats)
+
+    # ------------------------------------------------------------------ following the directory
+    def _start(self) -> None:
+        self._task = self.service.loop.create_task(self._follow())
+        self.service.on_close(self._close)
+
+    async def _follow(self) -> None:
+        service = self.service
+        generation = -1
+        while True:
+            try:
+                view: NodeView = await service.call_directory(
+                    self.name, "poll", service.worker, service.node_id, generation, POLL_S)
+            except PeerLostError as exc:
+                self._lost = f"the directory of weights {self.name!r} is gone: {exc}"
+                self._notify()
+                return
+            generation = view.generation
+            self._view = view
+            self._lost = view.lost
+            if view.version is not None and (self._latest is None or view.version > self._latest):
+                self._latest = view.version
+            self._notify()
+            for job in view.relay_jobs:
+                await self._relay(job, view.layouts[job.shard])
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def _next_change(self) -> None:
+        if self._task is not None and self._task.done():
+            raise PeerLostError(self._lost or f"subscriber of {self.name!r} stopped following")
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        await self._changed.wait()
+
+    # ------------------------------------------------------------------ pull and wait
+    async def _pull(self, into: Mapping[str, Any]) -> int:
+        tried: int | None = None  # generation of a view whose copy came out torn
+        while True:
+            view = self._view
+            if view is None or view.version is None or view.generation == tried:
+                if view is not None and view.version is None and self._lost is not None:
+                    raise PeerLostError(self._lost)
+                await self._next_change()
+                continue
+            if await self.service.copy(lambda: self._copy(view, into)):
+                self._account(view, into)
+                return int(view.version)
+            self._stats["torn_retries"] += 1
+            tried = view.generation
+
+    def _copy(self, view: NodeView, into: Mapping[str, Any]) -> bool:
+        assert view.version is not None
+        check_into(view.layouts, into)
+        for source, layout in zip(view.sources, view.layouts, strict=True):
+            reader = self._reader(source.ref)
+            slot = source.slots[view.version]
+            if not reader.read(slot, view.version, lambda src: read_tensors(layout, src, into)):
+                return False
+        return True
+
+    def _account(self, view: NodeView, into: Mapping[str, Any]) -> None:
+        assert view.version is not None
+        stats = self._stats
+        stats["pulls"] += 1
+        stats["bytes_copied"] += sum(spec.nbytes for lay in view.layouts for spec in lay.tensors)
+        if self._pulled is not None and view.version > self._pulled + 1:
+            stats["versions_skipped"] += view.version - self._pulled - 1
+        self._pulled = view.version
+        # Mappings of segments no longer in the view (a restarted publisher) are dropped.
+        live = {source.ref for source in view.sources}
+        for ref in [r for r in self._readers if r not in live]:
+            del self._readers[ref]
+
+    def _reader(self, ref: SegmentRef) -> SegmentReader:
+        reader = self._readers.get(ref)
+        if reader is None:
+            reader = self._readers[ref] = SegmentReader(ref)
+        return reader
+
+    async def _wait_for(self, min_version: int, timeout: float | None) -> int:
+        async def wait() -> int:
+            while True:
+                if self._latest is not None and self._latest >= min_version:
+                    return self._latest
+                if self._lost is not None:
+                    raise PeerLostError(self._lost)
+                await self._next_change()
+
+        if timeout is None:
+            return await wait()
+        from aiorl.errors import WaitTimeout
+
+        try:
+            return await asyncio.wait_for(wait(), timeout)
+        except TimeoutError:
+            raise WaitTimeout(f"no version >= {min_version} of weights {self.name!r} within "
+                              f"{timeout:g} s (latest: {self._latest})") from None
+
+    # ------------------------------------------------------------------ relaying
+    async def _relay(self, job: RelayJob, layout: Layout) -> None:
+        """Fetch ``job.version`` of a shard from its publisher into our relay segment."""
+        segment = self._relay_segments.get(job.shard)
+        if segment is None:
+            segment = self._relay_segments[job.shard] = VersionedSegment(layout.nbytes)
+        slot = segment.spare_slot()
+        segment.begin_write(slot, job.version)
+        complete = False
+        try:
+            complete = await self._fetch(job, layout, segment.slot(slot))
+        except Exception as exc:  # the publisher died or failed the fetch: skip this version
+            log.info("relay of weights %r shard %d stopped: %s", self.name, job.shard, exc)
+        finally:
+            segment.end_write(slot, complete)
+        if not complete:
+            return  # the directory already has (or will soon have) a newer job or a loss
+        self._stats["relayed_versions"] += 1
+        service = self.service
+        await service.call_directory(self.name, "announce", service.worker, job.shard,
+                                     job.version, slot, segment.ref, service.node_id)
+
+    async def _fetch(self, job: RelayJob, layout: Layout, dst: Any) -> bool:
+        """Every bucket of the version into ``dst``, :data:`FETCH_DEPTH` requests in flight."""
+        endpoint = self.service.runtime.endpoint
+        buckets = list(layout.buckets)
+        pending: list[tuple[int, int, asyncio.Future[Any]]] = []
+        complete = True
+        while (buckets or pending) and complete:
+            while buckets and len(pending) < FETCH_DEPTH:
+                start, end = buckets.pop(0)
+                meta = [self.name, job.shard, job.version, start, end]
+                pending.append((start, end, endpoint.request(job.publisher.endpoint, OP_FETCH,
+                                                             meta)))
+            start, end, fut = pending.pop(0)
+            intact, frames = await fut
+            if not intact:
+                complete = False  # the publisher overwrote that version: a newer job follows
+                break
+            await self.service.copy(lambda: _place(dst[start:end], frames))
+            self._stats["relayed_bytes"] += end - start
+        for _, _, fut in pending:
+            fut.cancel()
+        return complete
+
+    def _close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for segment in self._relay_segments.values():
+            segment.close()
+        self._relay_segments.clear()
+        self._readers.clear()
+
+
+def _place(dst: Any, frames: list[Any]) -> None:
+    offset = 0
+    for frame in frames:
+        chunk = np.frombuffer(frame, dtype=np.uint8)
+        dst[offset : offset + chunk.size] = chunk
+        offset += chunk.size
+    if offset != dst.size:
+        raise PeerLostError(f"a weight bucket arrived with {offset} of {dst.size} bytes")
+
+
+def check_into(layouts: tuple[Layout, ...], into: Mapping[str, Any]) -> None:
+    """Raise unless ``into`` has every published tensor, with the same dtype and shape."""
+    published = {spec.name: spec for layout in layouts for spec in layout.tensors}
+    missing = sorted(set(published) - set(into))
+    if missing:
+        raise KeyError(f"into has no tensor for published {missing[:5]}")
+    for name, spec in published.items():
+        t = into[name]
+        dtype = str(getattr(t, "dtype", "")).removeprefix("torch.")
+        if dtype != spec.dtype or tuple(getattr(t, "shape", ())) != spec.shape:
+            raise ValueError(f"into[{name!r}] is {dtype}{list(getattr(t, 'shape', []))}; the "
+                             f"published tensor is {spec.dtype}{list(spec.shape)}")
+
+
+def read_tensors(layout: Layout, slot: Any, into: Mapping[str, Any]) -> None:
+    """Copy every tensor of ``layout`` from ``slot`` (uint8 array) into ``into``, in place."""
+    import torch
+
+    for spec in layout.tensors:
+        if spec.nbytes == 0:
+            continue
+        src = slot[spec.offset : spec.offset + spec.nbytes]
+        dst = into[spec.name]
+        if dst.device.type == "cpu" and dst.is_contiguous():
+            np.copyto(tensor_bytes(dst), src)
+            continue
+        # A CUDA or strided tensor: torch copies from a typed view (read only, so torch
+        # warns that it is not writable; it is only read).
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore", UserWarning)
+            dst.copy_(torch.from_numpy(src).view(dst.dtype).view(dst.shape))
