@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from typing import Any
@@ -261,6 +263,33 @@ def test_sigkill_of_an_embedded_driver_leaves_no_process_behind() -> None:
         if driver.stdout:
             driver.stdout.close()
 
+
+
+def test_node_agent_logs_live_under_one_bounded_directory(monkeypatch, tmp_path) -> None:
+    """``aiorl-node`` without ``--log-dir``: one per-user parent; ended agents' directories
+    beyond the newest few are removed by the next agent (a killed agent cannot clean up)."""
+    from aiorl.node import agent
+
+    base = tempfile.mkdtemp(prefix="rt-", dir="/tmp")  # short and private, as a runtime dir
+    monkeypatch.setenv("XDG_RUNTIME_DIR", base)
+    try:
+        parent = os.path.join(base, f"aiorl-node-logs-{os.getuid()}")
+        os.makedirs(parent, mode=0o700)
+        dead = [os.path.join(parent, f"{pid}-x") for pid in range(2**22 + 1, 2**22 + 8)]
+        for age, path in enumerate(dead):  # the first is the newest
+            os.mkdir(path)
+            os.utime(path, (time.time() - age * 60, time.time() - age * 60))
+        live = os.path.join(parent, f"{os.getpid()}-live")
+        os.mkdir(live)
+        mine = agent.default_log_dir()
+        assert os.path.dirname(mine) == parent and os.path.basename(mine).startswith(
+            f"{os.getpid()}-")
+        assert stat.S_IMODE(os.stat(mine).st_mode) == 0o700
+        kept = sorted(os.listdir(parent))
+        assert kept == sorted([os.path.basename(p) for p in dead[:agent.KEPT_ENDED_AGENT_LOGS]]
+                              + [f"{os.getpid()}-live", os.path.basename(mine)])
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- documentation

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from aiorl.errors import AuthenticationError, RegistryUnavailable
 from aiorl.transport import security
+from aiorl.util.processes import pid_alive
 
 __all__ = ["EmbeddedClusterFile", "EmbeddedProcesses", "running_embedded_clusters"]
 
@@ -155,7 +156,7 @@ class EmbeddedClusterFile:
 
 def runtime_files_dir() -> str:
     """The per-user directory of runtime files (not created here)."""
-    return os.path.join(security._runtime_base(), f"aiorl-clusters-{os.getuid()}")
+    return os.path.join(security.runtime_base(), f"aiorl-clusters-{os.getuid()}")
 
 
 def _announce(found: EmbeddedClusterFile) -> str | None:
@@ -193,19 +194,9 @@ def running_embedded_clusters() -> list[EmbeddedClusterFile]:
                 entry = EmbeddedClusterFile(**json.load(f))
         except (OSError, ValueError, TypeError):
             continue  # being written, or not ours: leave it
-        if _alive(entry.pid) and os.path.isdir(entry.session_dir):
+        if pid_alive(entry.pid) and os.path.isdir(entry.session_dir):
             found.append(entry)
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
     return sorted(found, key=lambda e: e.started, reverse=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from aiorl.registry.client import RegistryClient
 from aiorl.transport import security
 from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.transport.sockets import local_ip
+from aiorl.util.processes import pid_alive
 
 __all__ = ["NodeAgent", "detect_accelerators", "main"]
 
@@ -442,6 +444,33 @@ def _parse_kv(items: list[str], what: str, cast: Any = str) -> dict[str, Any]:
     return out
 
 
+#: Log directories of ended agents kept for a post-mortem (a killed agent cannot remove its own).
+KEPT_ENDED_AGENT_LOGS = 4
+
+
+def default_log_dir() -> str:
+    """This agent's worker-log directory when ``--log-dir`` is not given: a fresh private
+    ``<pid>-<random>`` directory under the one per-user ``<runtime dir>/aiorl-node-logs-<uid>``
+    (docs/deploy.md). Directories of ended agents beyond the newest
+    :data:`KEPT_ENDED_AGENT_LOGS` are removed first, so the total stays bounded."""
+    parent = os.path.join(security.runtime_base(), f"aiorl-node-logs-{os.getuid()}")
+    try:
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+        security.check_private_directory(parent)
+    except (OSError, AiorlError) as exc:  # someone else's directory: do not use it
+        log.warning("not keeping worker logs under %s: %s", parent, exc)
+        return security.make_private_directory("aiorl-node-logs-")
+    ended = []
+    for name in os.listdir(parent):
+        pid = name.split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            path = os.path.join(parent, name)
+            ended.append((os.path.getmtime(path), path))
+    for _, path in sorted(ended, reverse=True)[KEPT_ENDED_AGENT_LOGS:]:
+        shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=parent)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aiorl-node", description="Run an aiorl node agent.")
     parser.add_argument("--registry", default=os.environ.get("AIORL_REGISTRY"),
@@ -490,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s [node {host}] %(levelname)s %(message)s")
-    log_dir = args.log_dir or security.make_private_directory("aiorl-node-logs-")
+    log_dir = args.log_dir or default_log_dir()
     log.info("worker logs go to %s", log_dir)
     agent = NodeAgent(
         args.registry, host=host, node_rank=args.node_rank, accelerators=args.accelerators,

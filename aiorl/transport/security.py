@@ -175,7 +175,7 @@ def load_or_create(path: str | os.PathLike[str]) -> ClusterKeys:
 _MAX_BASE_LEN = 70
 
 
-def _runtime_base() -> str:
+def runtime_base() -> str:
     """The user's runtime directory ($XDG_RUNTIME_DIR: private, on tmpfs, cleared at
     logout) when it is usable, else the temporary directory."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
@@ -192,7 +192,7 @@ def _runtime_base() -> str:
 def make_private_directory(prefix: str) -> str:
     """Create a fresh directory only this user can enter (mode 0700, random name, created
     atomically so nobody can have prepared it) under the user's runtime directory."""
-    return tempfile.mkdtemp(prefix=prefix, dir=_runtime_base())
+    return tempfile.mkdtemp(prefix=prefix, dir=runtime_base())
 
 
 def check_private_directory(path: str) -> None:
