@@ -6,6 +6,7 @@ keeps it informed with heartbeats, and serves three operations:
 * ``spawn``: start worker processes (forked from the warm zygote, see
   :mod:`aiorl.node.zygote`) with the environment and placement the driver chose;
 * ``kill_group``: stop every worker of a group (SIGTERM, then SIGKILL);
+* ``kill_workers``: stop some ranks of a group (an elastic group shrinking);
 * ``free_port``: a free TCP port on this machine (for ``MASTER_PORT``).
 
 When a worker exits, the agent tells the registry its exit code, the signal
@@ -16,6 +17,11 @@ No orphans: workers die with the zygote, the zygote with the agent
 (``PR_SET_PDEATHSIG``), and on a clean stop the agent kills each worker's
 process group. Started by an embedded ``Cluster``, the agent also exits when
 its standard input closes (the driver died).
+
+No split brain: an agent whose heartbeats have gone unanswered for its lease's
+expiry (the time after which the registry declares the node dead and its
+workers' owners may restart them elsewhere) kills its workers itself, so no
+worker of a node the registry declared dead keeps acting.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from aiorl.protocol.registry import (
     parse_worker_info,
 )
 from aiorl.protocol.spawn import HostNode, SpawnReply, SpawnRequest, WorkerSpawn
-from aiorl.registry.client import RegistryClient
+from aiorl.registry.client import INCARNATION_VARIABLE, RegistryClient
 from aiorl.transport import security
 from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.transport.sockets import local_ip
@@ -65,6 +71,7 @@ STDERR_TAIL_LINES = 20
 OUTPUT_INTERVAL_S = 0.2
 OUTPUT_CHUNK_BYTES = 1 << 20
 KILL_GRACE_S = 1.0
+FENCE_CHECK_S = 0.1
 
 
 def detect_accelerators() -> tuple[int, str]:
@@ -99,6 +106,7 @@ class _Child:
     info: WorkerInfo | None = None  # once the worker reported ready
     output_to: str | None = None  # endpoint of the driver that wants this worker's output
     output_offset: int = 0  # how much of the log file has been forwarded
+    incarnation: int = 0  # which process of its name this is (restarts count up)
 
 
 class NodeAgent:
@@ -142,6 +150,8 @@ class NodeAgent:
         self._spawn_ids = iter(range(1, 1 << 62))
         self._zygote_ready: asyncio.Future[None] | None = None
         self._stopped = asyncio.Event()
+        #: Seconds without an answered heartbeat after which the registry declares us dead.
+        self._expiry = 3.0
 
     # ------------------------------------------------------------------ startup
     async def start(self) -> None:
@@ -150,6 +160,7 @@ class NodeAgent:
         self.registry = RegistryClient(self.endpoint, self.registry_address)
         self.endpoint.handle(AgentOp.SPAWN, self._on_spawn)
         self.endpoint.handle(AgentOp.KILL_GROUP, self._on_kill_group)
+        self.endpoint.handle(AgentOp.KILL_WORKERS, self._on_kill_workers)
         self.endpoint.handle(AgentOp.FREE_PORT, lambda m: m.reply({"port": _free_port(self.host)}))
         self.endpoint.handle(AgentOp.PING, lambda m: m.reply({"node_id": self.node_id}))
         self.endpoint.handle(AgentOp.WORKER_READY, self._on_worker_ready)
@@ -158,6 +169,31 @@ class NodeAgent:
         await self._register()
         self.registry.start_heartbeats(self.node_id, self._heartbeat_interval, self._register)
         self._output_task = loop.create_task(self._forward_output_forever())
+        self._fence_task = loop.create_task(self._fence_forever())
+
+    # ------------------------------------------------------------------ fencing
+    async def _fence_forever(self) -> None:
+        """Kill our workers once the registry has not answered for the lease's expiry.
+
+        Past that point the registry has declared this node dead (if it is alive and we
+        are cut off from it) and the workers' owners may already run replacements: ours
+        must not keep acting beside them. A registry that is merely restarting answers
+        again within the expiry, and then nothing is lost (docs/failures.md)."""
+        fenced = False
+        while True:
+            await asyncio.sleep(FENCE_CHECK_S)
+            silent = time.monotonic() - self.registry.last_answered
+            if silent <= self._expiry:
+                fenced = False
+                continue
+            victims = list(self.children.values())
+            if victims and not fenced:
+                log.warning("no answer from the registry for %.1f s (its expiry is %.1f s): "
+                            "stopping this node's %d worker(s), which it has declared dead",
+                            silent, self._expiry, len(victims))
+            fenced = True
+            for c in victims:
+                _signal_group(c.pid, signal.SIGKILL)
 
     # ------------------------------------------------------------------ worker output
     async def _forward_output_forever(self) -> None:
@@ -209,6 +245,8 @@ class NodeAgent:
         rejoined = self.node_rank >= 0
         self.node_rank = reply.node_rank
         self._heartbeat_interval = reply.lease.heartbeat_interval
+        self._expiry = reply.lease.expiry
+        self.registry.last_answered = time.monotonic()
         log.info("joined %s as node rank %d", self.registry_address, self.node_rank)
         if rejoined:
             await self._replay_workers()
@@ -219,7 +257,8 @@ class NodeAgent:
         for child in list(self.children.values()):
             if child.info is None:
                 continue
-            await self.registry.report_state(child.info, WorkerState.READY)
+            await self.registry.report_state(child.info, WorkerState.READY,
+                                             incarnation=child.incarnation)
             try:
                 self.endpoint.send_oneway(child.info.endpoint, WorkerOp.REGISTRY_RESTARTED)
             except Exception:
@@ -334,7 +373,8 @@ class NodeAgent:
             write_message(self._zygote_channel, ("spawn", spawn_id, spec))
             pid = await fut
             self.children[pid] = _Child(spec.name, request.group, pid, log_path, time.time(),
-                                        output_to=request.output_to)
+                                        output_to=request.output_to,
+                                        incarnation=_incarnation_of(launch.env))
             pids.append(pid)
         return pids
 
@@ -351,7 +391,7 @@ class NodeAgent:
         how = f"killed by {signal.Signals(sig).name}" if sig else f"exited with code {exit_code}"
         log.info("worker %s (pid %d) %s", child.name, pid, how)
         report = WorkerExit(child.name, pid, exit_code, sig, tail,
-                            f"worker {child.name} (pid {pid}) {how}")
+                            f"worker {child.name} (pid {pid}) {how}", child.incarnation)
         asyncio.get_running_loop().create_task(self._report_exit(report))
 
     async def _report_exit(self, report: WorkerExit) -> None:
@@ -370,6 +410,13 @@ class NodeAgent:
     def _on_kill_group(self, msg: Incoming) -> None:
         group = GroupRef.from_wire(msg.meta).group
         victims = [c for c in self.children.values() if c.group == group]
+        self._kill(victims)
+        msg.reply({"killed": len(victims)})
+
+    def _on_kill_workers(self, msg: Incoming) -> None:
+        f = Fields(msg.meta, "kill_workers")
+        names = {f"{f.group_name('group')}:{r}" for r in f.int_list("ranks", hi=1 << 20)}
+        victims = [c for c in self.children.values() if c.name in names]
         self._kill(victims)
         msg.reply({"killed": len(victims)})
 
@@ -426,6 +473,12 @@ def _signal_group(pid: int, sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def _incarnation_of(env: Any) -> int:
+    """The incarnation a launch environment gives its worker (0 for a first start)."""
+    value = str(env.get(INCARNATION_VARIABLE, "0"))
+    return int(value) if value.isdigit() else 0
 
 
 def _free_port(host: str) -> int:

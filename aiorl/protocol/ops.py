@@ -56,6 +56,7 @@ class AgentOp(StrEnum):
 
     SPAWN = "spawn"
     KILL_GROUP = "kill_group"
+    KILL_WORKERS = "kill_workers"
     FREE_PORT = "free_port"
     PING = "ping"
     WORKER_READY = "worker_ready"

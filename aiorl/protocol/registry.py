@@ -68,6 +68,7 @@ Detail: TypeAlias = dict[str, PlainData]
 _MAX_SECONDS = 365 * 86400.0
 _MAX_PID = 2**31 - 1
 _MAX_RANK = 2**31 - 1
+_MAX_INCARNATION = 2**31 - 1
 
 
 class WireMessage(Protocol):
@@ -367,20 +368,31 @@ class WorkerRef:
         return cls(Fields(meta, "lookup").worker_name("name"))
 
 
+def _incarnation(f: Fields) -> int:
+    return f.integer("incarnation", 0, lo=0, hi=_MAX_INCARNATION)
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerRecord:
-    """What the registry knows of one worker: its info, state, and why it ended."""
+    """What the registry knows of one worker: its info, state, and why it ended.
+
+    ``incarnation`` counts the processes that have held this name in its group: 0 for
+    the first, one more for each restart (``launch(restart="on_failure")``), so a late
+    event of an earlier process is told apart from news of the current one.
+    """
 
     info: WorkerInfo
     state: WorkerState
     detail: Detail = field(default_factory=dict)
+    incarnation: int = 0
 
     @property
     def name(self) -> str:
         return self.info.name
 
     def to_wire(self) -> dict[str, Any]:
-        return {"info": self.info.to_wire(), "state": self.state.value, "detail": self.detail}
+        return {"info": self.info.to_wire(), "state": self.state.value, "detail": self.detail,
+                "incarnation": self.incarnation}
 
     @classmethod
     def from_wire(cls, meta: Any) -> Self:
@@ -389,7 +401,7 @@ class WorkerRecord:
     @classmethod
     def read(cls, f: Fields) -> Self:
         return cls(parse_worker_info(f.nested("info")), _state(f, "state"),
-                   f.plain_map("detail", {}) if f.has("detail") else {})
+                   f.plain_map("detail", {}) if f.has("detail") else {}, _incarnation(f))
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,16 +415,18 @@ class WorkerStateReport:
     info: WorkerInfo
     state: WorkerState
     detail: Detail = field(default_factory=dict)
+    incarnation: int = 0
 
     def to_wire(self) -> dict[str, Any]:
-        return {"info": self.info.to_wire(), "state": self.state.value, "detail": self.detail}
+        return {"info": self.info.to_wire(), "state": self.state.value, "detail": self.detail,
+                "incarnation": self.incarnation}
 
     @classmethod
     def from_wire(cls, meta: Any) -> Self:
         f = Fields(meta, "worker_state")
         allowed = (WorkerState.STARTING, WorkerState.READY, WorkerState.FAILED)
         return cls(parse_worker_info(f.nested("info")), _state(f, "state", allowed),
-                   f.plain_map("detail", {}) if f.has("detail") else {})
+                   f.plain_map("detail", {}) if f.has("detail") else {}, _incarnation(f))
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,10 +439,12 @@ class WorkerExit:
     signal: int = 0
     stderr_tail: str = ""
     reason: str = ""
+    incarnation: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return {"address": self.address, "pid": self.pid, "exit_code": self.exit_code,
-                "signal": self.signal, "stderr_tail": self.stderr_tail, "reason": self.reason}
+                "signal": self.signal, "stderr_tail": self.stderr_tail, "reason": self.reason,
+                "incarnation": self.incarnation}
 
     @classmethod
     def from_wire(cls, meta: Any) -> Self:
@@ -440,6 +456,7 @@ class WorkerExit:
             signal=f.integer("signal", 0, lo=0, hi=255),
             stderr_tail=f.text("stderr_tail", "", max_len=MAX_TEXT),
             reason=f.text("reason", "", max_len=MAX_TEXT),
+            incarnation=_incarnation(f),
         )
 
     def detail(self) -> Detail:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -56,11 +58,23 @@ from aiorl.protocol.registry import (
 )
 from aiorl.transport.endpoint import Endpoint
 
-__all__ = ["DEFAULT_TIMEOUT", "RegistryClient", "WorkerEvent"]
+__all__ = ["DEFAULT_TIMEOUT", "INCARNATION_VARIABLE", "RegistryClient", "WorkerEvent",
+           "own_incarnation"]
 
 log = logging.getLogger("aiorl.registry")
 
 DEFAULT_TIMEOUT = 10.0
+
+#: The launch environment's record of which process of its name a worker is (0, 1, ...).
+INCARNATION_VARIABLE = "AIORL_INCARNATION"
+
+
+def own_incarnation() -> int:
+    """This worker process's incarnation: 0 unless its group restarted this rank."""
+    try:
+        return max(0, int(os.environ.get(INCARNATION_VARIABLE, "0")))
+    except ValueError:
+        return 0
 
 #: ``callback(name, state, info, detail)``
 WorkerEvent = Callable[[str, str, dict[str, Any], dict[str, Any]], None]
@@ -74,6 +88,9 @@ class RegistryClient:
         self._node_callbacks: list[Callable[[list[dict[str, Any]]], None]] = []
         self.known: dict[str, WorkerRecord] = {}  # worker name -> the last record seen
         self._heartbeat_task: asyncio.Task[None] | None = None
+        #: When (``time.monotonic()``) the registry last answered a heartbeat: a node agent
+        #: fences its workers when this grows older than its lease's expiry.
+        self.last_answered = time.monotonic()
         endpoint.on_event(RegistryEvent.WORKER, self._on_worker_event)
         endpoint.on_event(RegistryEvent.NODES, self._on_nodes_event)
 
@@ -133,10 +150,15 @@ class RegistryClient:
 
     async def report_state(self, info: WorkerInfo, state: WorkerState,
                            detail: dict[str, Any] | None = None,
-                           timeout: float = DEFAULT_TIMEOUT) -> None:
-        """A worker is starting, ready or failed (``detail``: the error, for failed)."""
-        await self._call(RegistryOp.WORKER_STATE,
-                         WorkerStateReport(info, state, detail or {}), timeout)
+                           timeout: float = DEFAULT_TIMEOUT, *,
+                           incarnation: int | None = None) -> None:
+        """A worker is starting, ready or failed (``detail``: the error, for failed).
+
+        ``incarnation`` defaults to this process's own (:func:`own_incarnation`): a worker
+        reports itself; a node agent replaying its workers passes theirs."""
+        await self._call(RegistryOp.WORKER_STATE, WorkerStateReport(
+            info, state, detail or {},
+            own_incarnation() if incarnation is None else incarnation), timeout)
 
     async def report_exit(self, exit: WorkerExit, timeout: float = DEFAULT_TIMEOUT) -> None:
         """A node agent saw a worker process end."""
@@ -267,6 +289,7 @@ class RegistryClient:
                     failing = True
                     continue
                 failing = False
+                self.last_answered = time.monotonic()
                 if not known and on_unknown is not None:
                     try:
                         await on_unknown()

@@ -422,19 +422,23 @@ class RegistryService:
 
     def _worker_state(self, req: WorkerStateReport, identity: bytes) -> None:
         current = self.workers.get(req.info.name)
-        if (current is not None and current.record.state == WorkerState.DEAD
-                and current.record.info.pid == req.info.pid):
-            return  # already reported dead (e.g. its node expired); do not resurrect
-        self._store(WorkerRecord(req.info, req.state, req.detail))
+        if current is not None:
+            if current.record.incarnation > req.incarnation:
+                return  # news of an earlier process of this name (a late replay): stale
+            if (current.record.state == WorkerState.DEAD
+                    and current.record.info.pid == req.info.pid):
+                return  # already reported dead (e.g. its node expired); do not resurrect
+        self._store(WorkerRecord(req.info, req.state, req.detail, req.incarnation))
 
     def _worker_exited(self, req: WorkerExit, identity: bytes) -> None:
         current = self.workers.get(req.address)
-        if current is None:
+        if current is None or current.record.incarnation < req.incarnation:
             # Died before it could register: keep a tombstone so the owner learns why.
             address = WorkerAddress.from_name(req.address)
             info = WorkerInfo(address, address.rank, 0, -1, "", "", pid=req.pid)
-            self._store(WorkerRecord(info, WorkerState.DEAD, req.detail()))
-        elif current.record.info.pid in (0, req.pid) and not current.record.state.is_final:
+            self._store(WorkerRecord(info, WorkerState.DEAD, req.detail(), req.incarnation))
+        elif (current.record.info.pid in (0, req.pid) and not current.record.state.is_final
+              and current.record.incarnation == req.incarnation):
             self._set_state(req.address, WorkerState.DEAD, req.detail())
 
     def _set_state(self, name: str, state: WorkerState, detail: dict[str, Any]) -> None:

@@ -58,6 +58,7 @@ class Header(NamedTuple):
 
 
 _packb = msgpack.Packer(use_bin_type=True).pack
+_new_tuple = tuple.__new__
 
 
 def encode_header(kind: int, request_id: int, op: str, meta: Any = None) -> bytes:
@@ -84,7 +85,8 @@ def decode_header(frame: bytes | memoryview) -> Header:
         raise ProtocolError(f"unknown message kind {kind!r}")
     if not isinstance(request_id, int) or not isinstance(op, str):
         raise ProtocolError("header request id must be an int and op a string")
-    return Header(kind, request_id, op, meta)
+    # tuple.__new__ directly: a NamedTuple's own __new__ is an extra Python frame per message.
+    return _new_tuple(Header, (kind, request_id, op, meta))
 
 
 def encode_batch(messages: list[list[Any]]) -> list[Any]:
