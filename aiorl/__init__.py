@@ -15,19 +15,9 @@ imports only from its own layer or lower ones, and ``a | b`` siblings never impo
     cli                             the ``aiorl`` command
 """
 
-from aiorl import placement as placement  # the submodule, as aiorl.placement
-from aiorl.actors import (
-    AsyncChannelWork,
-    AsyncCollWork,
-    AsyncFuncWork,
-    AsyncWork,
-    Worker,
-    WorkerGroup,
-)
-from aiorl.actors.mapping import MappingThread
-from aiorl.actors.polling import PollingWorker, PollResult
-from aiorl.channels import Channel
-from aiorl.cluster import Cluster
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from aiorl.errors import (
     AiorlError,
     AuthenticationError,
@@ -49,6 +39,53 @@ from aiorl.errors import (
     WorkerNotFoundError,
 )
 from aiorl.names import WorkerAddress, WorkerInfo
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
+    from aiorl import placement as placement
+    from aiorl.actors import (
+        AsyncChannelWork,
+        AsyncCollWork,
+        AsyncFuncWork,
+        AsyncWork,
+        Worker,
+        WorkerGroup,
+    )
+    from aiorl.actors.mapping import MappingThread
+    from aiorl.actors.polling import PollingWorker, PollResult
+    from aiorl.channels import Channel
+    from aiorl.cluster import Cluster
+
+# The runtime's names are imported on first use (PEP 562), not with the package: the registry
+# and node agent processes import ``aiorl.registry``/``aiorl.node``, which runs this file, and
+# must not pay for torch and the whole actor stack at start-up (~0.3 s each, measured).
+_LAZY = {
+    "placement": ("aiorl.placement", None),
+    "AsyncChannelWork": ("aiorl.actors", "AsyncChannelWork"),
+    "AsyncCollWork": ("aiorl.actors", "AsyncCollWork"),
+    "AsyncFuncWork": ("aiorl.actors", "AsyncFuncWork"),
+    "AsyncWork": ("aiorl.actors", "AsyncWork"),
+    "Worker": ("aiorl.actors", "Worker"),
+    "WorkerGroup": ("aiorl.actors", "WorkerGroup"),
+    "MappingThread": ("aiorl.actors.mapping", "MappingThread"),
+    "PollingWorker": ("aiorl.actors.polling", "PollingWorker"),
+    "PollResult": ("aiorl.actors.polling", "PollResult"),
+    "Channel": ("aiorl.channels", "Channel"),
+    "Cluster": ("aiorl.cluster", "Cluster"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'aiorl' has no attribute {name!r}")
+    module = importlib.import_module(target[0])
+    value = module if target[1] is None else getattr(module, target[1])
+    globals()[name] = value  # once resolved, a plain module attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __version__ = "0.1.0"
 
