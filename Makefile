@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP = $(PYTHON) -m pip install --progress-bar on
 
-.PHONY: torch setup demo test bench lint docs docs-build
+.PHONY: torch setup demo test chaos bench lint docs docs-build
 
 torch:
 	@echo "== torch $(TORCH_VERSION) from $(or $(TORCH_INDEX),PyPI) (about 200 MB for the CPU build; nothing to fetch if installed)"
@@ -28,6 +28,11 @@ demo: torch
 test: setup
 	$(PYTHON) -m pytest -q
 
+# The long chaos run (docs/failures.md, invariant 32): >= 200 SIGKILLs of workers, node agents
+# and the registry while a pipeline runs; the normal suite runs a short one.
+chaos:
+	AIORL_CHAOS_KILLS=200 AIORL_CHAOS_STEPS=50 $(PYTHON) -m pytest -q -s -m chaos tests/test_chaos.py
+
 bench: setup
 	$(PYTHON) -m pip install -q "ray==2.60.0" || echo "ray not installed: its columns stay empty"
 	$(PYTHON) benchmarks/bench_calls.py
@@ -45,8 +50,8 @@ lint: setup
 # rebuilds on every change; `make docs-build` is what CI runs (warnings are errors).
 docs: torch
 	$(PIP) -e ".[docs]"
-	$(PYTHON) -m mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs serve
 
 docs-build: torch
 	$(PIP) -e ".[docs]"
-	$(PYTHON) -m mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site

@@ -39,6 +39,7 @@ from aiorl.errors import (
     WorkerNotFoundError,
 )
 from aiorl.names import WorkerAddress, WorkerInfo
+from aiorl.trace import mark, span
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from aiorl import placement as placement
@@ -121,4 +122,6 @@ __all__ = [
     "WorkerInfo",
     "WorkerInitError",
     "WorkerNotFoundError",
+    "mark",
+    "span",
 ]

@@ -439,6 +439,7 @@ def remote_error(worker_name: str, rank: int, exc_type: str, message: str,
 
 
 def _derive_remote_class(exc_type: str, fields: tuple[Any, ...]) -> type[RemoteError]:
+    """The class :func:`remote_error` caches for ``exc_type`` (``fields`` try it out)."""
     module, _, name = exc_type.rpartition(".")
     if module == __name__ and name.startswith("RemoteError(") and name.endswith(")"):
         name = name[len("RemoteError("):-1]  # a worker passed on a derived error

@@ -81,6 +81,9 @@ class Publisher(aiorl.Worker):
         await self.weight_publisher("bench").publish(self.sd, version)
         return t0
 
+    def ping(self) -> None:
+        pass
+
     async def send_all(self, n: int) -> float:
         t0 = time.perf_counter()
         works = [self.send(self.sd, "wsubs", r) for r in range(n)]
@@ -100,38 +103,51 @@ class Subscriber(aiorl.Worker):
         assert got == version, (got, version)
         return time.perf_counter()
 
+    def ping(self) -> None:
+        pass
+
     async def recv_copy(self) -> float:
         received = await self.recv("wpub", 0)
         copy_into(self.sd, received)
         return time.perf_counter()
 
 
-def bench_aiorl(total_bytes: int, subs: list[int], reps: int) -> dict[str, dict[int, float]]:
-    out: dict[str, dict[int, float]] = {"aiorl.weights": {}, "aiorl N sends": {}}
+def bench_local(total_bytes: int, subs: list[int], reps: int) -> dict[str, dict[int, float]]:
+    """The floor, aiorl.weights and N sends, interleaved rep by rep (the same load for all)."""
+    out: dict[str, dict[int, float]] = {"floor": {}, "aiorl.weights": {}, "aiorl N sends": {}}
     with aiorl.Cluster(num_nodes=1) as cluster:
-        pub = Publisher.create_group(total_bytes).launch(cluster, NodePlacementStrategy([0]),
-                                                         name="wpub")
+        pub = Publisher.create_group(total_bytes).launch(
+            cluster, NodePlacementStrategy([0]), name="wpub")
         group = Subscriber.create_group(total_bytes).launch(
             cluster, NodePlacementStrategy([0] * max(subs)), name="wsubs")
-        version = 0
-        for n in subs:
-            some = group.execute_on(list(range(n)))
-            times, send_times = [], []
-            for rep in range(reps + 1):  # the first update of each size is a warm-up
-                version += 1
-                ends = some.pull(version)
-                t0 = pub.publish(version).wait(300)[0]
-                t = max(ends.wait(300)) - t0
-                ends = some.recv_copy()
-                t0 = pub.send_all(n).wait(300)[0]
-                ts = max(ends.wait(300)) - t0
-                if rep:
-                    times.append(t)
-                    send_times.append(ts)
-            out["aiorl.weights"][n] = statistics.median(times)
-            out["aiorl N sends"][n] = statistics.median(send_times)
-            print(f"  aiorl n={n}: weights {out['aiorl.weights'][n]:.3f} s, "
-                  f"sends {out['aiorl N sends'][n]:.3f} s", flush=True)
+        pub.ping().wait(300)
+        group.ping().wait(300)
+        floor = Floor(total_bytes, max(subs))  # started once the workers are up (2 cores)
+        try:
+            version = 0
+            for n in subs:
+                some = group.execute_on(list(range(n)))
+                times: dict[str, list[float]] = {k: [] for k in out}
+                for rep in range(reps + 1):  # the first update of each size is a warm-up
+                    version += 1
+                    t_floor = floor.update(n)
+                    ends = some.pull(version)
+                    t0 = pub.publish(version).wait(300)[0]
+                    t_weights = max(ends.wait(300)) - t0
+                    ends = some.recv_copy()
+                    t0 = pub.send_all(n).wait(300)[0]
+                    t_sends = max(ends.wait(300)) - t0
+                    if rep:
+                        times["floor"].append(t_floor)
+                        times["aiorl.weights"].append(t_weights)
+                        times["aiorl N sends"].append(t_sends)
+                for k in out:
+                    out[k][n] = statistics.median(times[k])
+                print(f"  n={n}: floor {out['floor'][n]:.3f} s, weights "
+                      f"{out['aiorl.weights'][n]:.3f} s, sends {out['aiorl N sends'][n]:.3f} s",
+                      flush=True)
+        finally:
+            floor.close()
     return out
 
 
@@ -145,50 +161,76 @@ def _offsets(sd: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
     return out
 
 
-def bench_floor(total_bytes: int, subs: list[int], reps: int) -> dict[int, float]:
-    import mmap
+class Floor:
+    """One memcpy of the state into shared memory (here) plus one out per reader process."""
 
-    ctx = mp.get_context("fork")
-    src = make_state(total_bytes, 1.0)
-    layout = _offsets(src)
-    out = {}
-    for n in subs:
-        shm = mmap.mmap(-1, sum((b + 63) // 64 * 64 for _, b in layout.values()))
-        shm_arr = np.frombuffer(shm, dtype=np.uint8)
-        ready, done = ctx.Queue(), ctx.Queue()
-        gos = [ctx.Event() for _ in range(reps + 1)]
-        procs = [ctx.Process(target=_floor_proc, args=(total_bytes, shm, gos, ready, done))
-                 for _ in range(n)]
-        for p in procs:
+    def __init__(self, total_bytes: int, readers: int) -> None:
+        from multiprocessing.shared_memory import SharedMemory
+
+        # spawn, not fork: a child forked after torch ran a parallel copy can hang in OpenMP.
+        ctx = mp.get_context("spawn")
+        self.src = make_state(total_bytes, 1.0)
+        self.layout = _offsets(self.src)
+        size = sum((b + 63) // 64 * 64 for _, b in self.layout.values())
+        self.shm = SharedMemory(create=True, size=size)
+        assert self.shm.buf is not None
+        self.arr = np.frombuffer(self.shm.buf, dtype=np.uint8)
+        self.go = ctx.Event()
+        self.ready, self.done = ctx.Queue(), ctx.Queue()
+        self.conns, self.procs = [], []
+        for _ in range(readers):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_floor_reader, args=(total_bytes, self.shm.name, child,
+                                                        self.go, self.ready, self.done))
             p.start()
-        times = []
-        for rep in range(reps + 1):
-            for _ in range(n):
-                ready.get(timeout=300)
-            t0 = time.perf_counter()
-            for name, (off, nb) in layout.items():
-                np.copyto(shm_arr[off : off + nb], src[name].view(-1).view(torch.uint8).numpy())
-            gos[rep].set()
-            t = max(done.get(timeout=300) for _ in range(n)) - t0
-            if rep:
-                times.append(t)
-        for p in procs:
+            self.conns.append(parent)
+            self.procs.append(p)
+        for _ in range(readers):
+            self.ready.get(timeout=300)  # each reader built its state dict
+
+    def update(self, n: int) -> float:
+        """One update to the first ``n`` readers: seconds from the write's start to the last
+        reader's end."""
+        self.go.clear()
+        for conn in self.conns[:n]:
+            conn.send(True)
+        for _ in range(n):
+            self.ready.get(timeout=300)
+        t0 = time.perf_counter()
+        for name, (off, nb) in self.layout.items():
+            np.copyto(self.arr[off : off + nb], self.src[name].view(-1).view(torch.uint8).numpy())
+        self.go.set()
+        return float(max(self.done.get(timeout=300) for _ in range(n))) - t0
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.send(False)
+        for p in self.procs:
             p.join(60)
-        out[n] = statistics.median(times)
-        print(f"  floor n={n}: {out[n]:.3f} s", flush=True)
-    return out
+        del self.arr
+        self.shm.close()
+        self.shm.unlink()
 
 
-def _floor_proc(total_bytes: int, shm: Any, gos: list[Any], ready: Any, done: Any) -> None:
+def _floor_reader(total_bytes: int, shm_name: str, conn: Any, go: Any, ready: Any,
+                  done: Any) -> None:
+    from multiprocessing.shared_memory import SharedMemory
+
+    torch.set_num_threads(1)
     dst = make_state(total_bytes)
     layout = _offsets(dst)
-    src = np.frombuffer(shm, dtype=np.uint8)
-    for go in gos:
+    shm = SharedMemory(name=shm_name)
+    assert shm.buf is not None
+    src = np.frombuffer(shm.buf, dtype=np.uint8)
+    ready.put(True)
+    while conn.recv():
         ready.put(True)
         go.wait()
         for name, (off, n) in layout.items():
             np.copyto(dst[name].view(-1).view(torch.uint8).numpy(), src[off : off + n])
         done.put(time.perf_counter())
+    del src
+    shm.close()
 
 
 # --------------------------------------------------------------------------- ray
@@ -210,12 +252,15 @@ def bench_ray(total_bytes: int, subs: list[int], reps: int) -> dict[str, dict[in
                 copy_into(self.sd, ray.get(refs[0]))
                 return time.perf_counter()
 
+            def ready(self) -> None:
+                pass
+
             def use_byte_views(self) -> None:
                 """numpy has no bf16: receive byte arrays into byte views of the tensors."""
                 self.sd = {k: v.view(-1).view(torch.uint8) for k, v in self.sd.items()}
 
-        actors = [Sink.remote(total_bytes) for _ in range(max(subs))]
-        ray.get([a.take.remote([ray.put(make_state(1 << 20))]) for a in actors])  # warm up
+        actors = [Sink.remote(total_bytes) for _ in range(max(subs))]  # type: ignore[attr-defined]
+        ray.get([a.ready.remote() for a in actors])
         src = make_state(total_bytes, 1.0)
         out: dict[str, dict[int, float]] = {"ray torch": {}, "ray numpy": {}}
         for kind, payload in (("ray torch", src),
@@ -279,8 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"state dict: {len(sd)} tensors, {state_bytes(sd) / 2**20:.0f} MB; "
           f"subscribers {subs}; {args.reps} reps (+1 warm-up)", flush=True)
     del sd
-    series: dict[str, dict[int, float]] = {"floor": bench_floor(total, subs, args.reps)}
-    series.update(bench_aiorl(total, subs, args.reps))
+    series = bench_local(total, subs, args.reps)
     ray_out = "skipped: --no-ray" if args.no_ray else bench_ray(total, subs, args.reps)
     if isinstance(ray_out, dict):
         series.update(ray_out)

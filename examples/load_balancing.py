@@ -73,7 +73,7 @@ class Trainer(aiorl.Worker):
 
 
 def main() -> None:
-    n_rollouts, n_trainers, per_rollout = 4, 2, 48
+    n_rollouts, n_trainers, per_rollout = 4, 2, 24
     with aiorl.Cluster(num_nodes=1) as cluster:
         channel = Channel.create(cluster, "trajectories", maxsize=32)
         rollouts = Rollout.create_group().launch(

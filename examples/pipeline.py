@@ -59,7 +59,7 @@ class Rollout(aiorl.Worker):
             await self.weights.pull(into=self.policy.state_dict())
             contexts = torch.randn(PER_ROUND, CONTEXT)
             with torch.no_grad():
-                actions = torch.distributions.Categorical(logits=self.policy(contexts)).sample()
+                actions = torch.multinomial(torch.softmax(self.policy(contexts), -1), 1).squeeze(1)
             scored = await self.reward.execute_on(self.rank % self.reward.world_size).score(
                 contexts, actions)
             rewards = scored[0]
@@ -90,7 +90,7 @@ class Trainer(aiorl.Worker):
             logp = torch.log_softmax(self.policy(contexts), -1).gather(1, actions[:, None])
             loss = -((rewards - rewards.mean()) * logp.squeeze(1)).mean()
             self.optimizer.zero_grad()
-            loss.backward()
+            torch.autograd.backward(loss)
             self.optimizer.step()
             await self.weights.publish(self.policy.state_dict(), version=step)
             losses.append(round(loss.item(), 4))

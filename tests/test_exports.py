@@ -28,6 +28,7 @@ def test_top_level_all_is_pinned_and_sorted() -> None:
 
 @pytest.mark.parametrize("facade", [
     "aiorl", "aiorl.actors", "aiorl.runtime", "aiorl.group", "aiorl.channels", "aiorl.errors",
+    "aiorl.weights",
 ])
 def test_every_facade_exports_sorted_names_that_exist(facade: str) -> None:
     module = importlib.import_module(facade)

@@ -167,6 +167,7 @@ def test_a_duplicate_group_name_is_a_value_error(cluster, reward) -> None:
 
 
 def test_aiorl_status_finds_the_embedded_cluster(cluster, reward) -> None:
+    reward.wait_ready(60)
     mine = [e for e in running_embedded_clusters() if e.pid == os.getpid()]
     assert [e.registry for e in mine] == [cluster.registry_address]
     path = os.path.join(runtime_files_dir(), f"{os.getpid()}.json")
@@ -256,6 +257,10 @@ def test_sigkill_of_an_embedded_driver_leaves_no_process_behind() -> None:
         driver.wait()
         gone, alive = psutil.wait_procs(descendants, timeout=10)
         assert not alive, [" ".join(p.cmdline()) for p in alive]
+        # Its runtime file outlived it; the next reader removes it.
+        stale = os.path.join(runtime_files_dir(), f"{driver.pid}.json")
+        assert driver.pid not in [e.pid for e in running_embedded_clusters()]
+        assert not os.path.exists(stale)
     finally:
         if driver.poll() is None:
             driver.kill()

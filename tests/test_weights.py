@@ -8,7 +8,6 @@ versions shows up as a tensor that is not uniform or not equal to the version re
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import signal

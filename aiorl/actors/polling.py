@@ -290,6 +290,9 @@ class PollingWorker(Worker):
     _running_since: float | None = None
     _last_report: tuple[float, int, int, int, float] | None = None  # t, counts, running_s
     _next_report: float = 0.0
+    #: A rank restarted by its group (launch(restart="on_failure")) gets the last
+    #: configure() again before any other call (aiorl.group.core.REPLAY_ATTRIBUTE).
+    _aiorl_replay_on_restart = ("configure",)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

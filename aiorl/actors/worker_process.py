@@ -27,6 +27,7 @@ import sys
 from typing import Any
 
 from aiorl.actors import worker as worker_mod
+from aiorl.actors.inspection import serve_inspection, traced_execution
 from aiorl.collective import get_broadcaster
 from aiorl.errors import to_wire
 from aiorl.names import WorkerInfo
@@ -36,9 +37,11 @@ from aiorl.protocol.spawn import WorkerSpawn
 from aiorl.registry.client import RegistryClient
 from aiorl.runtime import Runtime, set_current_runtime
 from aiorl.runtime.loop import LoopThread
+from aiorl.trace import recorder as _trace
 from aiorl.transport import security, serialization
 from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.transport.security import ClusterKeys
+from aiorl.util.cuda_device import note_thread_device
 
 __all__ = ["WorkerServer", "run"]
 
@@ -77,6 +80,8 @@ class WorkerServer:
         except BaseException as exc:  # noqa: BLE001 - goes back to the caller
             self._reply_error(msg, exc)
             return
+        if _trace.ON:
+            fn = traced_execution(fn, is_async, msg.meta, msg.identity, self.info)
         if is_async:
             self._start_async(msg, fn(*args, **kwargs))
         else:
@@ -174,6 +179,8 @@ async def _main(spec: WorkerSpawn, listen: str) -> int:
     loop = asyncio.get_running_loop()
     name, rank = spec.name, spec.launch.rank
     _configure_logging(name, spec.launch.log_level)
+    _trace.set_process_name(name)
+    _trace.enable_from_environment()  # AIORL_TRACE from the spawn (a traced driver's)
     endpoint = Endpoint(name, host=listen)
     registry = RegistryClient(endpoint, spec.registry)
     runtime = Runtime(LoopThread.adopt_running(), endpoint, registry, name)
@@ -183,19 +190,23 @@ async def _main(spec: WorkerSpawn, listen: str) -> int:
     info = spec.worker_info(endpoint.address)
     method_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"aiorl-{name}")
     server = WorkerServer(runtime, info, method_thread)
+    serve_inspection(runtime, server._tasks, lambda: server.instance)  # doctor, trace pulls
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     worker_mod._set_context(worker_mod.WorkerContext(runtime, info))
 
     def construct() -> Any:
         cls, args, kwargs = _load_class(spec)
-        return cls(*args, **kwargs)
+        instance = cls(*args, **kwargs)
+        note_thread_device()  # a torch.cuda.set_device in __init__ holds for every thread
+        return instance
 
     try:
         server.instance = await loop.run_in_executor(method_thread, construct)
     except BaseException as exc:  # noqa: BLE001 - reported as WorkerInitError to the owner
         log.error("initialisation failed", exc_info=exc)
         await registry.report_state(info, WorkerState.FAILED, to_wire(exc, worker=name, rank=rank))
+        runtime.stop()  # P2P engine, channel clients: released at this exit too
         return 1
     await registry.report_state(info, WorkerState.READY)
     # The agent keeps our info so it can report us again if the registry restarts.

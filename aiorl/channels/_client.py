@@ -90,7 +90,15 @@ from aiorl.names import WorkerInfo
 from aiorl.placement import NodePlacementStrategy
 from aiorl.protocol.ops import WorkerState
 from aiorl.runtime import AsyncChannelWork, Runtime, Session, WorkerSession, current_runtime
-from aiorl.runtime.promise import link_threads, prepare_threads, reject, resolve, settle_from
+from aiorl.runtime.promise import (
+    link_threads,
+    prepare_threads,
+    reject,
+    resolve,
+    settle_from,
+    trace_until_settled,
+)
+from aiorl.trace import recorder as _trace
 from aiorl.transport import serialization
 from aiorl.util.tokens import TokenTable
 
@@ -121,6 +129,9 @@ _USER_GET = -1
 _SEES_PREFETCH = frozenset((P.GET_NOWAIT, P.GET_BATCH, P.INFO, P.PEEK))
 #: Puts that complete at once while their queue's credits last (see _protocol, Credits).
 _CREDITED = frozenset((P.PUT, P.PUT_NOWAIT))
+#: Operations recorded as spans while tracing is on, and their span names.
+_TRACED_KINDS = {P.PUT: "put", P.PUT_NOWAIT: "put_nowait", _USER_GET: "get",
+                 P.GET_NOWAIT: "get_nowait", P.GET_BATCH: "get_batch"}
 
 Received = tuple[Any, tuple[float, int], Sequence[Any]]  # (payload, (weight, seq), frames)
 #: Gives the node ranks of a new channel's workers, one per replica, for a session.
@@ -1065,7 +1076,8 @@ class _ClientCore:
             delay = min(delay * 2, 0.2)
 
     async def _create(self, st: _ChannelState, session: Session, maxsize: int,
-                      where: NodeChoice, distributed: bool, timeout: float) -> dict[str, Any]:
+                      where: NodeChoice, distributed: bool, timeout: float,
+                      restart: str = "never") -> dict[str, Any]:
         """Launch the channel's worker group (one rank per node ``where`` gives), or
         connect to the channel of that name if it exists, as RLinf does, with a warning."""
         launched = False
@@ -1076,7 +1088,8 @@ class _ClientCore:
             args = (st.name, maxsize, nodes) if distributed else (st.name, maxsize)
             builder = WorkerGroupBuilder(ChannelHost, args, {})
             try:
-                await builder.launch_async(session, NodePlacementStrategy(nodes), st.group)
+                await builder.launch_async(session, NodePlacementStrategy(nodes), st.group,
+                                           restart=restart)
                 launched = True
             except GroupExistsError:
                 pass  # another creator won the race: connect to its channel
@@ -1213,9 +1226,16 @@ class Channel:
         group_affinity: str | None = None,
         group_rank_affinity: int | None = None,
         timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        restart: str = "never",
     ) -> Channel:
         """Create channel ``name`` (or connect to it, with a warning, if it already exists)
         from the driver.
+
+        ``restart="on_failure"`` starts an **empty** replacement under the same name when
+        a channel worker dies: every item queued in it then (up to ``maxsize`` per queue,
+        plus prefetched ones) is lost. Each client's operations pending on the dead worker
+        fail with :class:`~aiorl.PeerLostError` naming the channel; later ones reach the
+        replacement once it is ready (docs/failures.md).
 
         A plain channel's worker runs on the node of worker
         ``group_affinity:group_rank_affinity`` when given, else on ``node_rank``
@@ -1238,7 +1258,7 @@ class Channel:
         where = _replica_nodes(node_ranks) if distributed else _affinity_node(
             cluster.runtime, group_affinity, group_rank_affinity,
             0 if node_rank is None else int(node_rank), None, timeout)
-        ch._start_create(cluster, maxsize, where, distributed, timeout)
+        ch._start_create(cluster, maxsize, where, distributed, timeout, restart)
         return ch._settle()
 
     @classmethod
@@ -1268,12 +1288,13 @@ class Channel:
         return core, self._state
 
     def _start_create(self, session: Session, maxsize: int, where: NodeChoice,
-                      distributed: bool, timeout: float) -> None:
+                      distributed: bool, timeout: float, restart: str = "never") -> None:
         core, st = self._bind()
 
         def start() -> None:
             if st.address is None:
-                core._start(st, core._create(st, session, maxsize, where, distributed, timeout))
+                core._start(st, core._create(st, session, maxsize, where, distributed, timeout,
+                                             restart))
             else:
                 _warn_exists(st.name)
 
@@ -1364,11 +1385,18 @@ class Channel:
         """Submit an operation on queue ``key`` to the replica that holds it."""
         core, st = self._bind()
         if st.world_size == 1:  # a plain channel: everything goes to its one worker
-            return core.submit(st, kind, key, number, payload, frames)
-        rank = st.key_ranks.get(key) if st.world_size is not None else None
-        if rank is None:
-            return core.submit_routed(st, kind, key, number, payload, frames)
-        return core.submit(st.replicas[rank], kind, key, number, payload, frames)
+            work = core.submit(st, kind, key, number, payload, frames)
+        elif (rank := st.key_ranks.get(key) if st.world_size is not None else None) is None:
+            work = core.submit_routed(st, kind, key, number, payload, frames)
+        else:
+            work = core.submit(st.replicas[rank], kind, key, number, payload, frames)
+        if _trace.ON and kind in _TRACED_KINDS:
+            span = _trace.begin("channel", f"{_TRACED_KINDS[kind]} {self._name}",
+                                f"channel {self._name}", queue=key_from_wire(key))
+            span.nbytes = len(payload) if payload.__class__ is bytes else _trace.payload_bytes(
+                frames)
+            trace_until_settled(work, span)
+        return work
 
     def _everywhere(self, kind: int, combine: Combine) -> AsyncChannelWork[Any]:
         """``kind`` (``STATS``, ``FLUSH``) at every replica, answers combined by ``combine``;

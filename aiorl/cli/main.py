@@ -3,42 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
+from aiorl.cli.target import resolve_target
 from aiorl.util.text import format_table
 
 __all__ = ["format_table", "main"]
-
-
-def _status_target(args: argparse.Namespace) -> tuple[str, Any, str | None] | None:
-    """Where ``aiorl status`` looks: (registry address, keys, host to bind on).
-
-    ``--registry`` or ``$AIORL_REGISTRY`` (keys from ``--key-file``, else as every aiorl
-    process finds them); otherwise this user's newest running embedded cluster, found
-    through its runtime file. None (after saying why) when there is nothing to look at.
-    """
-    from aiorl.cluster.embedded import running_embedded_clusters
-    from aiorl.transport import security
-
-    address = args.registry or os.environ.get("AIORL_REGISTRY")
-    if address:
-        keys = (security.ClusterKeys.load(args.key_file) if args.key_file
-                else security.keys_from_environment())
-        return address, keys, None
-    embedded = running_embedded_clusters()
-    if not embedded:
-        print("error: no registry address (use --registry or set AIORL_REGISTRY) and no "
-              "embedded aiorl.Cluster() of this user is running", file=sys.stderr)
-        return None
-    newest = embedded[0]
-    if len(embedded) > 1:
-        others = ", ".join(str(e.pid) for e in embedded[1:])
-        print(f"({len(embedded)} embedded clusters are running; showing driver pid "
-              f"{newest.pid}'s; the others' drivers: {others})", file=sys.stderr)
-    keys = security.ClusterKeys.load(newest.key_file) if newest.key_file else None
-    return newest.registry, keys, f"ipc://{newest.session_dir}"
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -48,7 +19,11 @@ def _status(args: argparse.Namespace) -> int:
     from aiorl.registry.client import RegistryClient
     from aiorl.transport.endpoint import Endpoint
 
-    target = _status_target(args)
+    if args.watch:
+        from aiorl.cli import observe
+
+        return observe.watch(args)
+    target = resolve_target(args)
     if target is None:
         return 2
     address, keys, host = target
@@ -91,7 +66,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from aiorl.cli import plan
+    from aiorl.cli import observe, plan
 
     parser = argparse.ArgumentParser(prog="aiorl", description="aiorl command-line tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,8 +78,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="the cluster's key file (default: $AIORL_KEY_FILE, else "
                          "~/.aiorl/cluster.key when it exists)")
     st.add_argument("--timeout", type=float, default=5.0)
+    st.add_argument("--watch", action="store_true",
+                    help="refresh a live table of every process (CPU, RSS, pending operations, "
+                         "channel depths); plain lines when not a terminal")
+    st.add_argument("--interval", type=float, default=2.0, help="--watch: seconds per refresh")
+    st.add_argument("--count", type=int, default=0, help="--watch: stop after N refreshes")
     st.set_defaults(func=_status)
     plan.add_parser(sub)
+    observe.add_parsers(sub)
     try:
         from aiorl.cli import demo
     except ImportError:

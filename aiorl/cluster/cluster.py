@@ -15,16 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import json
 import logging
 import os
 import weakref
 from typing import Any
 
+from aiorl.actors.inspection import serve_inspection
+from aiorl.cluster import doctor as _doctor
 from aiorl.cluster.driver import DriverSession
 from aiorl.cluster.embedded import EmbeddedProcesses
 from aiorl.placement import ClusterSpec
 from aiorl.protocol.registry import GroupSpec
 from aiorl.runtime import Runtime
+from aiorl.trace import recorder as _trace
 from aiorl.transport import security
 
 __all__ = ["Cluster"]
@@ -68,6 +72,8 @@ class Cluster:
         key_file: attached only: the cluster's key file (default ``$AIORL_KEY_FILE``, then
             ``~/.aiorl/cluster.key``).
         log_to_driver: print workers' output here, each line prefixed with the worker's name.
+        trace: record spans in this driver and every worker it launches (as ``AIORL_TRACE=1``
+            does); :meth:`trace_dump` writes them as one Perfetto trace (docs/debugging.md).
         timeout: seconds to wait for the registry and the agents.
 
     Example::
@@ -92,6 +98,7 @@ class Cluster:
         key_file: str | None = None,
         log_to_driver: bool = True,
         timeout: float = 60.0,
+        trace: bool = False,
     ) -> None:
         self._cfg = _cluster_section(cluster_cfg)
         self._closed = False
@@ -117,6 +124,10 @@ class Cluster:
                                           log_to_driver=log_to_driver, timeout=timeout)
             self._session.wait_for_nodes(
                 wanted, timeout, self._embedded.check_alive if self._embedded else None)
+            _trace.set_process_name("driver")
+            if trace:
+                _trace.enable()
+            serve_inspection(self._session.runtime)  # aiorl doctor / trace from anywhere
         except BaseException:
             self.close()
             raise
@@ -198,6 +209,40 @@ class Cluster:
     def spec(self) -> ClusterSpec:
         """A :class:`~aiorl.placement.ClusterSpec` of the live nodes (and configured node groups)."""
         return self.session.spec
+
+    # ------------------------------------------------------------------ observability
+    def doctor(self, interval: float = 0.0, timeout: float = _doctor.DEFAULT_TIMEOUT
+               ) -> _doctor.DoctorReport:
+        """Snapshot every live process of the cluster and explain who waits on whom.
+
+        With ``interval`` > 0 the channels are sampled again after that many seconds, to
+        report channels that only grow. See docs/debugging.md.
+        """
+        runtime = self.runtime
+
+        async def run() -> _doctor.DoctorReport:
+            probes, status = await _doctor.collect(runtime.endpoint, runtime.registry,
+                                                  "snapshot", timeout)
+            later = None
+            if interval > 0:
+                await asyncio.sleep(interval)
+                later, _ = await _doctor.collect(runtime.endpoint, runtime.registry,
+                                                "snapshot", timeout)
+            return _doctor.diagnose(probes, status, later, interval)
+
+        return runtime.run_sync(run(), timeout=2 * timeout + interval + 10)
+
+    def trace_dump(self, path: str, timeout: float = _doctor.DEFAULT_TIMEOUT) -> dict[str, Any]:
+        """Pull every process's trace buffer and write one Chrome/Perfetto trace to ``path``.
+
+        Returns the trace (``{"traceEvents": [...]}``); open the file in ui.perfetto.dev.
+        """
+        runtime = self.runtime
+        trace, _ = runtime.run_sync(_doctor.pull_trace(runtime.endpoint, runtime.registry,
+                                                      timeout), timeout=timeout + 10)
+        with open(path, "w") as f:
+            json.dump(trace, f)
+        return trace
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:

@@ -61,7 +61,8 @@ from aiorl.names import WorkerAddress
 from aiorl.p2p.message import InMessage, OutMessage, encode_object
 from aiorl.p2p.proto import K_OBJ, SHM_MIN
 from aiorl.runtime import AsyncWork, Runtime
-from aiorl.runtime.promise import reject, resolve
+from aiorl.runtime.promise import reject, resolve, trace_until_settled
+from aiorl.trace import recorder as _trace
 from aiorl.transport import _shm
 from aiorl.transport.endpoint import Incoming
 
@@ -226,6 +227,10 @@ class Broadcaster:
         plan = plan_broadcast(groups, src, me)
         out = encode_object(obj) if plan.src == plan.me else None
         work: AsyncWork[Any] = AsyncWork(self.loop)
+        if _trace.ON:
+            trace_until_settled(work, _trace.begin(
+                "broadcast", "broadcast", plan.src, members=len(plan.members),
+                source=plan.src == plan.me))
         if self.runtime.on_loop_thread():
             self._start(plan, obj, out, work)
         else:

@@ -21,21 +21,32 @@ tensor is broadcast. Completion of a transfer is a CUDA event polled by the runt
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import datetime
 import hashlib
 import importlib
 import logging
 import pickle
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiorl.collective.proto import OP_GPU, OP_IPC
 from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.names import WorkerAddress
-from aiorl.p2p.message import InMessage, OutMessage, dtype_name, dtype_of, record_event
-from aiorl.runtime.waiter import BlockingWaiter, Job
+from aiorl.p2p.gpu import (
+    CudaLane,
+    abort_in_background,
+    after_lane,
+    allocate,
+    device_uuid,
+    flat_u8,
+    gpu_done,
+    new_nccl_group,
+    wait_events,
+)
+from aiorl.p2p.message import InMessage, OutMessage, dtype_name, dtype_of
+from aiorl.runtime.waiter import BlockingWaiter
 from aiorl.transport.endpoint import Endpoint, Incoming
+from aiorl.util.cuda_device import selected_device
 
 if TYPE_CHECKING:
     from aiorl.collective.plan import BroadcastPlan
@@ -69,38 +80,28 @@ def _torch(module: str) -> Any:
     return importlib.import_module(module)
 
 
-def _flat_u8(t: Any) -> Any:
-    import torch
-
-    flat = t.reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
-
-
 def _current_gpu(index: int | None = None) -> dict[str, Any]:
-    """CUDA device ``index`` (default: this thread's current one): its index and node-unique
-    UUID (None without CUDA)."""
+    """CUDA device ``index`` (default: this process's selected one, aiorl.util.cuda_device):
+    its index and node-unique UUID (None without CUDA)."""
     import torch
 
     if not torch.cuda.is_available():
         return {"index": -1, "uuid": None}
     if index is None:
-        index = torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(index)
-    uuid = getattr(props, "uuid", None)
-    ident = str(uuid) if uuid is not None else f"pci:{getattr(props, 'pci_bus_id', index)}"
-    return {"index": index, "uuid": ident}
+        index = selected_device()
+    return {"index": index, "uuid": device_uuid(index)}
 
 
 class _Communicator:
-    """One NCCL communicator over some representatives, with its own thread and stream."""
+    """One NCCL communicator over some representatives, with its own lane (daemon thread and
+    side stream): issued in broadcast order, never on the event loop."""
 
     def __init__(self, key: str, rank: int, world: int, device: int) -> None:
         self.key, self.rank, self.world, self.device = key, rank, world, device
         self.store: Any = None
         self.store_address: tuple[str, int] | None = None
         self.pg: Any = None
-        self.stream: Any = None
-        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aiorl-bcast")
+        self.lane = CudaLane(f"aiorl-bcast-{key[:8]}")
 
     def open_store(self, host: str) -> list[Any]:
         """Source that creates the communicator: host the rendezvous store (NCCL rank 0 need
@@ -112,7 +113,7 @@ class _Communicator:
         return list(self.store_address)
 
     def _group(self) -> Any:
-        # Communicator thread only: blocks until every representative joined.
+        # Lane only: joins every representative (non-blocking NCCL set-up, abortable).
         if self.pg is None:
             dist = _torch("torch.distributed")
             timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
@@ -121,43 +122,46 @@ class _Communicator:
                     raise ProtocolError(f"no rendezvous address for communicator {self.key}")
                 host, port = self.store_address
                 self.store = dist.TCPStore(host, port, self.world, False, timeout=timeout)
-            opts = dist.ProcessGroupNCCL.Options()
-            if hasattr(opts, "_timeout"):
-                opts._timeout = timeout
             prefix = dist.PrefixStore(f"aiorl-bcast/{self.key}", self.store)
-            self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.world, opts)
+            self.pg = new_nccl_group(prefix, self.rank, self.world, self.device,
+                                     RENDEZVOUS_TIMEOUT_S)
         return self.pg
 
-    def broadcast(self, tensors: list[Any], root: int, wait_event: Any) -> Any:
-        """Communicator thread: one NCCL broadcast per tensor after ``wait_event``; returns an
-        event recorded after them on this communicator's stream."""
+    def broadcast(self, tensors: list[Any], root: int,
+                  events: Mapping[int, Any] | None) -> tuple[Any, list[Any], list[Any]]:
+        """Lane: one NCCL broadcast per tensor after ``events`` on the lane's stream; returns
+        ``(done event, works, tensors)``."""
         cuda = _torch("torch.cuda")
         dist = _torch("torch.distributed")
         pg = self._group()
-        if self.stream is None:
-            cuda.set_device(self.device)
-            self.stream = cuda.Stream(self.device)
-        with cuda.stream(self.stream):
-            if wait_event is not None:
-                self.stream.wait_event(wait_event)
+        stream = self.lane.stream(self.device)
+        works = []
+        with cuda.device(self.device), cuda.stream(stream):
+            wait_events(stream, events)
             for t in tensors:
                 opts = dist.BroadcastOptions()
                 opts.rootRank = root
-                pg.broadcast([t], opts).wait()  # our stream waits for NCCL's (no CPU block)
+                work = pg.broadcast([t], opts)
+                work.wait()  # our stream waits for NCCL's (no CPU block: BLOCKING_WAIT=0)
+                works.append(work)
             done = cuda.Event()
-            done.record(self.stream)
-        return done
+            done.record(stream)
+        return done, works, tensors
+
+    def receive(self, inc: InMessage, specs: list[Any],
+                root: int) -> tuple[Any, list[Any], list[Any]]:
+        """Lane: allocate the tensors of ``inc`` on the lane's stream, then broadcast into
+        them (a representative's receive)."""
+        stream = self.lane.stream(self.device)
+        inc.cuda = allocate([(dtype_of(dt), shape) for dt, shape in specs], self.device, stream)
+        return self.broadcast([flat_u8(t) for t in inc.cuda if t.numel()], root, None)
 
     def abort(self) -> None:
-        """A representative died: NCCL calls would wait for it for ever."""
-        pg = self.pg
-        abort = getattr(pg, "abort", None) or getattr(pg, "shutdown", None)
-        if abort is not None:
-            try:
-                abort()
-            except Exception:  # noqa: BLE001 - best effort: the process may be exiting
-                log.debug("NCCL abort of %s failed", self.key, exc_info=True)
-        self.thread.shutdown(wait=False, cancel_futures=True)
+        """A representative died: NCCL calls would wait for it for ever. Aborted off the
+        loop; the lane (maybe stuck in NCCL) is abandoned."""
+        self.lane.close()
+        abort_in_background(self.pg, self.key)
+        self.pg = None
 
 
 class CudaBroadcast:
@@ -170,7 +174,8 @@ class CudaBroadcast:
         self._members_of: dict[str, tuple[str, ...]] = {}  # communicator key -> representatives
         # (set id, seq) -> IPC handles that arrived, or the future of a follower waiting for them.
         self._ipc: dict[tuple[str, int], Any] = {}
-        self._copier: concurrent.futures.ThreadPoolExecutor | None = None
+        self._copier: CudaLane | None = None
+        self._serve_stream: Any = None  # the loop thread's stream for IPC exports
         host.endpoint.handle(OP_GPU, self._on_gpu)
         host.endpoint.handle(OP_IPC, self._on_ipc)
 
@@ -213,46 +218,49 @@ class CudaBroadcast:
         live = [t for t in out.cuda if t.numel()]
         if len(reps) > 1 and live:
             comm = self._comms[key]
-            comm.thread.submit(comm.broadcast, [_flat_u8(t) for t in live], root, out.event)
+            comm.lane.run(comm.broadcast, [flat_u8(t) for t in live], root, out.event)
         mine = [n for n, rep in followers.items() if rep == self.host.name]
         if mine:
-            import torch
-
-            if out.event is not None:
-                torch.cuda.current_stream(live[0].device).wait_event(out.event)
-            self._serve(set_id, seq, mine, live)
+            self._serve(set_id, seq, mine, live, out.event)
 
     # ------------------------------------------------------------------ members
     def receive(self, set_id: str, seq: int, inc: InMessage,
                 desc: Sequence[Any]) -> asyncio.Future[None]:
-        """Member: allocate the CUDA tensors of ``inc`` and land them (NCCL as a
-        representative, IPC as a follower); the future completes when they are on the GPU."""
-        import torch
-
+        """Member: land the CUDA tensors of ``inc`` on this process's selected device (NCCL
+        as a representative, IPC as a follower), allocated off the loop; the future
+        completes when they are on the GPU."""
         key, store, reps, root, followers, specs = desc
-        device = torch.cuda.current_device()
-        inc.cuda = [torch.empty(shape, dtype=dtype_of(dt), device=device) for dt, shape in specs]
-        live = [t for t in inc.cuda if t.numel()]
+        device = selected_device()
         fut: asyncio.Future[None] = self.host.loop.create_future()
-        if not live:
+        if all(not _numel(shape) for _dt, shape in specs):
+            import torch
+
+            inc.cuda = [torch.empty(shape, dtype=dtype_of(dt), device=device)
+                        for dt, shape in specs]
             fut.set_result(None)
             return fut
-        event = record_event()  # the allocations above, on this thread's stream
         if self.host.name in followers:
-            self._await_ipc((set_id, seq), live, event, fut)
+            self._await_ipc((set_id, seq), inc, specs, device, fut)
             return fut
         comm = self._comms.get(key) or self._communicator(key, reps, device)
         if store is not None:
             comm.store_address = (store[0], int(store[1]))
-        cf = comm.thread.submit(comm.broadcast, [_flat_u8(t) for t in live], root, event)
         mine = [n for n, rep in followers.items() if rep == self.host.name]
+        host = self.host
 
-        def landed(error: BaseException | None) -> None:  # loop
+        def landed(issued: tuple[Any, list[Any], list[Any]]) -> asyncio.Future[None]:
+            done, works, keep = issued
+            return gpu_done(host, done, works, comm.pg, keep)
+
+        gpu = after_lane(host, comm.lane.run(comm.receive, inc, specs, root), landed)
+
+        def finished(f: asyncio.Future[None]) -> None:  # loop
+            error = f.exception() if not f.cancelled() else PeerLostError("abandoned")
             if error is None and mine:
-                self._serve(set_id, seq, mine, live)
+                self._serve(set_id, seq, mine, [t for t in inc.cuda if t.numel()], None)
             _settle(fut, error)
 
-        self._when_gpu_done(cf, landed)
+        gpu.add_done_callback(finished)
         return fut
 
     def _communicator(self, key: str, reps: Sequence[str], device: int) -> _Communicator:
@@ -261,30 +269,22 @@ class CudaBroadcast:
         self._members_of[key] = tuple(reps)
         return comm
 
-    def _when_gpu_done(self, cf: concurrent.futures.Future[Any],
-                       then: Callable[[BaseException | None], None]) -> None:
-        """``then(error)`` on the loop once the event ``cf`` yields has completed on the GPU."""
-        host = self.host
-
-        def issued(cf: concurrent.futures.Future[Any]) -> None:  # communicator thread
-            if cf.cancelled():
-                host.call_soon_threadsafe(then, PeerLostError("the NCCL broadcast was abandoned"))
-                return
-            exc = cf.exception()
-            if exc is not None:
-                host.call_soon_threadsafe(then, exc)
-                return
-            event = cf.result()
-            host.waiter.watch(Job(event.query, lambda err: host.call_soon_threadsafe(then, err)))
-
-        cf.add_done_callback(issued)
-
     # ------------------------------------------------------------------ IPC
     def _serve(self, set_id: str, seq: int, followers: Sequence[str],
-               tensors: Sequence[Any]) -> None:
-        """Give ``followers`` (members on our GPU) the CUDA IPC handles of ``tensors``."""
+               tensors: Sequence[Any], events: Mapping[int, Any] | None) -> None:
+        """Give ``followers`` (members on our GPU) the CUDA IPC handles of ``tensors``.
+
+        Torch's export records the IPC event on the current stream of the tensor's device:
+        a side stream of this thread that first waited for ``events`` (the caller's), so
+        no default stream is made to wait."""
         reductions = _torch("torch.multiprocessing.reductions")
-        handles = pickle.dumps([reductions.reduce_tensor(t.detach())[1] for t in tensors], 5)
+        cuda = _torch("torch.cuda")
+        if self._serve_stream is None:
+            self._serve_stream = cuda.Stream(tensors[0].device)
+        stream = self._serve_stream
+        wait_events(stream, events)
+        with cuda.device(tensors[0].device), cuda.stream(stream):
+            handles = pickle.dumps([reductions.reduce_tensor(t.detach())[1] for t in tensors], 5)
         endpoint = self.host.endpoint
         for name in followers:
             address = self.host.address_of(name)
@@ -302,15 +302,21 @@ class CudaBroadcast:
         else:
             waiting(msg.frames[0])
 
-    def _await_ipc(self, key: tuple[str, int], targets: list[Any], event: Any,
+    def _await_ipc(self, key: tuple[str, int], inc: InMessage, specs: list[Any], device: int,
                    fut: asyncio.Future[None]) -> None:
+        """Follower: once the representative's handles arrive, copy from them on the copier
+        lane (allocation included); completion is an event polled by the waiter."""
+        host = self.host
+
         def copy(handles: Any) -> None:  # loop
-            if self._copier is None:
-                self._copier = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="aiorl-bcast-ipc")
-            cf = self._copier.submit(_ipc_copy, bytes(handles), targets, event)
-            cf.add_done_callback(lambda cf: self.host.call_soon_threadsafe(
-                _settle, fut, cf.exception() if not cf.cancelled() else PeerLostError("closed")))
+            if self._copier is None or self._copier.closed:
+                self._copier = CudaLane("aiorl-bcast-ipc")
+            lane = self._copier
+            gpu = after_lane(
+                host, lane.run(_ipc_copy, lane, bytes(handles), inc, specs, device),
+                lambda issued: gpu_done(host, issued[0], keep=issued[1]))
+            gpu.add_done_callback(lambda f: _settle(
+                fut, f.exception() if not f.cancelled() else PeerLostError("closed")))
 
         handles = self._ipc.pop(key, None)
         if handles is None:
@@ -338,27 +344,39 @@ class CudaBroadcast:
         self._members_of.clear()
         self._ipc.clear()
         if self._copier is not None:
-            self._copier.shutdown(wait=False, cancel_futures=True)
+            self._copier.close()
 
 
-def _ipc_copy(handles: bytes, targets: list[Any], wait_event: Any) -> None:
-    """Copier thread: open CUDA IPC ``handles`` and copy into ``targets``; returns when done."""
-    import torch
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
+
+def _ipc_copy(lane: CudaLane, handles: bytes, inc: InMessage, specs: list[Any],
+              device: int) -> tuple[Any, list[Any]]:
+    """Copier lane: allocate ``inc``'s tensors on ``device``, open the representative's CUDA
+    IPC handles (torch makes our stream wait for its event) and copy on the lane's stream;
+    returns ``(done event, what must stay alive until it completed)``."""
+    cuda = _torch("torch.cuda")
     reductions = _torch("torch.multiprocessing.reductions")
-    stream = _torch("torch.cuda").Stream(targets[0].device)
-    with torch.cuda.stream(stream):
-        if wait_event is not None:
-            stream.wait_event(wait_event)
-        sources = []
+    stream = lane.stream(device)
+    inc.cuda = allocate([(dtype_of(dt), shape) for dt, shape in specs], device, stream)
+    targets = [t for t in inc.cuda if t.numel()]
+    sources = []
+    with cuda.device(device), cuda.stream(stream):
         for args, target in zip(pickle.loads(handles), targets, strict=True):
             args = list(args)
-            args[6] = target.device.index  # the sender's index of this GPU may differ from ours
+            # The handle's GPU as this process numbers it: the plan grouped the follower
+            # with its representative by device UUID, and the follower uses its selected one.
+            args[6] = device
             src = reductions.rebuild_cuda_tensor(*args)
-            target.reshape(-1).view(torch.uint8).copy_(_flat_u8(src), non_blocking=True)
+            flat_u8(target).copy_(flat_u8(src), non_blocking=True)
             sources.append(src)
-        stream.synchronize()
-    del sources
+        done = cuda.Event()
+        done.record(stream)
+    return done, [sources, targets]
 
 
 def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:

@@ -7,40 +7,58 @@ lives on the runtime loop: it is mutated only there (``dispatch``, registry even
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import copy
+import dataclasses
 import functools
 import logging
 import os
 import sys
 import sysconfig
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiorl.errors import PeerLostError, WorkerInitError
+from aiorl.group.supervision import HISTORY, EventKind, GroupEvent, GroupEvents, Supervision
 from aiorl.names import WorkerAddress
 from aiorl.protocol.ops import AgentOp, WorkerOp
 from aiorl.protocol.spawn import SpawnRequest, WorkerLaunch
+from aiorl.registry.client import INCARNATION_VARIABLE
 from aiorl.runtime import AsyncWork, Runtime, Session, describe_death
 from aiorl.runtime.promise import is_settled, link_threads, reject, resolve
+from aiorl.trace import recorder as _trace
 from aiorl.transport import serialization
 
 if TYPE_CHECKING:
     from aiorl.placement import Placement
 
-__all__ = ["GroupCore", "ship_class"]
+__all__ = ["REPLAY_ATTRIBUTE", "GroupCore", "ship_class"]
 
 log = logging.getLogger("aiorl.group")
 
+#: A worker class attribute naming methods whose last call a restarted rank receives again,
+#: before any other call (``PollingWorker`` names ``configure``).
+REPLAY_ATTRIBUTE = "_aiorl_replay_on_restart"
+#: How long a node agent may take to answer a spawn request.
+SPAWN_TIMEOUT_S = 30.0
+
 
 class _Rank:
-    """The driver's view of one rank: its endpoint once ready, or why it cannot be called."""
+    """The driver's view of one rank: its endpoint once ready, or why it cannot be called,
+    and which process of the rank (incarnation) that is."""
 
-    __slots__ = ("address", "error", "queued")
+    __slots__ = ("address", "error", "queued", "incarnation", "restarts", "restarting", "member")
 
     def __init__(self) -> None:
         self.address: str | None = None
         self.error: BaseException | None = None
         self.queued: list[Callable[[], None]] = []
+        self.incarnation = 0
+        self.restarts = 0
+        self.restarting = False  # a replacement is on its way (calls wait for it)
+        self.member = True  # False once remove_ranks took it out of the group
 
 
 class _GroupCall:
@@ -72,20 +90,72 @@ class _GroupCall:
             resolve(work, self.results)
 
 
-class GroupCore:
-    """Rank slots, readiness queues, deaths and close of one group (runtime loop only)."""
+class _TracedGroupCall(_GroupCall):
+    """A group call that records a span per rank as each answers (only while tracing is on)."""
 
-    def __init__(self, session: Session, cls: type, name: str, world_size: int) -> None:
+    __slots__ = ("method", "peers", "flows", "t0", "nbytes")
+
+    def __init__(self, work: AsyncWork[list[Any]], method: str, peers: list[str],
+                 flows: list[tuple[str, int]], frames: list[Any]) -> None:
+        super().__init__(work, len(peers))
+        self.method, self.peers, self.flows = method, peers, flows
+        self.nbytes = _trace.payload_bytes(frames)
+        self.t0 = _trace.now()
+
+    def settle(self, i: int, error: BaseException | None, reply: Any) -> None:
+        _trace.record("call", self.method, self.t0, self.peers[i],
+                      self.nbytes + (_trace.payload_bytes(reply[1]) if reply else 0),
+                      error is None, None if error is None else _trace.error_text(error),
+                      self.flows[i], None, True)
+        super().settle(i, error, reply)
+
+
+class GroupCore:
+    """Rank slots, readiness queues, deaths, restarts and membership of one group (loop only).
+
+    Supervision (docs/failures.md): a rank's death fails what is pending on it
+    (``PeerLostError``), then the group's :class:`Supervision` decides: nothing more
+    (``restart="never"``), a new process for the rank after a backoff (``"on_failure"``:
+    same name and rank, the next incarnation; calls made meanwhile wait for it), or,
+    with ``fate="group"``, the end (or a restart) of every rank. Events whose
+    incarnation is older than the rank's current one are news of a process already
+    replaced and are ignored.
+
+    Membership: ``members`` are the ranks of the current ``epoch``; ``add_ranks`` and
+    ``remove_ranks`` change them and start a new epoch. Rank numbers are never reused,
+    so ``ranks`` (indexed by rank) only grows; a removed rank keeps its slot with the
+    error that says it was removed, so a call of an older epoch that names it fails.
+    """
+
+    def __init__(self, session: Session, cls: type, name: str, world_size: int,
+                 supervision: Supervision | None = None) -> None:
         self.session = session
         self.runtime: Runtime = session.runtime
         self.cls = cls
         self.name = name
-        self.world_size = world_size
+        self.world_size = world_size  # the rank bound: ranks 0..world_size-1 have existed
         self.ranks = [_Rank() for _ in range(world_size)]
+        self.members: tuple[int, ...] = tuple(range(world_size))
+        self.epoch = 0
         self.closed = False
+        self.supervision = supervision if supervision is not None else Supervision()
         self._watching = False
-        #: Views handed out by ``WorkerGroup.on_ranks``, by rank tuple (cached, bounded).
-        self.views: dict[tuple[int, ...], Any] = {}
+        #: Views handed out by ``WorkerGroup.on_ranks``, by (epoch, rank tuple) (cached, bounded).
+        self.views: dict[tuple[int, tuple[int, ...]], Any] = {}
+        #: Builds a WorkerGroup view of some ranks (set by aiorl.group.group, above us).
+        self.view_of: Callable[[tuple[int, ...]], Any] | None = None
+        #: Methods whose last call each rank replays after a restart (``configure``).
+        self.replayed: frozenset[str] = frozenset(getattr(cls, REPLAY_ATTRIBUTE, ()))
+        self._last_calls: dict[int, dict[str, list[Any]]] = {}
+        # What a restart or ``add_ranks`` needs to start a process: rank -> (node, launch).
+        self._launches: dict[int, tuple[int, WorkerLaunch]] = {}
+        self._payload = b""
+        self._extra_env: dict[str, str] = {}
+        self._master: tuple[str, int] | None = None  # MASTER_ADDR, MASTER_PORT
+        self._group_restarts = 0
+        self._history: collections.deque[GroupEvent] = collections.deque(maxlen=HISTORY)
+        self._subscribers: list[GroupEvents] = []
+        self._tasks: set[asyncio.Task[None]] = set()  # pending restarts (strong references)
 
     def dispatch(self, work: AsyncWork[list[Any]], method: str, ranks: Sequence[int],
                   frames: list[Any], off_loop: bool) -> None:
@@ -97,7 +167,8 @@ class GroupCore:
         if not ranks:
             resolve(work, [])
             return
-        call = _GroupCall(work, len(ranks))
+        call = _GroupCall(work, len(ranks)) if not _trace.ON else _TracedGroupCall(
+            work, method, *self._call_flows(ranks), frames)
         for i, r in enumerate(ranks):
             state = self.ranks[r]
             if state.error is not None or state.address is not None:
@@ -105,6 +176,20 @@ class GroupCore:
             else:
                 state.queued.append(
                     functools.partial(self._send_call, call, i, state, method, frames))
+
+    def dispatch_remembered(self, work: AsyncWork[list[Any]], method: str, ranks: Sequence[int],
+                            frames: list[Any], off_loop: bool) -> None:
+        """:meth:`dispatch` of a method in :attr:`replayed`: each rank keeps the call's
+        arguments, sent again to its next incarnation before anything else."""
+        for r in ranks:
+            self._last_calls.setdefault(r, {})[method] = frames
+        self.dispatch(work, method, ranks, frames, off_loop)
+
+    def _call_flows(self, ranks: Sequence[int]) -> tuple[list[str], list[tuple[str, int]]]:
+        """Tracing: each rank's name and the flow from this call to its execution there."""
+        peers = [f"{self.name}:{r}" for r in ranks]
+        me = self.runtime.name
+        return peers, [_trace.flow_seq(f"{me}>{peer}/call") for peer in peers]
 
     def _send_call(self, call: _GroupCall, i: int, state: _Rank, method: str,
                    frames: list[Any]) -> None:
@@ -115,14 +200,15 @@ class GroupCore:
         self.runtime.endpoint.request_then(
             state.address, WorkerOp.CALL, method, frames, functools.partial(call.settle, i))
 
-    def ready(self) -> AsyncWork[None]:
+    def ready(self, ranks: Sequence[int]) -> AsyncWork[None]:
         work: AsyncWork[None] = AsyncWork(self.runtime.loop)
 
         def check() -> None:
+            states = [self.ranks[r] for r in ranks]
             waiting = [0]
 
             def one_ready() -> None:
-                for st in self.ranks:
+                for st in states:
                     if st.error is not None:
                         reject(work, _fresh(st.error))
                         return
@@ -130,7 +216,7 @@ class GroupCore:
                 if waiting[0] == 0:
                     resolve(work, None)
 
-            for st in self.ranks:
+            for st in states:
                 if st.error is not None:
                     reject(work, _fresh(st.error))
                     return
@@ -143,46 +229,60 @@ class GroupCore:
         self.runtime.submit(check)
         return work
 
+    # ------------------------------------------------------------------ starting processes
     async def start(self, placements: list[Placement], payload: bytes, extra_env: dict[str, str]) -> None:
+        self._payload, self._extra_env = payload, extra_env
         try:
             await self.watch()
-            await self._spawn(placements, payload, extra_env)
+            await self._plan(placements, len(placements))
+            await self._spawn([p.rank for p in placements])
         except Exception as exc:  # noqa: BLE001 - every rank learns why
-            log.error("launching group %s failed: %s", self.name, exc)
-            err = WorkerInitError(f"{self.name}:*", -1, type(exc).__name__, str(exc), "", exc)
-            for st in self.ranks:
-                if st.address is None and st.error is None:
-                    self._fail_rank(st, err)
+            self._launch_failed([p.rank for p in placements], exc)
+
+    def _launch_failed(self, ranks: Sequence[int], exc: BaseException) -> None:
+        log.error("launching ranks %s of group %s failed: %s", list(ranks), self.name, exc)
+        err = WorkerInitError(f"{self.name}:*", -1, type(exc).__name__, str(exc), "", exc)
+        for r in ranks:
+            st = self.ranks[r]
+            if st.address is None and st.error is None:
+                self._fail_rank(st, err)
 
     async def watch(self) -> None:
         if not self._watching:
             self._watching = True
             await self.runtime.registry.watch(self.name, self._on_worker_event)
 
-    async def _spawn(self, placements: list[Placement], payload: bytes, extra_env: dict[str, str]) -> None:
-        nodes = {n["node_rank"]: n for n in self.session._node_list()}
-        first = placements[0]
-        master_node = nodes[first.node_rank]
-        port_reply, _ = await self.runtime.endpoint.request(master_node["endpoint"],
-                                                            AgentOp.FREE_PORT, timeout=10)
-        by_node: dict[int, list[WorkerLaunch]] = {}
+    def _nodes(self) -> dict[int, dict[str, Any]]:
+        return {n["node_rank"]: n for n in self.session._node_list()}
+
+    async def _plan(self, placements: list[Placement], world_size: int) -> None:
+        """Build and keep each placement's launch (environment, devices): what
+        :meth:`_spawn` sends now and again for each restart."""
+        nodes = self._nodes()
+        if self._master is None:
+            master_node = nodes[placements[0].node_rank]
+            port_reply, _ = await self.runtime.endpoint.request(master_node["endpoint"],
+                                                                AgentOp.FREE_PORT, timeout=10)
+            self._master = (master_node["ip"], int(port_reply["port"]))
+        master_ip, master_port = self._master
         for p in placements:
             profiler = p.profiler_launch(self.name)  # None unless profiling selects us
             env = {
-                "RANK": str(p.rank), "WORLD_SIZE": str(len(placements)),
+                "RANK": str(p.rank), "WORLD_SIZE": str(world_size),
                 "LOCAL_RANK": str(p.launch_local_rank),
                 "LOCAL_WORLD_SIZE": str(p.local_world_size),
                 "NODE_LOCAL_RANK": str(p.local_rank), "NODE_LOCAL_WORLD_SIZE": str(p.local_world_size),
                 "NODE_RANK": str(p.node_rank), "NODE_GROUP_LABEL": p.node_group_label,
-                "MASTER_ADDR": master_node["ip"], "MASTER_PORT": str(port_reply["port"]),
+                "MASTER_ADDR": master_ip, "MASTER_PORT": str(master_port),
                 "AIORL_WORKER_NAME": f"{self.name}:{p.rank}",
                 "AIORL_REGISTRY": self.session.registry_address,
                 "AIORL_DRIVER_ID": self.session.driver_id,
-                **(profiler.env if profiler else {}), **p.env, **extra_env,
+                **({_trace.ENV: "1"} if _trace.ON else {}),  # a traced driver traces workers
+                **(profiler.env if profiler else {}), **p.env, **self._extra_env,
             }
             if p.visible_accelerators:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(p.visible_accelerators)
-            by_node.setdefault(p.node_rank, []).append(WorkerLaunch(
+            self._launches[p.rank] = (p.node_rank, WorkerLaunch(
                 rank=p.rank, env=env, hardware_ranks=tuple(p.hardware_ranks),
                 visible_accelerators=tuple(p.visible_accelerators),
                 sys_path=tuple(x for x in sys.path if x), log_level=logging.getLevelName(
@@ -190,49 +290,307 @@ class GroupCore:
                 launcher=profiler.argv if profiler else (),
                 python_interpreter=p.python_interpreter,
             ))
+
+    async def _spawn(self, ranks: Sequence[int]) -> None:
+        """Ask the node agents to start ``ranks``, each as its current incarnation."""
+        nodes = self._nodes()
+        by_node: dict[int, list[WorkerLaunch]] = {}
+        for r in ranks:
+            node_rank, launch = self._launches[r]
+            incarnation = self.ranks[r].incarnation
+            if incarnation:
+                launch = dataclasses.replace(
+                    launch, env={**launch.env, INCARNATION_VARIABLE: str(incarnation)})
+            by_node.setdefault(node_rank, []).append(launch)
         output_to = self.runtime.endpoint.address if getattr(self.session, "log_to_driver",
                                                              False) else None
         for node_rank, launches in by_node.items():
             node = nodes.get(node_rank)
             if node is None:
                 raise RuntimeError(f"node {node_rank} is not part of the cluster any more")
-            request = SpawnRequest(self.name, self.session.driver_id, len(placements),
+            request = SpawnRequest(self.name, self.session.driver_id, self.world_size,
                                    tuple(launches), f"{self.cls.__module__}.{self.cls.__qualname__}",
                                    output_to)
             await self.runtime.endpoint.request(node["endpoint"], AgentOp.SPAWN,
-                                                request.to_wire(), [payload], timeout=60)
+                                                request.to_wire(), [self._payload],
+                                                timeout=SPAWN_TIMEOUT_S)
 
+    # ------------------------------------------------------------------ registry news
     def _on_worker_event(self, name: str, state: str, info: dict[str, Any], detail: dict[str, Any]) -> None:
         try:
             rank = WorkerAddress.from_name(name).rank
         except ValueError:
             return
-        if not 0 <= rank < self.world_size:
+        if not 0 <= rank < len(self.ranks) or self.closed:
             return
         st = self.ranks[rank]
+        record = self.runtime.registry.known.get(name)
+        incarnation = record.incarnation if record is not None else 0
+        if incarnation < st.incarnation or not st.member:
+            return  # an earlier process of this rank (already replaced), or a removed rank
+        st.incarnation = incarnation  # an attached view learns of restarts by the owner
         if state == "ready":
             st.address = info["endpoint"]
             st.error = None
+            if st.restarting:
+                st.restarting = False
+                self._restarted(rank, st)
             queued, st.queued = st.queued, []
             for fn in queued:
                 fn()
         elif state == "failed":
-            self._fail_rank(st, WorkerInitError(
+            error = WorkerInitError(
                 name, rank, str(detail.get("type", "Exception")), str(detail.get("message", "")),
-                str(detail.get("traceback", "")), None))
-        elif state == "dead":
+                str(detail.get("traceback", "")), None)
+            st.restarting = False
+            self._fail_rank(st, error)
+            self._emit(EventKind.GAVE_UP, rank, f"its __init__ raised: {error}")
+            if self.supervision.fate == "group":
+                self._tear_down(rank, str(error))
+        elif state == "dead" and st.error is None:
             reason = describe_death(name, detail)
-            if st.address is None and st.error is None:
+            if st.address is None:
                 self._fail_rank(st, WorkerInitError(name, rank, "WorkerDied", reason, "", None))
-            elif st.address is not None:
+            else:
                 self.runtime.endpoint.mark_peer_lost(st.address, reason)
                 self._fail_rank(st, PeerLostError(reason))
+            st.address = None
+            st.restarting = False
+            # A lost node's workers stop themselves only after this (its agent's fence).
+            self._on_death(rank, st, reason, _seconds(detail.get("fenced_in")))
+
+    def _on_death(self, rank: int, st: _Rank, reason: str, not_before: float = 0.0) -> None:
+        """Apply the supervision policy to a rank whose process ended (errors already set);
+        a restart waits at least ``not_before`` seconds."""
+        self._emit(EventKind.DIED, rank, reason)
+        sup = self.supervision
+        if sup.fate == "group":
+            if sup.restarts and self._group_restarts < sup.max_restarts:
+                self._group_restarts += 1
+                self._restart_group(rank, reason, not_before)
+            else:
+                self._tear_down(rank, reason)
+        elif not sup.restarts:
+            return
+        elif st.restarts >= sup.max_restarts:
+            self._emit(EventKind.GAVE_UP, rank,
+                       f"restarted {st.restarts} time(s) already (max_restarts="
+                       f"{sup.max_restarts}); its calls fail with the last death's error")
+        else:
+            self._schedule_restart([rank], max(sup.delay(st.restarts), not_before), reason)
+
+    def _schedule_restart(self, ranks: Sequence[int], delay: float, reason: str) -> None:
+        """Each rank becomes its next incarnation: later calls wait for it (queued), and in
+        ``delay`` seconds its process is started again."""
+        for r in ranks:
+            st = self.ranks[r]
+            st.incarnation += 1
+            st.restarts += 1
+            st.restarting = True
+            st.error = None
+            st.address = None
+            self._emit(EventKind.RESTARTING, r, f"in {delay:.2f} s, after: {reason}")
+        task = self.runtime.loop.create_task(
+            self._respawn({r: self.ranks[r].incarnation for r in ranks}, delay, reason))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _respawn(self, incarnations: dict[int, int], delay: float, reason: str) -> None:
+        await asyncio.sleep(delay)
+        ranks = [r for r, inc in incarnations.items()
+                 if not self.closed and self.ranks[r].member
+                 and self.ranks[r].incarnation == inc and self.ranks[r].restarting]
+        if not ranks:
+            return
+        try:
+            self._relocate(ranks)
+            await self._spawn(ranks)
+        except Exception as exc:  # noqa: BLE001 - the restart itself failed: a death of its own
+            why = f"restarting it failed: {type(exc).__name__}: {exc} (after: {reason})"
+            for r in ranks:
+                st = self.ranks[r]
+                if st.incarnation != incarnations[r] or not st.restarting:
+                    continue  # it came up after all, or was replaced again meanwhile
+                st.restarting = False
+                self._fail_rank(st, PeerLostError(f"worker {self.name}:{r} {why}"))
+                if self.supervision.fate == "rank":
+                    self._on_death(r, st, why)
+            if self.supervision.fate == "group":
+                self._on_death(ranks[0], self.ranks[ranks[0]], why)
+
+    def _relocate(self, ranks: Sequence[int]) -> None:
+        """A rank whose node is gone restarts on the live node holding the fewest of this
+        group's ranks, if it needs no accelerator (one that does waits for its node)."""
+        nodes = self._nodes()
+        if not nodes:
+            raise RuntimeError("no node agent is alive")
+        load = {n: 0 for n in nodes}
+        for r in self.members:
+            node_rank = self._launches.get(r, (-1, None))[0]
+            if node_rank in load:
+                load[node_rank] += 1
+        for r in ranks:
+            node_rank, launch = self._launches[r]
+            if node_rank in nodes or launch.visible_accelerators:
+                continue
+            target = min(load, key=lambda n: (load[n], n))
+            load[target] += 1
+            log.warning("node %d of %s:%d is gone: restarting it on node %d", node_rank,
+                        self.name, r, target)
+            self._launches[r] = (target, dataclasses.replace(
+                launch, env={**launch.env, "NODE_RANK": str(target)}))
+
+    def _restarted(self, rank: int, st: _Rank) -> None:
+        """A restarted rank is ready: tell the driver, let its hook speak first, then send
+        the replayed calls (``configure`` with its last arguments), then what waited."""
+        assert st.address is not None
+        event = self._emit(EventKind.RESTARTED, rank, f"ready at {st.address}")
+        for method, frames in self._last_calls.get(rank, {}).items():
+            self.runtime.endpoint.request_then(
+                st.address, WorkerOp.CALL, method, frames,
+                functools.partial(self._replay_answered, rank, method))
+        hook = self.supervision.on_restart
+        if hook is not None:
+            try:
+                hook(self.view_of((rank,)) if self.view_of else None, event)
+            except Exception:
+                log.exception("on_restart hook of group %s failed for rank %d", self.name, rank)
+
+    def _replay_answered(self, rank: int, method: str, error: BaseException | None,
+                         _reply: Any) -> None:
+        if error is not None:
+            log.error("replaying %s on restarted %s:%d failed: %s", method, self.name, rank,
+                      error)
+
+    def _restart_group(self, rank: int, reason: str, not_before: float) -> None:
+        """``fate="group"`` with restarts: stop every rank, then start all of them again."""
+        why = f"group {self.name} restarts (fate='group') because rank {rank} died: {reason}"
+        self._fail_all(why)
+        self._kill_ranks([r for r in self.members if r != rank])
+        delay = max(self.supervision.delay(self._group_restarts - 1), not_before)
+        self._schedule_restart(self.members, delay, why)
+
+    def _tear_down(self, rank: int, reason: str) -> None:
+        """``fate="group"``: one rank died, so no rank may go on; stop them all now."""
+        why = f"group {self.name} was torn down (fate='group') because rank {rank} died: {reason}"
+        self._fail_all(why)
+        self._emit(EventKind.TORN_DOWN, None, why)
+        self.closed = True
+        self.runtime.loop.create_task(self.close())
+
+    def _fail_all(self, why: str) -> None:
+        for r in self.members:
+            st = self.ranks[r]
+            if st.address is not None:
+                self.runtime.endpoint.mark_peer_lost(st.address, why)
+                st.address = None
+            if st.error is None:
+                self._fail_rank(st, PeerLostError(why))
+
+    def _kill_ranks(self, ranks: Sequence[int]) -> None:
+        """Ask the agents hosting ``ranks`` to stop them (SIGTERM, SIGKILL after 1 s)."""
+        nodes = self._nodes()
+        by_node: dict[int, list[int]] = {}
+        for r in ranks:
+            by_node.setdefault(self._launches[r][0], []).append(r)
+        for node_rank, node_ranks in by_node.items():
+            node = nodes.get(node_rank)
+            if node is None:
+                continue  # its node is gone, and its workers with it
+            try:
+                self.runtime.endpoint.send_oneway(node["endpoint"], AgentOp.KILL_WORKERS,
+                                                  {"group": self.name, "ranks": node_ranks})
+            except Exception as exc:  # noqa: BLE001 - the agent may be gone as well
+                log.warning("could not ask node %d to stop %s ranks %s: %s", node_rank,
+                            self.name, node_ranks, exc)
 
     def _fail_rank(self, st: _Rank, error: BaseException) -> None:
         st.error = error
         queued, st.queued = st.queued, []
         for fn in queued:
             fn()
+
+    # ------------------------------------------------------------------ membership
+    def _require_launches(self, what: str) -> None:
+        if not self._launches:
+            raise RuntimeError(f"{what} of group {self.name}: only the process that launched "
+                               "the group can change its membership")
+
+    async def add_ranks(self, placements: list[Placement]) -> tuple[int, ...]:
+        """Start new ranks (``placements`` numbered 0..n-1) after the highest rank so far;
+        returns the new ranks. A new epoch begins once the registry knows the new size."""
+        self._require_launches("add_ranks")
+        if self.closed:
+            raise PeerLostError(f"worker group {self.name} is closed")
+        base = len(self.ranks)
+        placements = [dataclasses.replace(p, rank=base + p.rank) for p in placements]
+        new = tuple(p.rank for p in placements)
+        bound = base + len(new)
+        spec = self.session.groups.get(self.name)
+        if spec is None:
+            raise RuntimeError(f"group {self.name} is not one this session launched")
+        await self.runtime.registry.create_group(
+            dataclasses.replace(spec, world_size=bound, restore=True))
+        self.session.groups[self.name] = dataclasses.replace(spec, world_size=bound)
+        self.world_size = bound
+        self.ranks.extend(_Rank() for _ in new)
+        self.members += new
+        self._new_epoch()
+        for r in new:
+            self._emit(EventKind.ADDED, r, f"placed on node {placements[r - base].node_rank}")
+        try:
+            await self._plan(placements, len(self.members))
+            await self._spawn(new)
+        except Exception as exc:  # noqa: BLE001 - the new ranks' calls learn why
+            self._launch_failed(new, exc)
+        return new
+
+    def remove_ranks(self, ranks: Sequence[int]) -> None:
+        """Stop ``ranks`` and start a new epoch without them; what is pending on them fails
+        with PeerLostError (calls of earlier epochs that name them, too)."""
+        self._require_launches("remove_ranks")
+        unknown = [r for r in ranks if r not in self.members]
+        if unknown:
+            raise IndexError(f"ranks {unknown} are not members of group {self.name} "
+                             f"(members: {list(self.members)})")
+        gone = set(ranks)
+        self.members = tuple(r for r in self.members if r not in gone)
+        self._new_epoch()
+        for r in ranks:
+            st = self.ranks[r]
+            reason = f"worker {self.name}:{r} was removed from its group (epoch {self.epoch})"
+            st.member = False
+            st.restarting = False
+            if st.address is not None:
+                self.runtime.endpoint.mark_peer_lost(st.address, reason)
+            self._fail_rank(st, PeerLostError(reason))
+            self._last_calls.pop(r, None)
+            self._emit(EventKind.REMOVED, r, reason)
+        self._kill_ranks(list(ranks))
+
+    def _new_epoch(self) -> None:
+        self.epoch += 1
+        self.views.clear()  # views name the ranks of their epoch; new ones are made on demand
+
+    # ------------------------------------------------------------------ events
+    def _emit(self, kind: EventKind, rank: int | None, reason: str) -> GroupEvent:
+        incarnation = self.ranks[rank].incarnation if rank is not None else 0
+        event = GroupEvent(kind, self.name, rank, incarnation, self.epoch, reason, time.time())
+        level = logging.WARNING if kind in _BAD_NEWS else logging.INFO
+        log.log(level, "%s", event)
+        self._history.append(event)
+        for sub in self._subscribers:
+            sub._push(event)
+        if kind == EventKind.CLOSED:
+            self._subscribers.clear()
+        return event
+
+    def subscribe(self) -> GroupEvents:
+        """A new subscription: the events so far, then each new one (loop thread only)."""
+        sub = GroupEvents(self._history)
+        if not self._history or self._history[-1].kind != EventKind.CLOSED:
+            self._subscribers.append(sub)
+        return sub
 
     async def close(self) -> None:
         self.session.groups.pop(self.name, None)
@@ -243,7 +601,18 @@ class GroupCore:
             for st in self.ranks:
                 if st.address is not None:
                     self.runtime.endpoint.mark_peer_lost(st.address, reason)
+                st.restarting = False
                 self._fail_rank(st, PeerLostError(reason))
+            if not self._history or self._history[-1].kind != EventKind.CLOSED:
+                self._emit(EventKind.CLOSED, None, reason)
+
+
+_BAD_NEWS = frozenset({EventKind.DIED, EventKind.GAVE_UP, EventKind.TORN_DOWN})
+
+
+def _seconds(value: Any) -> float:
+    """A duration from a registry detail map (0 when absent or not a number)."""
+    return float(value) if isinstance(value, (int, float)) and value > 0 else 0.0
 
 
 def _fresh(error: BaseException) -> BaseException:

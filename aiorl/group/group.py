@@ -11,7 +11,13 @@ Failure: a rank whose ``__init__`` raised fails every call with
 :class:`~aiorl.errors.WorkerInitError`; a rank that dies fails pending and
 later calls with :class:`~aiorl.errors.PeerLostError` naming the rank, its
 exit code and its last output lines. The first error of a fan-out call is the
-call's error.
+call's error. ``launch(restart="on_failure")`` starts a dead rank again (calls
+made meanwhile wait for it); ``fate="group"`` stops every rank when one dies;
+``group.events()`` tells the driver (:mod:`aiorl.group.supervision`).
+
+Membership: ``add_ranks`` and ``remove_ranks`` start a new epoch and return a
+view of its members; a view (and every call made through it) keeps the ranks of
+the epoch it was made in.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from aiorl.group.core import GroupCore, ship_class
+from aiorl.group.supervision import GroupEvent, GroupEvents, Supervision
 from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.placement import (
     ClusterSpec,
@@ -81,6 +88,11 @@ class WorkerGroupBuilder(Generic[W]):
         num_workers: int | None = None,
         env: dict[str, str] | None = None,
         isolate_gpu: bool = True,
+        restart: str = "never",
+        max_restarts: int = 3,
+        backoff: float = 0.5,
+        fate: str = "rank",
+        on_restart: Callable[[WorkerGroup[W], GroupEvent], None] | None = None,
     ) -> WorkerGroup[W]:
         """Start the group's processes and return at once (calls wait for readiness).
 
@@ -97,6 +109,15 @@ class WorkerGroupBuilder(Generic[W]):
         ``isolate_gpu=False`` (RLinf's name) shows every rank all accelerators of its node
         instead of only its own, with ``LOCAL_RANK`` set to its device id.
 
+        Supervision (docs/failures.md): ``restart="on_failure"`` starts a rank whose process
+        died again, same name and rank, next incarnation, up to ``max_restarts`` times per
+        rank, ``backoff`` seconds after the death (doubling each time); calls pending on the
+        dead process fail with ``PeerLostError``, later ones wait for the new one.
+        ``fate="group"`` stops every rank when one dies (with ``restart="on_failure"``:
+        restarts them all). ``on_restart(view, event)`` runs on the driver's runtime loop
+        when a restarted rank is ready, before the calls that waited for it.
+        See :class:`~aiorl.group.supervision.Supervision`.
+
         Example::
 
             group = Rollout.create_group(cfg).launch(cluster, num_workers=4, name="rollout")
@@ -109,8 +130,9 @@ class WorkerGroupBuilder(Generic[W]):
                 and ``num_workers`` are given.
             RuntimeError: ``cluster`` is closed.
         """
+        supervision = Supervision(restart, max_restarts, backoff, fate, on_restart)
         request, start = self._plan(cluster, placement_strategy, name, num_workers, env,
-                                    isolate_gpu)
+                                    isolate_gpu, supervision)
         runtime = cluster.runtime
         runtime.run_sync(runtime.registry.create_group(request), timeout=30)
         return start()
@@ -124,17 +146,24 @@ class WorkerGroupBuilder(Generic[W]):
         num_workers: int | None = None,
         env: dict[str, str] | None = None,
         isolate_gpu: bool = True,
+        restart: str = "never",
+        max_restarts: int = 3,
+        backoff: float = 0.5,
+        fate: str = "rank",
+        on_restart: Callable[[WorkerGroup[W], GroupEvent], None] | None = None,
     ) -> WorkerGroup[W]:
         """:meth:`launch` for code on the runtime loop's thread (channels launch their
         host from there): it awaits the registry instead of blocking the loop."""
+        supervision = Supervision(restart, max_restarts, backoff, fate, on_restart)
         request, start = self._plan(cluster, placement_strategy, name, num_workers, env,
-                                    isolate_gpu)
+                                    isolate_gpu, supervision)
         await cluster.runtime.registry.create_group(request)
         return start()
 
     def _plan(self, cluster: Session, placement_strategy: PlacementStrategy | str | int | None,
               name: str | None, num_workers: int | None, env: dict[str, str] | None,
-              isolate_gpu: bool = True) -> tuple[GroupSpec, Callable[[], WorkerGroup[W]]]:
+              isolate_gpu: bool, supervision: Supervision,
+              ) -> tuple[GroupSpec, Callable[[], WorkerGroup[W]]]:
         """The registry's create_group request, and what starts the group once it succeeded."""
         group_name = name if name is not None else self.cls.__name__
         WorkerAddress(group_name)  # validates the name
@@ -150,10 +179,11 @@ class WorkerGroupBuilder(Generic[W]):
 
         def start() -> WorkerGroup[W]:
             cluster.groups[group_name] = request  # restored if the registry restarts
-            core = GroupCore(cluster, self.cls, group_name, len(placements))
+            core = GroupCore(cluster, self.cls, group_name, len(placements), supervision)
+            group: WorkerGroup[W] = WorkerGroup(core)
             runtime.submit(
                 lambda: runtime.loop.create_task(core.start(placements, payload, env or {})))
-            return WorkerGroup(core)
+            return group
 
         return request, start
 
@@ -217,7 +247,12 @@ class WorkerGroup(Generic[W]):
 
     def __init__(self, core: GroupCore, ranks: tuple[int, ...] | None = None) -> None:
         self._core = core
-        self._view_ranks = ranks if ranks is not None else tuple(range(core.world_size))
+        #: The group's members and epoch when this view was made: its calls use them.
+        self._members = core.members
+        self._epoch = core.epoch
+        self._view_ranks = ranks if ranks is not None else self._members
+        if core.view_of is None:  # the first view: teach the core to make more (hooks)
+            core.view_of = functools.partial(WorkerGroup, core)
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -227,8 +262,20 @@ class WorkerGroup(Generic[W]):
 
     @property
     def world_size(self) -> int:
-        """The number of ranks in the whole group (not in this view)."""
-        return self._core.world_size
+        """The number of ranks in the whole group at this view's epoch (not in this view)."""
+        return len(self._members)
+
+    @property
+    def epoch(self) -> int:
+        """The membership epoch this view belongs to: 0 at launch, one more for each
+        :meth:`add_ranks` or :meth:`remove_ranks`."""
+        return self._epoch
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The group's ranks at this view's epoch (rank numbers are never reused, so after
+        a ``remove_ranks`` they need not be ``0..world_size-1``)."""
+        return self._members
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -248,22 +295,24 @@ class WorkerGroup(Generic[W]):
         self.wait_ready()
         core = self._core
         record = core.runtime.run_sync(core.runtime.registry.lookup_group(core.name), timeout=30)
-        return [record.workers[f"{core.name}:{rank}"].info for rank in range(core.world_size)]
+        return [record.workers[f"{core.name}:{rank}"].info for rank in self._members]
 
     def on_ranks(self, *ranks: int | list[int] | tuple[int, ...]) -> WorkerGroup[W]:
         """A view that calls only ``ranks`` (results in the order given); views are cached."""
         flat = tuple(r for item in ranks for r in (item if isinstance(item, (list, tuple)) else [item]))
         views = self._core.views
-        view = views.get(flat)
+        key = (self._epoch, flat)
+        view = views.get(key)
         if view is None:
             for r in flat:
-                if not 0 <= r < self._core.world_size:
-                    raise IndexError(f"rank {r} is out of range for group {self._core.name} "
-                                     f"of {self._core.world_size}")
+                if r not in self._members:
+                    raise IndexError(f"rank {r} is not a member of group {self._core.name} "
+                                     f"at epoch {self._epoch} (members: {list(self._members)})")
             view = WorkerGroup(self._core, flat)
+            view._members, view._epoch = self._members, self._epoch
             if len(views) >= self._VIEW_CACHE_SIZE:  # bounded: drop the oldest view
                 views.pop(next(iter(views)))
-            views[flat] = view
+            views[key] = view
         return view
 
     execute_on = on_ranks
@@ -275,7 +324,9 @@ class WorkerGroup(Generic[W]):
         fn = getattr(cls, method, None)
         if fn is None or not callable(fn):
             raise AttributeError(f"{cls.__name__} has no method {method!r}")
-        call = functools.partial(self._call, method)
+        core = self._core
+        dispatch = core.dispatch_remembered if method in core.replayed else core.dispatch
+        call = functools.partial(self._call, dispatch, method)
         functools.update_wrapper(call, fn)
         # Cached on the view: later look-ups skip __getattr__ (a hot path).
         self.__dict__[method] = call
@@ -288,6 +339,95 @@ class WorkerGroup(Generic[W]):
     async def async_wait_ready(self) -> None:
         """:meth:`wait_ready` for coroutines: ``await group.async_wait_ready()``."""
         await self._ready()
+
+    # ------------------------------------------------------------------ supervision
+    def events(self) -> GroupEvents:
+        """Subscribe to the group's events: deaths, restarts, give-ups, tear-downs and
+        membership changes (:class:`~aiorl.group.supervision.GroupEvent`), those so far
+        first. Iterate it (blocking, e.g. in a thread that shows them) or ``async for``
+        it; it ends when the group closes.
+
+        Example::
+
+            events = group.events()
+            event = events.get(timeout=10)   # GroupEvent(kind=EventKind.DIED, rank=2, ...)
+        """
+        core = self._core
+        if core.runtime.on_loop_thread():
+            return core.subscribe()
+
+        async def subscribe() -> GroupEvents:
+            return core.subscribe()
+
+        return core.runtime.run_sync(subscribe(), timeout=10)
+
+    def incarnation(self, rank: int) -> int:
+        """Which process of ``rank`` the group calls now: 0, then one more per restart."""
+        return self._core.ranks[rank].incarnation
+
+    # ------------------------------------------------------------------ membership
+    def add_ranks(self, n: int, placement: PlacementStrategy | str | int | None = None,
+                  ) -> WorkerGroup[W]:
+        """Start ``n`` more ranks and return a view of the new epoch's members.
+
+        The new ranks are numbered after the highest rank the group has had; ``placement``
+        places them like ``launch``'s ``placement_strategy`` (its ranks 0..n-1 become the
+        new ranks); by default they spread over the nodes like ``num_workers=n``. Calls
+        through this view (and older views) keep their epoch's members: a call already
+        running is not widened. Calls to the new ranks wait until they are ready.
+
+        Raises:
+            PlacementError: the cluster cannot hold the placement.
+            RuntimeError: this process did not launch the group.
+        """
+        core = self._core
+        strategy = _strategy(core.session.spec, placement, None if placement is not None
+                             else n, core.name)
+        placements = strategy.get_placement(core.session.spec)
+        if len(placements) != n:
+            raise PlacementError(f"add_ranks({n}) of group {core.name}: the placement gives "
+                                 f"{len(placements)} ranks")
+        if core.runtime.on_loop_thread():
+            raise RuntimeError("add_ranks blocks; from the runtime loop use add_ranks_async")
+        core.runtime.run_sync(core.add_ranks(placements), timeout=60)
+        return WorkerGroup(core)
+
+    async def add_ranks_async(self, n: int, placement: PlacementStrategy | str | int | None = None,
+                              ) -> WorkerGroup[W]:
+        """:meth:`add_ranks` for coroutines on the runtime loop's thread."""
+        core = self._core
+        strategy = _strategy(core.session.spec, placement, None if placement is not None
+                             else n, core.name)
+        await core.add_ranks(strategy.get_placement(core.session.spec))
+        return WorkerGroup(core)
+
+    def remove_ranks(self, ranks: int | list[int] | tuple[int, ...]) -> WorkerGroup[W]:
+        """Stop ``ranks`` and return a view of the new epoch's members.
+
+        Work pending on a removed rank fails with ``PeerLostError`` at once (a call of an
+        earlier epoch that names it, too); its process gets SIGTERM, then SIGKILL after 1 s.
+
+        Raises:
+            IndexError: a rank is not a member now.
+            RuntimeError: this process did not launch the group.
+        """
+        core = self._core
+        flat = (ranks,) if isinstance(ranks, int) else tuple(ranks)
+
+        async def remove() -> None:
+            core.remove_ranks(flat)
+
+        if core.runtime.on_loop_thread():
+            core.remove_ranks(flat)
+        else:
+            core.runtime.run_sync(remove(), timeout=10)
+        return WorkerGroup(core)
+
+    def refreshed(self) -> WorkerGroup[W]:
+        """A view of the group's members at its newest epoch (this view if it is current)."""
+        core = self._core
+        return self if core.epoch == self._epoch and self._view_ranks == self._members else (
+            WorkerGroup(core))
 
     def close(self) -> None:
         """Stop the group's processes (all ranks, whatever the view).
@@ -344,28 +484,30 @@ class WorkerGroup(Generic[W]):
 
     def __repr__(self) -> str:
         core = self._core
-        ranks = "" if len(self._view_ranks) == core.world_size and self._view_ranks == tuple(
-            range(core.world_size)) else f" ranks={list(self._view_ranks)}"
-        return f"<WorkerGroup {core.name} x{core.world_size}{ranks} of {core.cls.__name__}>"
+        ranks = "" if self._view_ranks == self._members else f" ranks={list(self._view_ranks)}"
+        epoch = f" epoch={self._epoch}" if self._epoch else ""
+        return (f"<WorkerGroup {core.name} x{len(self._members)}{ranks}{epoch} of "
+                f"{core.cls.__name__}>")
 
     # ------------------------------------------------------------------ calls
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> AsyncWork[list[Any]]:
+    def _call(self, dispatch: Callable[..., None], method: str, *args: Any,
+              **kwargs: Any) -> AsyncWork[list[Any]]:
         # Serialize in the caller's thread: errors surface here, and the loop stays free.
         frames = serialization.dumps((args, kwargs)) if args or kwargs else []
-        core = self._core
-        runtime = core.runtime
+        runtime = self._core.runtime
         work: AsyncWork[list[Any]] = AsyncWork(runtime.loop)
         if runtime.on_loop_thread():
-            core.dispatch(work, method, self._view_ranks, frames, False)
+            dispatch(work, method, self._view_ranks, frames, False)
         else:
             prepare_threads(work)  # this thread will likely wait(): mirror ready, no lock
-            runtime.submit(core.dispatch, work, method, self._view_ranks, frames, True)
+            runtime.submit(dispatch, work, method, self._view_ranks, frames, True)
         return work
 
     def _ready(self) -> AsyncWork[None]:
-        return self._core.ready()
+        return self._core.ready(self._view_ranks)
 
 
 _GROUP_ATTRIBUTES = frozenset(
     n for n in dir(WorkerGroup) if not n.startswith("__")
-) | {"execute_on", "on_ranks", "close", "aclose", "wait_ready", "from_group_name", "ranks"}
+) | {"execute_on", "on_ranks", "close", "aclose", "wait_ready", "from_group_name", "ranks",
+   "events", "add_ranks", "remove_ranks", "epoch", "members", "incarnation", "refreshed"}

@@ -18,16 +18,18 @@ No orphans: workers die with the zygote, the zygote with the agent
 process group. Started by an embedded ``Cluster``, the agent also exits when
 its standard input closes (the driver died).
 
-No split brain: an agent whose heartbeats have gone unanswered for its lease's
-expiry (the time after which the registry declares the node dead and its
-workers' owners may restart them elsewhere) kills its workers itself, so no
-worker of a node the registry declared dead keeps acting.
+No split brain: an agent whose heartbeats have gone unanswered for two of its
+lease's expiries kills its workers itself. The registry declares the node dead
+after one expiry, and owners restart its workers elsewhere only after the
+second, so no worker of a node the registry declared dead acts beside its
+replacement.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import glob
 import logging
 import os
@@ -45,10 +47,12 @@ from typing import Any
 
 from aiorl.errors import AiorlError, ProtocolError, RegistryUnavailable
 from aiorl.names import WorkerInfo
+from aiorl.node.visible_devices import physical_visible_devices
 from aiorl.node.zygote import read_message, write_message
 from aiorl.protocol.fields import Fields
 from aiorl.protocol.ops import AgentOp, DriverOp, WorkerOp, WorkerState
 from aiorl.protocol.registry import (
+    FENCE_FACTOR,
     GroupRef,
     GroupSpec,
     NodeInfo,
@@ -56,7 +60,7 @@ from aiorl.protocol.registry import (
     WorkerExit,
     parse_worker_info,
 )
-from aiorl.protocol.spawn import HostNode, SpawnReply, SpawnRequest, WorkerSpawn
+from aiorl.protocol.spawn import HostNode, SpawnReply, SpawnRequest, WorkerLaunch, WorkerSpawn
 from aiorl.registry.client import INCARNATION_VARIABLE, RegistryClient
 from aiorl.transport import security
 from aiorl.transport.endpoint import Endpoint, Incoming
@@ -173,23 +177,25 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ fencing
     async def _fence_forever(self) -> None:
-        """Kill our workers once the registry has not answered for the lease's expiry.
+        """Kill our workers once the registry has not answered for ``FENCE_FACTOR`` expiries.
 
-        Past that point the registry has declared this node dead (if it is alive and we
-        are cut off from it) and the workers' owners may already run replacements: ours
-        must not keep acting beside them. A registry that is merely restarting answers
-        again within the expiry, and then nothing is lost (docs/failures.md)."""
+        After one expiry the registry has declared this node dead (if it is alive and we
+        are cut off from it); owners restart its workers elsewhere only after the rest of
+        the fence time, so ours never act beside their replacements. A registry that is
+        merely restarting answers again sooner, and then nothing is lost
+        (docs/failures.md)."""
         fenced = False
         while True:
             await asyncio.sleep(FENCE_CHECK_S)
             silent = time.monotonic() - self.registry.last_answered
-            if silent <= self._expiry:
+            if silent <= FENCE_FACTOR * self._expiry:
                 fenced = False
                 continue
             victims = list(self.children.values())
             if victims and not fenced:
                 log.warning("no answer from the registry for %.1f s (its expiry is %.1f s): "
-                            "stopping this node's %d worker(s), which it has declared dead",
+                            "stopping this node's %d worker(s), which it has declared dead "
+                            "if it is alive",
                             silent, self._expiry, len(victims))
             fenced = True
             for c in victims:
@@ -363,6 +369,7 @@ class NodeAgent:
                         self.accelerator_type, self.endpoint.address)
         pids = []
         for launch in request.workers:
+            launch = self._with_physical_devices(launch)
             # The group name's grammar (aiorl.names) keeps this path inside log_dir.
             log_path = os.path.join(self.log_dir, f"{request.group}_{launch.rank}.log")
             spec = WorkerSpawn(launch, request.group, request.world_size, payload,
@@ -377,6 +384,18 @@ class NodeAgent:
                                         incarnation=_incarnation_of(launch.env))
             pids.append(pid)
         return pids
+
+    def _with_physical_devices(self, launch: WorkerLaunch) -> WorkerLaunch:
+        """``launch`` with its local GPU indices mapped through this agent's own
+        ``CUDA_VISIBLE_DEVICES`` (aiorl.node.visible_devices)."""
+        requested = launch.env.get("CUDA_VISIBLE_DEVICES")
+        if requested is None:
+            return launch
+        physical = physical_visible_devices(
+            requested, os.environ.get("CUDA_VISIBLE_DEVICES"), self.num_accelerators)
+        if physical == requested:
+            return launch
+        return dataclasses.replace(launch, env={**launch.env, "CUDA_VISIBLE_DEVICES": physical})
 
     def _on_child_exit(self, pid: int, status: int) -> None:
         child = self.children.pop(pid, None)

@@ -8,7 +8,11 @@ Rules that keep this safe:
 
 * The zygote stays single-threaded and never creates a ZMQ context or touches
   CUDA: a fork copies only the calling thread, so locks held by other threads
-  (or a CUDA context) would be broken in the child.
+  (or a CUDA context) would be broken in the child. A preload module
+  (``AIORL_ZYGOTE_PRELOAD``) that initialises CUDA is detected after its import:
+  the zygote says so on the agent's stderr and from then on starts every worker
+  as a fresh interpreter (fork + exec, as for a profiled worker) instead of
+  handing it a broken CUDA state.
 * Every child calls ``setsid()`` (its own process group, so the agent can kill
   it and anything it started with one ``killpg``) and sets
   ``PR_SET_PDEATHSIG=SIGKILL`` so it dies with the zygote; the zygote does the
@@ -95,8 +99,19 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def _preload() -> None:
-    # What every worker needs, imported once here instead of once per worker.
+def _cuda_initialized() -> bool:
+    """Whether this process has initialised CUDA (never initialises it to find out)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
+
+
+def _preload() -> str | None:
+    """Import what every worker needs, once here instead of once per worker.
+
+    Returns the preload module after whose import CUDA was initialised (None: it was not).
+    A forked child of a process holding a CUDA context cannot use CUDA (PyTorch calls it a
+    "bad fork" and refuses), so such a zygote must not fork workers.
+    """
     import cloudpickle  # noqa: F401
     import msgpack  # noqa: F401
     import torch  # noqa: F401
@@ -111,12 +126,32 @@ def _preload() -> None:
 
     import aiorl.actors.worker_process  # noqa: F401
 
+    if _cuda_initialized():
+        return "aiorl.actors.worker_process"
     # Users' own heavy imports (a model library, an environment), shared by every worker.
     for name in filter(None, os.environ.get("AIORL_ZYGOTE_PRELOAD", "").split(",")):
         importlib.import_module(name.strip())
+        if _cuda_initialized():
+            return name.strip()
+    return None
 
 
-def _child(spec: WorkerSpawn, session: _Session, channel: socket.socket, parent_pid: int) -> None:
+def _refuse_fork_message(culprit: str) -> str:
+    return (
+        f"aiorl zygote: importing {culprit!r} (AIORL_ZYGOTE_PRELOAD) initialised CUDA; a "
+        "worker forked from this process could not use its GPU, so every worker of this "
+        "node starts as a fresh interpreter instead (slower to start). Remove the module "
+        "from AIORL_ZYGOTE_PRELOAD, or make it initialise CUDA lazily, to fork again."
+    )
+
+
+def _child(
+    spec: WorkerSpawn,
+    session: _Session,
+    channel: socket.socket,
+    parent_pid: int,
+    exec_always: bool = False,
+) -> None:
     """Runs in the forked child: detach, redirect output, become the worker."""
     code = 1
     try:
@@ -136,7 +171,7 @@ def _child(spec: WorkerSpawn, session: _Session, channel: socket.socket, parent_
         sys.stderr = os.fdopen(2, "w", buffering=1)
         os.environ.update(merge_environment(spec.launch.env, os.environ))
         _extend_sys_path(spec.launch.env.get("PYTHONPATH", ""))
-        if _needs_exec(spec):
+        if exec_always or _needs_exec(spec):
             code = _exec_worker(spec, session)  # returns only if exec failed
             return
         from aiorl.actors import worker_process
@@ -208,7 +243,9 @@ def serve(channel: socket.socket, parent_pid: int) -> None:
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent_pid:
         return
-    _preload()
+    cuda_culprit = _preload()
+    if cuda_culprit is not None:
+        print(_refuse_fork_message(cuda_culprit), file=sys.stderr, flush=True)
     # Children inherit a frozen heap: their collections skip these ~200k objects, and
     # leaving them untouched keeps the pages shared with the zygote (no copy-on-write).
     gc.freeze()
@@ -252,7 +289,7 @@ def serve(channel: socket.socket, parent_pid: int) -> None:
                 write_message(channel, ("spawn_failed", spawn_id, repr(exc)))
                 continue
             if pid == 0:
-                _child(spec, session, channel, my_pid)
+                _child(spec, session, channel, my_pid, exec_always=cuda_culprit is not None)
             write_message(channel, ("spawned", spawn_id, pid))
 
 

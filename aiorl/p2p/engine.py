@@ -43,6 +43,7 @@ from aiorl.p2p.message import (
 from aiorl.p2p.proto import (
     OP_ACK,
     OP_BATCH,
+    OP_CUDA,
     OP_DATA,
     OP_DONE,
     OP_DROP,
@@ -51,8 +52,9 @@ from aiorl.p2p.proto import (
 )
 from aiorl.p2p.sender import Sender, SenderStatistics
 from aiorl.runtime import AsyncWork, Runtime
-from aiorl.runtime.promise import reject
+from aiorl.runtime.promise import reject, trace_until_settled
 from aiorl.runtime.waiter import BlockingWaiter
+from aiorl.trace import recorder as _trace
 from aiorl.transport.endpoint import Incoming
 
 __all__ = ["P2PEngine", "P2PStatistics", "get_p2p"]
@@ -104,6 +106,7 @@ class P2PEngine:
         ep.handle(OP_ACK, self._on_ack)
         ep.handle(OP_DONE, self._on_ack)
         ep.handle(OP_DROP, self._on_drop)
+        ep.handle(OP_CUDA, self._on_drop)
         ep.handle(OP_HELLO, self._on_hello)
         ep.on_peer_lost(self._on_peer_lost)
         runtime.on_close(self.close)
@@ -152,6 +155,8 @@ class P2PEngine:
     # ------------------------------------------------------------------ onto the loop
     def _start_send(self, name: str, msg: OutMessage) -> AsyncWork[None]:
         work: AsyncWork[None] = AsyncWork(self.loop)
+        if _trace.ON:
+            self._trace(work, "send", name, msg.nbytes + len(msg.pickle or b""))
         if self._closed:
             reject(work, PeerLostError(f"cannot send to {name}: the p2p engine is closed"))
         elif self._on_loop():
@@ -168,8 +173,10 @@ class P2PEngine:
         if buf is not None and buf.device.type == "cuda":
             from aiorl.p2p.message import record_event
 
-            event = record_event()  # the caller's stream may still use the buffer
+            event = record_event(buf)  # the caller's stream may still use the buffer
         work: AsyncWork[Any] = AsyncWork(self.loop)
+        if _trace.ON:
+            self._trace(work, "recv", name, 0)
         posted = PostedRecv(work, buf, event)
         if self._closed:
             reject(work, PeerLostError(f"cannot receive from {name}: the p2p engine is closed"))
@@ -181,6 +188,20 @@ class P2PEngine:
 
     def _recv_on_loop(self, name: str, posted: PostedRecv) -> None:
         (self._inboxes.get(name) or self.inbox(name)).post(posted)
+
+    def _trace(self, work: AsyncWork[Any], kind: str, peer: str, nbytes: int) -> None:
+        """Tracing: a span until ``work`` settles, linked to its counterpart in ``peer``.
+
+        The k-th send from A to B is the k-th receive of B from A (docs/ordering.md), so
+        each end names the flow by the pair and its own count.
+        """
+        span = _trace.begin(kind, kind, peer)
+        span.nbytes = nbytes
+        if kind == "send":
+            span.flow_out = _trace.flow_seq(f"{self.name}>{peer}/p2p")
+        else:
+            span.flow_in = _trace.flow_seq(f"{peer}>{self.name}/p2p")
+        trace_until_settled(work, span)
 
     # ------------------------------------------------------------------ peers
     def sender(self, name: str) -> Sender:

@@ -176,9 +176,9 @@ class Inbox:
             self._path(False, bufdesc[0]).accept(inc, bufdesc, frames, start, r)
         if cudadesc is not None:
             if cudadesc[0] == NOTHING:
-                from aiorl.p2p.paths.cuda_common import receive_targets
+                from aiorl.p2p.paths.cuda_common import empty_targets
 
-                receive_targets(inc, cudadesc[1], r)
+                empty_targets(inc, cudadesc[1])
                 return
             self._path(True, cudadesc[0]).accept(inc, cudadesc, frames, start, r)
             fut = inc.cuda_fut
@@ -194,8 +194,11 @@ class Inbox:
             return
         try:
             if r.buf is None:
-                value = inc.decode()
-                _complete_after_cuda(r.work, inc, lambda: value)
+                if inc.cuda_fut is None:
+                    value = inc.decode()
+                    _complete_after_cuda(r.work, inc, lambda: value)
+                else:  # its CUDA tensors are allocated where they land, off the loop
+                    _complete_after_cuda(r.work, inc, inc.decode)
             else:
                 self._deliver_into(r, inc)
         except BaseException as exc:  # noqa: BLE001 - the receive fails, the loop goes on
@@ -215,42 +218,69 @@ class Inbox:
                 )
             if buf.device.type == "cpu":
                 inc.copy_into(0, byte_view(buf))
+                inc.release()
+                resolve_work(r.work, buf)
             else:
                 import torch
 
-                from aiorl.p2p.paths.cuda_common import reinterpret
-
                 src = torch.from_numpy(inc.view(0))
-                buf.copy_(reinterpret(src, buf))  # synchronous host-to-device copy
-            inc.release()
-            resolve_work(r.work, buf)
+                self._copy_then_complete(r, buf, src, inc.release)
             return
         if inc.kind == K_CUDA:
-            src = inc.cuda[0]
-            if src is buf:
-                _complete_after_cuda(r.work, inc, lambda: buf)
-                return
-            if nbytes_of(src) != nbytes_of(buf):
-                raise ValueError(
-                    f"recv_tensor buffer holds {nbytes_of(buf)} bytes but the message "
-                    f"carries {nbytes_of(src)}"
-                )
-            _complete_after_cuda(r.work, inc, lambda: _copy_tensor(buf, src))
+
+            def landed() -> Any:
+                src = inc.cuda[0]
+                if src is buf:
+                    return buf
+                if nbytes_of(src) != nbytes_of(buf):
+                    raise ValueError(
+                        f"recv_tensor buffer holds {nbytes_of(buf)} bytes but the message "
+                        f"carries {nbytes_of(src)}"
+                    )
+                self._copy_then_complete(r, buf, src, None)
+                return _PENDING
+
+            _complete_after_cuda(r.work, inc, landed)
             return
         # A message sent with send(): fine when it holds exactly one tensor of the right size.
         import torch
 
-        value = inc.decode()
+        decoded = inc.decode() if inc.cuda_fut is None else _PENDING
 
         def finish() -> Any:
+            value = inc.decode() if decoded is _PENDING else decoded
             if not isinstance(value, torch.Tensor) or nbytes_of(value) != nbytes_of(buf):
                 raise TypeError(
                     f"recv_tensor got a message holding {type(value).__qualname__}, "
                     f"not a tensor of {nbytes_of(buf)} bytes"
                 )
-            return _copy_tensor(buf, value.detach().contiguous())
+            src = value.detach().contiguous()
+            if buf.device.type == "cpu" and src.device.type == "cpu":
+                byte_view(buf)[:] = byte_view(src)
+                return buf
+            self._copy_then_complete(r, buf, src, None)
+            return _PENDING
 
         _complete_after_cuda(r.work, inc, finish)
+
+    def _copy_then_complete(
+        self, r: PostedRecv, buf: Any, src: Any, then: Callable[[], None] | None
+    ) -> None:
+        """Copy into a buffer when a GPU is involved: off the loop, on a side stream
+        (:func:`aiorl.p2p.paths.cuda_common.copy_async`); the receive completes after."""
+        from aiorl.p2p.paths.cuda_common import copy_async
+
+        fut = copy_async(self.engine, buf, src, r.event)
+
+        def copied(f: asyncio.Future[None]) -> None:
+            if then is not None:
+                then()
+            if f.cancelled() or f.exception() is not None:
+                reject_work(r.work, f.exception() or PeerLostError("the copy was abandoned"))
+            else:
+                resolve_work(r.work, buf)
+
+        fut.add_done_callback(copied)
 
     # ------------------------------------------------------------------ set-up, control, loss
     def answer(self, ask: Mapping[str, Any]) -> dict[str, Any]:
@@ -302,17 +332,8 @@ class Inbox:
         )
 
 
-def _copy_tensor(buf: Any, src: Any) -> Any:
-    from aiorl.p2p.paths.cuda_common import reinterpret
-
-    buf.copy_(reinterpret(src, buf))
-    if buf.device.type == "cuda" or src.device.type == "cuda":
-        import torch
-
-        torch.cuda.current_stream(
-            buf.device if buf.device.type == "cuda" else src.device
-        ).synchronize()
-    return buf
+#: What a delivery step returns when it completes the receive itself, later.
+_PENDING = object()
 
 
 def _complete_after_cuda(work: Any, inc: InMessage, value: Callable[[], Any]) -> None:
@@ -325,9 +346,12 @@ def _complete_after_cuda(work: Any, inc: InMessage, value: Callable[[], Any]) ->
             reject_work(work, exc or PeerLostError("the CUDA transfer was abandoned"))
             return
         try:
-            resolve_work(work, value())
+            result = value()
         except BaseException as exc:  # noqa: BLE001
             reject_work(work, exc)
+            return
+        if result is not _PENDING:
+            resolve_work(work, result)
 
     if fut is None:
         finish(None)

@@ -80,7 +80,7 @@ class OutMessage:
         self.bufs = bufs  # raw CPU bytes that travel out of band (a payload path carries them)
         self.nbytes = sum(b.nbytes for b in bufs) if bufs else 0
         self.cuda = cuda  # CUDA tensors, in placeholder order
-        self.event: Any = None  # CUDA event recorded on the caller's stream at call time
+        self.event: Any = None  # {device: CUDA event recorded on the caller's stream at call}
         self.raw = False  # from send_tensor: the receiver most likely fills its own buffer
         # The one frame of a small message that travels inline (batched, no payload path).
         self.inline: Any = None
@@ -100,7 +100,7 @@ class PostedRecv:
     def __init__(self, work: AsyncWork[Any], buf: Any, event: Any) -> None:
         self.work = work
         self.buf = buf
-        self.event = event  # CUDA buffer: an event recorded on the caller's stream
+        self.event = event  # CUDA buffer: {device: event recorded on the caller's stream}
 
 
 class InMessage:
@@ -229,7 +229,7 @@ def encode_object(obj: Any) -> OutMessage:
     data, bufs = encode(obj, INBAND_MAX, strict=True, cuda_sink=cuda)
     out = OutMessage(K_OBJ, None, data, bufs, cuda)
     if cuda:
-        out.event = record_event()
+        out.event = record_event(*cuda)
     return out
 
 
@@ -240,7 +240,7 @@ def encode_tensor(t: Any) -> OutMessage:
     head = [dtype_name(t.dtype), list(t.shape), bool(t.requires_grad)]
     if t.device.type == "cuda":
         out = OutMessage(K_CUDA, head, None, [], [t])
-        out.event = record_event()
+        out.event = record_event(t)
         return out
     if t.device.type != "cpu":
         raise TypeError(f"cannot send a tensor on device {t.device} (only CPU and CUDA)")
@@ -264,15 +264,13 @@ def check_buffer(buf: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- tensor helpers
-def record_event() -> Any:
-    """A CUDA event recorded on the calling thread's current stream (what the caller's
-    stream had queued by the time of the call: transfers wait for it)."""
-    import importlib
+def record_event(*tensors: Any) -> dict[int, Any]:
+    """Per device of ``tensors``, a CUDA event recorded on the calling thread's current
+    stream of that device: what the caller had queued for them by the time of the call
+    (transfers wait for it). See :func:`aiorl.p2p.gpu.record_events`."""
+    from aiorl.p2p.gpu import record_events
 
-    cuda: Any = importlib.import_module("torch.cuda")  # its stubs leave Event untyped
-    ev = cuda.Event()
-    ev.record()
-    return ev
+    return record_events(tensors)
 
 
 _DTYPES: dict[str, Any] = {}

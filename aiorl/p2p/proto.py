@@ -21,6 +21,7 @@ OP_ACK: Final = "p2p.ack"  # receiver -> sender, one-way: a shared segment is fr
 OP_DROP: Final = "p2p.drop"  # sender -> receiver, one-way: forget a segment (the sender closed it)
 OP_HELLO: Final = "p2p.hello"  # sender -> receiver, request: can you map my segments? your GPUs?
 OP_DONE: Final = "p2p.done"  # receiver -> sender, one-way: a pulled payload was read (or not)
+OP_CUDA: Final = "p2p.cuda"  # sender -> receiver, one-way: NCCL "go", CUDA IPC share dropped
 
 #: Pickled buffers smaller than this stay inside the pickle stream (one copy beats one frame).
 INBAND_MAX: Final = 64 * 1024

@@ -67,6 +67,9 @@ class WorkerOp(StrEnum):
 
     CALL = "call"
     REGISTRY_RESTARTED = "registry_restarted"
+    #: ``aiorl doctor`` / ``aiorl trace``: a snapshot, a trace pull, tracing on or off
+    #: (aiorl/actors/inspection.py); served by workers and by drivers.
+    INSPECT = "inspect"
 
 
 class DriverOp(StrEnum):

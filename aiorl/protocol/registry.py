@@ -25,6 +25,7 @@ from aiorl.protocol.fields import MAX_TEXT, Fields, PlainData
 from aiorl.protocol.ops import RegistryOp, WorkerState
 
 __all__ = [
+    "FENCE_FACTOR",
     "NODES_PATTERN",
     "SCHEMA",
     "WILDCARD",
@@ -57,6 +58,10 @@ __all__ = [
     "root_of",
 ]
 
+#: A node agent whose heartbeats go unanswered for this many expiries stops its workers
+#: (the registry declares it dead after one; owners wait out the rest before restarting
+#: its workers elsewhere). Two: a registry restart shorter than that loses nothing.
+FENCE_FACTOR = 2
 #: Watch pattern: every worker of every group.
 WILDCARD = "*"
 #: Watch pattern: the list of live nodes.

@@ -62,6 +62,7 @@ from aiorl.errors import (
 from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.protocol.ops import AgentOp, RegistryEvent, RegistryOp, WorkerState
 from aiorl.protocol.registry import (
+    FENCE_FACTOR,
     NODES_PATTERN,
     SCHEMA,
     WILDCARD,
@@ -104,6 +105,8 @@ DEFAULT_GRACE = 60.0
 #: Watch patterns one client may hold, and all clients together.
 MAX_WATCHES_PER_CLIENT = 10_000
 MAX_WATCHES = 200_000
+#: Ended workers of closed groups remembered so their late exit reports are ignored.
+MAX_RETIRED = 10_000
 #: How many lost workers a dead node's reason names before "and N more".
 _NAMED_LOSSES = 16
 
@@ -188,6 +191,8 @@ class RegistryService:
         self.groups: dict[str, _Group] = {}
         self.watchers: dict[str, set[bytes]] = {}  # pattern -> client identities
         self._watch_counts: dict[bytes, int] = {}  # client identity -> patterns it watches
+        #: (name, pid) of ended workers dropped when a new group took their group's name.
+        self._retired: dict[tuple[str, int], None] = {}
         self.started = time.time()
         self._warn = _RateLimitedLog()
         self.handlers: dict[RegistryOp, Handler] = {
@@ -302,8 +307,12 @@ class RegistryService:
             if len(names) > _NAMED_LOSSES:
                 listed += f" and {len(names) - _NAMED_LOSSES} more"
             reason = f"{gone[node_id][1]}; workers lost with it: {listed}"
+            # A node cut off from us stops its workers FENCE_FACTOR expiries after its last
+            # answered heartbeat (aiorl.node.agent): an owner that restarts them waits for
+            # that, so the old and new processes never run side by side.
+            fence = (FENCE_FACTOR - 1) * self.expiry
             for name in names:
-                self._set_state(name, WorkerState.DEAD, {"reason": reason})
+                self._set_state(name, WorkerState.DEAD, {"reason": reason, "fenced_in": fence})
         for node, _ in gone.values():
             self._unwatch_all(node.identity)
         self._broadcast_nodes()
@@ -394,9 +403,13 @@ class RegistryService:
         if not req.restore:
             # Leftovers of a closed group of the same name. (A restore after a registry
             # restart keeps them: a tombstone may be the news its owner has not heard yet.)
+            # Their pids are remembered: the exit report of such a worker can arrive after
+            # the new group exists, and must not become a tombstone of the new worker.
             for name in [n for n, w in self.workers.items()
                          if root_of(n) == req.group and w.record.state.is_final]:
-                del self.workers[name]
+                self._retired[(name, self.workers.pop(name).record.info.pid)] = None
+            while len(self._retired) > MAX_RETIRED:
+                del self._retired[next(iter(self._retired))]
 
     def _close_group(self, req: GroupRef, identity: bytes) -> None:
         group = self.groups.get(req.group)
@@ -431,6 +444,8 @@ class RegistryService:
         self._store(WorkerRecord(req.info, req.state, req.detail, req.incarnation))
 
     def _worker_exited(self, req: WorkerExit, identity: bytes) -> None:
+        if (req.address, req.pid) in self._retired:
+            return  # a worker of a closed group whose name a new group now uses
         current = self.workers.get(req.address)
         if current is None or current.record.incarnation < req.incarnation:
             # Died before it could register: keep a tombstone so the owner learns why.
@@ -535,7 +550,8 @@ class RegistryService:
 
 
 async def serve(host: str, port: int, *, expiry: float, ready_line: bool, keys: Any,
-                exit_on_stdin_close: bool = False, grace: float = DEFAULT_GRACE) -> None:
+                exit_on_stdin_close: bool = False, grace: float = DEFAULT_GRACE,
+                metrics_port: int | None = None) -> None:
     deadline = time.monotonic() + 10
     while True:
         try:
@@ -565,6 +581,13 @@ async def serve(host: str, port: int, *, expiry: float, ready_line: bool, keys: 
         # The embedded Cluster reads this line to learn the address.
         print(f"AIORL_REGISTRY={endpoint.address}", flush=True)
     log.info("registry serving on %s", endpoint.address)
+    if metrics_port is not None:  # Prometheus text format (aiorl/registry/metrics.py)
+        from aiorl.registry.metrics import serve_metrics
+
+        metrics = await serve_metrics(endpoint, lambda: [
+            w.record for w in service.workers.values() if w.record.state == WorkerState.READY],
+            "127.0.0.1" if host.startswith("ipc://") else host, metrics_port)
+        log.info("metrics on http://%s:%d/metrics", host, metrics.sockets[0].getsockname()[1])
     await stop.wait()
     service.close()
 
@@ -586,6 +609,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--insecure", action="store_true",
                         help="no authentication (only on a private, trusted network)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve per-worker metrics in the Prometheus text format on this "
+                             "HTTP port (GET /metrics)")
     parser.add_argument("--exit-on-stdin-close", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -603,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
         keys = security.load_or_create(
             args.key_file or os.environ.get(security.ENV_KEY_FILE) or security.DEFAULT_KEY_FILE)
     uvloop.run(serve(args.host, args.port, expiry=args.expiry, ready_line=args.print_address,
-                     keys=keys, exit_on_stdin_close=args.exit_on_stdin_close, grace=args.grace))
+                     keys=keys, exit_on_stdin_close=args.exit_on_stdin_close, grace=args.grace,
+                     metrics_port=args.metrics_port))
     return 0
 
 

@@ -13,9 +13,11 @@ import asyncio
 from typing import Any, TypeVar
 
 from aiorl.runtime.work import AsyncWork, _allocate_lock
+from aiorl.trace.recorder import Span
 
 __all__ = [
     "is_settled", "link_threads", "prepare_threads", "reject", "resolve", "settle_from",
+    "trace_until_settled",
 ]
 
 T = TypeVar("T")
@@ -67,3 +69,12 @@ def link_threads(work: AsyncWork[T]) -> None:
     """On the loop: connect a work prepared with :func:`prepare_threads` to its signal."""
     assert work._cf is not None, "link_threads() needs a work prepared with prepare_threads()"
     work._fut.add_done_callback(work._wake_threads)
+
+
+def trace_until_settled(work: AsyncWork[Any], span: Span) -> None:
+    """Close ``span`` when ``work`` settles (tracing on only; any thread).
+
+    The span stays among the process's open spans meanwhile: what ``aiorl doctor`` lists
+    as this process's pending operations, with their age and peer.
+    """
+    work._call_on_loop(work._fut.add_done_callback, span.settled)

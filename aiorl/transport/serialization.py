@@ -13,8 +13,13 @@ point-to-point messages) is pickled here, by one policy:
   Two per-call switches serve point-to-point messages: ``strict`` rejects
   non-contiguous tensors at once (``ValueError``; otherwise torch's own reduction
   keeps their strides), and a ``cuda_sink`` list collects CUDA tensors, which are
-  pickled as placeholders and travel by NCCL or CUDA IPC (otherwise torch's own
-  reduction copies them through the host).
+  pickled as placeholders and travel by NCCL or CUDA IPC.
+* **CUDA tensors elsewhere** (method arguments and results, channel items): copied to
+  the host on the sending thread (after what its stream queued), carried as out-of-band
+  bytes like a CPU tensor, and rebuilt on the receiving process's *selected* CUDA device
+  (:mod:`aiorl.util.cuda_device`), keeping ``requires_grad`` and ``Parameter``. A process
+  without CUDA (a CPU-only driver) cannot take one: unpickling raises
+  :class:`CudaUnavailableError` naming the tensor (docs/gpu.md).
 * **One pickler per thread**, reused: building a pickler and its stream costs more
   than pickling a small object. Its dispatch table is a single dict, updated in
   place when torch is imported or ``copyreg`` gains an entry, so a tensor pickled
@@ -41,8 +46,12 @@ from typing import Any
 
 import cloudpickle
 
+from aiorl.errors import ProtocolError
+from aiorl.util.cuda_device import selected_device
+
 __all__ = [
     "ATOMIC_TYPES",
+    "CudaUnavailableError",
     "OOB_THRESHOLD",
     "SerializationError",
     "byte_view",
@@ -59,6 +68,11 @@ OOB_THRESHOLD = 64 * 1024
 
 class SerializationError(TypeError):
     """An object could not be pickled (by pickle nor cloudpickle)."""
+
+
+class CudaUnavailableError(ProtocolError):
+    """A CUDA tensor reached a process that has no CUDA device (e.g. a CPU-only driver):
+    return ``tensor.cpu()`` instead, or receive it in a worker that has a GPU."""
 
 
 class _NotContiguous(ValueError):
@@ -121,9 +135,38 @@ def _rebuild_tensor(
     return t
 
 
-def _cuda_placeholder(index: int) -> Any:
-    """Unpickling side of a CUDA tensor sent out of band: the tensor it was received into."""
-    return _tls.cuda_in[index]
+def _cuda_placeholder(index: int, requires_grad: bool = False, param: bool = False) -> Any:
+    """Unpickling side of a CUDA tensor sent out of band: the tensor it was received into,
+    made a ``Parameter`` / given ``requires_grad`` again as the sent one was."""
+    t = _tls.cuda_in[index]
+    if param:
+        import torch
+
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _rebuild_cuda_tensor(
+    dtype: Any, shape: Sequence[int], requires_grad: bool, data: Any, param: bool, device: str
+) -> Any:
+    """Unpickling side of a CUDA tensor in a call or channel item: its bytes, on this
+    process's selected CUDA device (``device`` is where it was, for the error message)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CudaUnavailableError(
+            f"received a CUDA tensor (shape {tuple(shape)}, {dtype}, from {device}) but this "
+            "process has no CUDA device; send tensor.cpu() instead"
+        )
+    host = tensor_from_buffer(dtype, shape, data)
+    t = host.to(torch.device("cuda", selected_device()))
+    if param:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
 
 
 def _reduce_tensor(t: Any) -> Any:
@@ -135,19 +178,38 @@ def _reduce_tensor(t: Any) -> Any:
     if not t.is_contiguous():
         if enc is not None and enc.strict:
             raise _NotContiguous(str(not_contiguous_error(t)))
-        return t.__reduce_ex__(5)  # keeps the strides
+        if t.device.type != "cuda" or (enc is not None and enc.cuda_out is not None):
+            return t.__reduce_ex__(5)  # keeps the strides
+        # A CUDA view in a call: its values, compactly (docs/gpu.md).
+        return _reduce_cuda(t.contiguous(), None, isinstance(t, torch.nn.Parameter))
     if t.device.type == "cuda":
-        sink = enc.cuda_out if enc is not None else None
-        if sink is None:
-            return t.__reduce_ex__(5)  # through the host, torch's way
-        sink.append(t)
-        return _cuda_placeholder, (len(sink) - 1,)
+        return _reduce_cuda(t, enc, isinstance(t, torch.nn.Parameter))
     return _rebuild_tensor, (
         t.dtype,
         tuple(t.shape),
         t.requires_grad,
         pickle.PickleBuffer(byte_view(t)),
         isinstance(t, torch.nn.Parameter),
+    )
+
+
+def _reduce_cuda(t: Any, enc: _Encoder | None, param: bool) -> Any:
+    """A CUDA tensor: a placeholder when the encoder collects them (p2p), else its bytes
+    through the host, rebuilt on the receiver's selected device."""
+    sink = enc.cuda_out if enc is not None else None
+    if sink is not None:
+        sink.append(t)
+        if t.requires_grad or param:
+            return _cuda_placeholder, (len(sink) - 1, t.requires_grad, param)
+        return _cuda_placeholder, (len(sink) - 1,)
+    host = t.detach().cpu()  # after what the calling thread's stream queued
+    return _rebuild_cuda_tensor, (
+        t.dtype,
+        tuple(t.shape),
+        t.requires_grad,
+        pickle.PickleBuffer(byte_view(host)),
+        param,
+        str(t.device),
     )
 
 

@@ -30,6 +30,7 @@ from aiorl.names import WorkerAddress
 from aiorl.runtime import Runtime, current_runtime
 from aiorl.weights._layout import Layout
 from aiorl.weights._segment import SegmentRef
+from aiorl.weights.cuda import CudaExport
 
 __all__ = ["GROUP_PREFIX", "NodeView", "RelayJob", "ShardSource", "WeightDirectory",
            "directory_group"]
@@ -51,13 +52,15 @@ def directory_group(name: str) -> str:
 
 @dataclass(frozen=True)
 class ShardSource:
-    """One copy of a shard on one node: the worker writing it, its segment, version -> slot."""
+    """One copy of a shard on one node: the worker writing it, its segment, version -> slot,
+    and for a publisher on a GPU its GPU slots (:mod:`aiorl.weights.cuda`)."""
 
     shard: int
     worker: str
     endpoint: str
     ref: SegmentRef
     slots: dict[int, int] = field(default_factory=dict)
+    cuda: CudaExport | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class WeightDirectory:
         self._relay_workers: dict[tuple[str, int], str] = {}  # (node, shard) -> elected relay
         self._lost: dict[int, str] = {}  # shard -> why its publisher is gone
         self._by_endpoint: dict[str, str] = {}  # endpoint address -> worker name
+        self._watches: dict[str, asyncio.Task[None]] = {}  # worker name -> its death watch
         self._generation = 0
         self._changed: asyncio.Event | None = None
         runtime.submit(runtime.endpoint.on_peer_lost, self._on_peer_lost)
@@ -141,7 +145,7 @@ class WeightDirectory:
         # Relays of the previous publisher hold its layout: start them afresh.
         for key in [k for k in self._relays if k[1] == source.shard]:
             del self._relays[key]
-        await self._watch(source.worker)
+        self._watch(source.worker)
         self._bump()
 
     async def announce(self, worker: str, shard: int, version: int, slot: int,
@@ -156,10 +160,10 @@ class WeightDirectory:
         else:
             if self._relay_workers.get((node_id, shard)) != worker or ref is None:
                 return  # a relay that was replaced meanwhile
-            source = self._relays.get((node_id, shard))
-            if source is None or source.ref != ref:
-                source = self._relays[(node_id, shard)] = ShardSource(
-                    shard, worker, "", ref)
+            relay = self._relays.get((node_id, shard))
+            if relay is None or relay.ref != ref:
+                relay = self._relays[(node_id, shard)] = ShardSource(shard, worker, "", ref)
+            source = relay
         for held, held_slot in list(source.slots.items()):
             if held_slot == slot:
                 del source.slots[held]
@@ -192,7 +196,10 @@ class WeightDirectory:
                 sources.append(pub.source)
                 continue
             key = (node_id, shard)
-            relay = self._relay_workers.setdefault(key, worker)
+            relay = self._relay_workers.get(key)
+            if relay is None:  # the first subscriber of the node to ask relays for it
+                relay = self._relay_workers[key] = worker
+                self._watch(worker)
             copy = self._relays.get(key)
             if relay == worker and newest is not None and newest not in (copy.slots if copy else {}) \
                     and shard not in self._lost:
@@ -218,7 +225,12 @@ class WeightDirectory:
         return "; ".join(f"shard {s}: {why}" for s, why in sorted(self._lost.items()))
 
     # ------------------------------------------------------------------ deaths
-    async def _watch(self, worker: str) -> None:
+    def _watch(self, worker: str) -> None:
+        """Learn of ``worker``'s death (once per worker, however often it is elected)."""
+        if worker not in self._watches:
+            self._watches[worker] = self.runtime.loop.create_task(self._resolve(worker))
+
+    async def _resolve(self, worker: str) -> None:
         try:
             info = await self.runtime.resolve_worker(worker, timeout=60.0)
         except PeerLostError as exc:
@@ -234,6 +246,7 @@ class WeightDirectory:
             self._worker_lost(worker, str(exc) or f"worker {worker} is gone")
 
     def _worker_lost(self, worker: str, reason: str) -> None:
+        self._watches.pop(worker, None)  # a new incarnation is watched afresh
         for shard, pub in self._publishers.items():
             if pub.source.worker == worker:
                 self._lost[shard] = f"publisher {worker} is gone: {reason}"

@@ -9,10 +9,13 @@ from typing import Any
 import numpy as np
 
 from aiorl.runtime import AsyncWork
+from aiorl.runtime.promise import trace_until_settled
+from aiorl.trace import recorder as _trace
 from aiorl.weights._directory import ShardSource
 from aiorl.weights._layout import Layout, tensor_bytes
-from aiorl.weights._segment import VersionedSegment
+from aiorl.weights._segment import SLOTS, VersionedSegment
 from aiorl.weights._service import WeightsService
+from aiorl.weights.cuda import CudaSlots, cuda_device_of
 
 __all__ = ["WeightPublisher", "write_tensors"]
 
@@ -37,6 +40,7 @@ class WeightPublisher:
         self.bucket_bytes = bucket_bytes
         self._layout: Layout | None = None
         self._segment: VersionedSegment | None = None
+        self._gpu: CudaSlots | None = None  # GPU copies of the slots, for a CUDA state dict
         self._version: int | None = None
         self._lock: asyncio.Lock | None = None
 
@@ -55,7 +59,11 @@ class WeightPublisher:
         if type(version) is not int:
             raise TypeError(f"a version must be an int, got {type(version).__name__}")
         Layout.of(state_dict, self.bucket_bytes)  # type errors now, on the caller's thread
-        return self.service.run(self._publish(state_dict, version))
+        work = self.service.run(self._publish(state_dict, version))
+        if _trace.ON:  # the version tag follows a trainer step through the pipeline
+            trace_until_settled(work, _trace.begin("weights", f"publish {self.name}", None,
+                                                   version=version, shard=self.shard))
+        return work
 
     async def _publish(self, state_dict: Mapping[str, Any], version: int) -> int:
         if self._lock is None:
@@ -71,6 +79,9 @@ class WeightPublisher:
             try:
                 await self.service.copy(lambda: write_tensors(layout, state_dict,
                                                               segment.slot(slot)))
+                gpu = self._gpu
+                if gpu is not None:
+                    await self.service.copy(lambda: gpu.write(slot, state_dict))
                 complete = True
             finally:
                 segment.end_write(slot, complete)
@@ -84,13 +95,20 @@ class WeightPublisher:
             self._layout.check(state_dict)
             return self._segment, self._layout
         layout = Layout.of(state_dict, self.bucket_bytes)
+        device = cuda_device_of(state_dict)
+        gpu = None if device is None else CudaSlots(layout, device, SLOTS)
         segment = VersionedSegment(layout.nbytes)
         service = self.service
+        source = ShardSource(self.shard, service.worker, service.info.endpoint, segment.ref,
+                             cuda=None if gpu is None else gpu.export)
+        try:
+            await service.call_directory(self.name, "register_publisher", source,
+                                         self.num_shards, service.node_id, layout)
+        except BaseException:
+            segment.close()
+            raise
         service.segments[(self.name, self.shard)] = segment
-        source = ShardSource(self.shard, service.worker, service.info.endpoint, segment.ref)
-        await service.call_directory(self.name, "register_publisher", source, self.num_shards,
-                                     service.node_id, layout)
-        self._segment, self._layout = segment, layout
+        self._segment, self._layout, self._gpu = segment, layout, gpu
         return segment, layout
 
 

@@ -120,7 +120,7 @@ class VersionedSegment:
         self.header[2 * slot] += 1
 
     def close(self) -> None:
-        self.header = self._bytes = None
+        del self.header, self._bytes  # numpy views must go before the mapping can close
         self._segment.close()
 
 

@@ -153,8 +153,7 @@ class WeightsService:
         if not intact:
             msg.reply(False)
             return
-        view = memoryview(copy)
-        msg.reply(True, [view[i : i + CHUNK] for i in range(0, len(copy), CHUNK)])
+        msg.reply(True, [copy[i : i + CHUNK].data for i in range(0, len(copy), CHUNK)])
 
     # ------------------------------------------------------------------ closing
     def close(self) -> None:

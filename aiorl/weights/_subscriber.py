@@ -11,9 +11,10 @@ own, which every subscriber of the node then reads.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,9 @@ import numpy as np
 
 from aiorl.errors import PeerLostError
 from aiorl.runtime import AsyncWork
+from aiorl.runtime.promise import trace_until_settled
+from aiorl.trace import recorder as _trace
+from aiorl.weights import cuda
 from aiorl.weights._directory import NodeView, RelayJob
 from aiorl.weights._layout import Layout, tensor_bytes
 from aiorl.weights._segment import SegmentReader, SegmentRef, VersionedSegment
@@ -59,6 +63,7 @@ class WeightSubscriber:
         self._lost: str | None = None
         self._changed: asyncio.Event | None = None
         self._readers: dict[SegmentRef, SegmentReader] = {}
+        self._gpu_slots: dict[SegmentRef, list[Any]] = {}  # a GPU publisher's slots, opened
         self._relay_segments: dict[int, VersionedSegment] = {}
         self._pulled: int | None = None
         self._stats = {"pulls": 0, "bytes_copied": 0, "torn_retries": 0, "versions_skipped": 0,
@@ -86,7 +91,11 @@ class WeightSubscriber:
         if not isinstance(into, Mapping):
             raise TypeError(f"into must be a mapping of names to tensors, "
                             f"got {type(into).__name__}")
-        return self.service.run(self._pull(into))
+        work = self.service.run(self._pull(into))
+        if _trace.ON:
+            trace_until_settled(work, _trace.begin("weights", f"pull {self.name}", None,
+                                                   latest=self._latest))
+        return work
 
     def wait_for(self, min_version: int, timeout: float | None = None) -> AsyncWork[int]:
         """Wait until a version >= ``min_version`` is complete on this node; return it.
@@ -121,6 +130,12 @@ class WeightSubscriber:
         self.service.on_close(self._close)
 
     async def _follow(self) -> None:
+        try:
+            await self._follow_directory()
+        finally:
+            self._notify()  # waiters see that the task ended (and why, in _lost)
+
+    async def _follow_directory(self) -> None:
         service = self.service
         generation = -1
         while True:
@@ -129,7 +144,10 @@ class WeightSubscriber:
                     self.name, "poll", service.worker, service.node_id, generation, POLL_S)
             except PeerLostError as exc:
                 self._lost = f"the directory of weights {self.name!r} is gone: {exc}"
-                self._notify()
+                return
+            except Exception as exc:  # e.g. the directory could not be launched
+                self._lost = f"cannot follow the directory of weights {self.name!r}: {exc!r}"
+                log.warning("%s: %s", service.worker, self._lost)
                 return
             generation = view.generation
             self._view = view
@@ -162,7 +180,7 @@ class WeightSubscriber:
                     raise PeerLostError(self._lost)
                 await self._next_change()
                 continue
-            if await self.service.copy(lambda: self._copy(view, into)):
+            if await self.service.copy(functools.partial(self._copy, view, into)):
                 self._account(view, into)
                 return int(view.version)
             self._stats["torn_retries"] += 1
@@ -174,7 +192,14 @@ class WeightSubscriber:
         for source, layout in zip(view.sources, view.layouts, strict=True):
             reader = self._reader(source.ref)
             slot = source.slots[view.version]
-            if not reader.read(slot, view.version, lambda src: read_tensors(layout, src, into)):
+            if source.cuda is not None and cuda.same_device(source.cuda, into):
+                gpu = self._gpu_slots.get(source.ref)
+                if gpu is None:
+                    gpu = self._gpu_slots[source.ref] = cuda.open_slots(source.cuda)
+                copy = _from_gpu(layout, gpu[slot], into)
+            else:
+                copy = _from_host(layout, into)
+            if not reader.read(slot, view.version, copy):
                 return False
         return True
 
@@ -190,6 +215,7 @@ class WeightSubscriber:
         live = {source.ref for source in view.sources}
         for ref in [r for r in self._readers if r not in live]:
             del self._readers[ref]
+            self._gpu_slots.pop(ref, None)
 
     def _reader(self, ref: SegmentRef) -> SegmentReader:
         reader = self._readers.get(ref)
@@ -255,7 +281,7 @@ class WeightSubscriber:
             if not intact:
                 complete = False  # the publisher overwrote that version: a newer job follows
                 break
-            await self.service.copy(lambda: _place(dst[start:end], frames))
+            await self.service.copy(functools.partial(_place, dst[start:end], frames))
             self._stats["relayed_bytes"] += end - start
         for _, _, fut in pending:
             fut.cancel()
@@ -268,6 +294,18 @@ class WeightSubscriber:
             segment.close()
         self._relay_segments.clear()
         self._readers.clear()
+        self._gpu_slots.clear()
+
+
+def _from_host(layout: Layout, into: Mapping[str, Any]) -> Callable[[Any], None]:
+    """The copy of one shard out of its host slot (given to the seqlocked read)."""
+    return lambda host_slot: read_tensors(layout, host_slot, into)
+
+
+def _from_gpu(layout: Layout, gpu_slot: Any, into: Mapping[str, Any]) -> Callable[[Any], None]:
+    """The copy of one shard out of the publisher's GPU slot (the host slot only carries
+    the seqlock)."""
+    return lambda _host_slot: cuda.read_tensors_cuda(layout, gpu_slot, into)
 
 
 def _place(dst: Any, frames: list[Any]) -> None:

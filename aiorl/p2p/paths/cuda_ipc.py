@@ -1,24 +1,48 @@
-"""Payload path: CUDA tensors by CUDA IPC handles, between workers sharing a physical GPU.
+"""Payload path: CUDA tensors by CUDA IPC, between workers sharing a physical GPU.
 
-NCCL refuses two ranks on one GPU, so two workers on the same device (same node,
-same device UUID) exchange CUDA IPC handles instead (``torch.multiprocessing.reductions``),
-inside the control message. The receiver opens them, copies into its own tensors on
-its lane, waits for the copy and acknowledges (``p2p.done``); the sender keeps the
-tensors alive and the send incomplete until then. Set-up: the first CUDA message to a
-same-node receiver asks which GPUs it sees and which one it uses.
+NCCL refuses two ranks on one GPU, so two workers on the same device (same machine, same
+device UUID, possibly under two node agents) read each other's memory instead. Set-up:
+the first CUDA message asks the receiver which machine it runs on and which GPUs it sees.
+
+Per send, nothing is registered with torch's IPC machinery again:
+
+* **Shares are cached per storage.** The first send of a storage toward a receiver
+  exports it once (``_share_cuda_``: one IPC memory handle and one torch IPC event); later
+  sends of the same live storage name the share by id. At most :data:`SHARES_PER_PEER`
+  shares per receiver: the least recently used one, or one whose storage died, is dropped
+  (``p2p.cuda`` ``ipc-drop``), and the receiver closes its mapping. So torch's limit of
+  1,000 IPC events (after which every share synchronises a stream) is never reached.
+* **Ordering by our own interprocess events**, a bounded pool per receiver, each exported
+  once: the sender records one on its side stream after the caller's events; the
+  receiver's side stream waits for it, copies, and records a completion event polled by
+  the runtime's waiter; the receiver then acknowledges (``p2p.done``) and the sender may
+  reuse the tensor and the event. No default stream waits or is waited on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
-import pickle
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from aiorl.errors import PeerLostError, ProtocolError
-from aiorl.p2p.message import InMessage, OutMessage, PostedRecv, cuda_specs
+from aiorl.p2p.gpu import (
+    ByteWindow,
+    CudaLane,
+    after_lane,
+    allocate,
+    device_uuid,
+    flat_u8,
+    gpu_done,
+    host_identity,
+    local_cuda_info,
+    untyped,
+    wait_events,
+)
+from aiorl.p2p.message import InMessage, OutMessage, PostedRecv, cuda_specs, dtype_of, nbytes_of
 from aiorl.p2p.paths.base import (
     AckedSends,
     Destination,
@@ -29,47 +53,15 @@ from aiorl.p2p.paths.base import (
     fail,
     resolve,
 )
-from aiorl.p2p.paths.cuda_common import (
-    CudaLane,
-    device_uuid,
-    local_cuda_info,
-    receive_targets,
-    reinterpret,
-    untyped,
-)
-from aiorl.p2p.proto import IPC, OP_DONE
+from aiorl.p2p.proto import IPC, K_CUDA, OP_CUDA, OP_DONE
+from aiorl.util.cuda_device import selected_device
 
+__all__ = ["PATH", "SHARES_PER_PEER", "ShareCache"]
 
-def ipc_reduce(tensors: Sequence[Any]) -> bytes:
-    """The CUDA IPC handles of ``tensors`` as one pickle (the sender keeps the tensors alive)."""
-    reductions = untyped("torch.multiprocessing.reductions")
-    return pickle.dumps([reductions.reduce_tensor(t.detach())[1] for t in tensors], protocol=5)
-
-
-def ipc_copy(
-    lane: CudaLane, handles: bytes, targets: list[Any], wait_event: Any, device: int
-) -> None:
-    """Lane thread: open CUDA IPC ``handles`` and copy into ``targets``; returns when the GPU
-    is done (so the sender may reuse its tensors as soon as it hears back)."""
-    import torch
-
-    rebuild_cuda_tensor = untyped("torch.multiprocessing.reductions").rebuild_cuda_tensor
-    stream = lane.side_stream()
-    with torch.cuda.stream(stream):
-        if wait_event is not None:
-            stream.wait_event(wait_event)
-        sources = []
-        for args, target in zip(pickle.loads(handles), targets, strict=True):
-            args = list(args)
-            args[6] = device  # the sender's index of this GPU may differ from ours
-            # Opening waits (on the current stream) for the sender's producing stream.
-            src = rebuild_cuda_tensor(*args)
-            target.copy_(reinterpret(src, target), non_blocking=True)
-            sources.append(src)
-        done = untyped("torch.cuda").Event()
-        done.record(stream)
-    done.synchronize()
-    del sources  # releases the sender's blocks (torch's IPC reference counters)
+#: Storages a sender keeps exported toward one receiver (and the receiver keeps mapped).
+SHARES_PER_PEER = 64
+#: Interprocess events a sender keeps toward one receiver once they are free again.
+EVENTS_PER_PEER = 64
 
 
 @functools.cache
@@ -78,8 +70,80 @@ def _local_uuids() -> list[str]:
     return uuids
 
 
+class ShareCache:
+    """Sender: the storages exported toward one receiver, least recently used first.
+
+    Keyed by the storage's identity (``_cdata``), checked alive through torch's storage
+    weak reference (which keeps the identity from being reused while held). Pure
+    bookkeeping apart from the two callables, so its bounds are unit-tested on the CPU.
+    """
+
+    def __init__(self, limit: int = SHARES_PER_PEER) -> None:
+        self.limit = limit
+        self._next_id = 0
+        # key -> (share id, weak reference or None, export args)
+        self._entries: OrderedDict[int, tuple[int, Any, Any]] = OrderedDict()
+
+    def lookup(self, key: int, alive: Any, export: Any) -> tuple[int, Any, list[int]]:
+        """``(share id, export args or None when the receiver has them, ids to drop)``.
+
+        ``alive(ref)`` tells whether a cached entry's storage still lives; ``export()``
+        returns ``(weak ref, args)`` for a new share.
+        """
+        dropped: list[int] = []
+        entry = self._entries.get(key)
+        if entry is not None and alive(entry[1]):
+            self._entries.move_to_end(key)
+            return entry[0], None, dropped
+        if entry is not None:  # same identity, storage gone: forget the stale share
+            del self._entries[key]
+            dropped.append(entry[0])
+        for old_key in [k for k, e in self._entries.items() if not alive(e[1])]:
+            dropped.append(self._entries.pop(old_key)[0])
+        while len(self._entries) >= self.limit:
+            dropped.append(self._entries.popitem(last=False)[1][0])
+        ref, args = export()
+        share_id = self._next_id
+        self._next_id += 1
+        self._entries[key] = (share_id, ref, args)
+        return share_id, args, dropped
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+@dataclass
+class _IpcJob:
+    """One IPC receive: what it lands, where from, and whom to tell."""
+
+    msg: InMessage
+    specs: list[Any]
+    posted: PostedRecv | None
+    ipc_device: int
+    parts: list[Any]
+    event_id: int
+    handle: Any
+    nbytes: int
+    token: int
+    address: str
+    fut: asyncio.Future[None]
+
+
+def _export(storage: Any) -> tuple[Any, Any]:
+    """One IPC export of a CUDA storage (torch's handle, ref counter and event)."""
+    reductions = untyped("torch.multiprocessing.reductions")
+    return reductions.StorageWeakRef(storage), tuple(storage._share_cuda_())
+
+
+def _alive(ref: Any) -> bool:
+    return ref is not None and not ref.expired()
+
+
 class IpcSend:
-    """IPC toward one same-node destination: its GPUs, and the sends it has yet to copy."""
+    """IPC toward one destination on this machine: its GPUs, shares, events, pending sends."""
 
     acks: ClassVar[str | None] = OP_DONE
 
@@ -88,12 +152,17 @@ class IpcSend:
         self.dest = dest
         self.settled = False
         self.peer_uuid: str | None = None  # the GPU the receiver uses, once asked
-        # The tensors being read stay alive until the receiver's ack.
         self.waiting = AckedSends(host.loop)
+        self.shares = ShareCache()
+        self.events: list[tuple[int, Any]] = []  # free (event id, event), exported already
+        self._event_ids = 0
+        self._streams: dict[int, Any] = {}
 
     @classmethod
-    def create(cls, host: PathHost, dest: Destination) -> IpcSend | None:
-        return cls(host, dest) if dest.same_node else None
+    def create(cls, host: PathHost, dest: Destination) -> IpcSend:
+        # Not only toward the same node agent: two agents on one host share GPUs too. The
+        # set-up question tells (same machine, same device UUID).
+        return cls(host, dest)
 
     def wants(self, msg: OutMessage) -> bool:
         return not self.settled and bool(msg.cuda)
@@ -102,36 +171,80 @@ class IpcSend:
         return {"cuda": True}
 
     def on_hello(self, reply: Mapping[str, Any]) -> None:
-        info = reply.get("cuda") or {"current": -1, "uuids": []}
+        info = reply.get("cuda") or {}
         uuids, cur = info.get("uuids") or [], info.get("current", -1)
-        self.peer_uuid = uuids[cur] if 0 <= cur < len(uuids) else None
+        same_host = info.get("host") == host_identity()
+        self.peer_uuid = uuids[cur] if same_host and 0 <= cur < len(uuids) else None
         self.settled = True
 
     def fits(self, msg: OutMessage) -> bool:
         peer = self.peer_uuid
         if peer is None:
             return False
-        live = [t for t in msg.cuda if t.numel()]
-        return all(device_uuid(t.device.index) == peer for t in live)
+        return all(device_uuid(t.device.index) == peer for t in msg.cuda if t.numel())
+
+    def _stream(self, device: int) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = untyped("torch.cuda").Stream(device)
+        return stream
+
+    def _event(self, device: int) -> tuple[int, Any, Any]:
+        """A free interprocess event: ``(id, event, handle or None if exported before)``."""
+        if self.events:
+            event_id, ev = self.events.pop()
+            return event_id, ev, None
+        ev = untyped("torch.cuda").Event(interprocess=True)
+        ev.record(self._stream(device))  # an event must be recorded once to be exported
+        event_id = self._event_ids
+        self._event_ids += 1
+        return event_id, ev, ev.ipc_handle()
 
     def place(self, msg: OutMessage, frames: list[Any]) -> Placed:
         import torch
 
         specs, live = cuda_specs(msg)
-        if msg.event is not None:
-            # The IPC handle's event is recorded on this thread's stream: order it after
-            # the caller's stream.
-            torch.cuda.current_stream(live[0].device).wait_event(msg.event)
-        frames.append(ipc_reduce(live))
+        device = live[0].device.index
+        stream = self._stream(device)
+        wait_events(stream, msg.event)
+        parts = []
+        drops: list[int] = []
+        for t in live:
+            storage = t.untyped_storage()
+            share_id, args, dropped = self.shares.lookup(
+                storage._cdata, _alive, functools.partial(_export, storage)
+            )
+            drops.extend(dropped)
+            parts.append([share_id, args, t.storage_offset() * t.element_size(), nbytes_of(t)])
+        event_id, ev, handle = self._event(device)
+        with torch.cuda.device(device):
+            ev.record(stream)
+        for share_id in drops:
+            self.host.endpoint.send_oneway(
+                self.dest.address or "", OP_CUDA, [self.host.name, "ipc-drop", share_id]
+            )
         token = self.dest.next_token()
-        fut, undo = self.waiting.park(token, live)
-        desc = [IPC, token, self.host.endpoint.address, specs, device_uuid(live[0].device.index)]
+        fut, undo = self.waiting.park(token, (live, ev))
+        fut.add_done_callback(lambda _f: self._event_free(event_id, ev))
+        desc = [
+            IPC,
+            token,
+            self.host.endpoint.address,
+            specs,
+            device_uuid(device),
+            parts,
+            [event_id, handle],
+        ]
         return Placed(desc, fut, undo=undo)
+
+    def _event_free(self, event_id: int, ev: Any) -> None:
+        if len(self.events) < EVENTS_PER_PEER:
+            self.events.append((event_id, ev))
 
     def on_ack(self, meta: Sequence[Any]) -> bool:
         if not self.waiting.on_ack(meta):
             return False
-        try:  # free blocks whose remote user let go
+        try:  # free blocks whose remote user let go (torch's IPC reference counters)
             untyped("torch.cuda").ipc_collect()
         except Exception:  # noqa: BLE001 - best effort
             pass
@@ -139,25 +252,38 @@ class IpcSend:
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
         self.waiting.fail_all(exc, self.dest.name)
+        self.close()
 
     def close(self) -> None:
         self.waiting.clear()
+        self.shares.clear()
+        self.events.clear()
+        try:
+            if self._streams:
+                untyped("torch.cuda").ipc_collect()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
 
     def statistics(self) -> PathStatistics:
         return PathStatistics(
-            self.peer_uuid is not None if self.settled else None, in_use=len(self.waiting)
+            self.peer_uuid is not None if self.settled else None,
+            in_use=len(self.waiting),
+            resources=len(self.shares),
         )
 
 
 class IpcRecv:
-    """IPC copies from one source, on its own lane, acknowledged when the GPU is done."""
+    """IPC copies from one source: its mapped shares and events, window, lane."""
 
-    control: ClassVar[str | None] = None
+    control: ClassVar[str | None] = OP_CUDA
 
     def __init__(self, host: PathHost, source: str) -> None:
         self.host = host
         self.source = source
         self.lane: CudaLane | None = None
+        self.shares: dict[int, Any] = {}  # share id -> the whole storage as a uint8 tensor
+        self.events: dict[int, Any] = {}  # event id -> the sender's event, opened
+        self.window = ByteWindow()
 
     @classmethod
     def create(cls, host: PathHost, source: str) -> IpcRecv:
@@ -175,56 +301,127 @@ class IpcRecv:
         start: int,
         posted: PostedRecv | None,
     ) -> None:
-        _, token, address, specs, peer_uuid = desc
-        _targets, live, dev, wait_event = receive_targets(msg, specs, posted)
+        _, token, address, specs, peer_uuid, parts, (event_id, handle) = desc
         try:
-            ipc_dev = _local_uuids().index(peer_uuid)
+            ipc_device = _local_uuids().index(peer_uuid)
         except ValueError:
-            raise ProtocolError(
-                f"CUDA IPC from a GPU this worker cannot see ({peer_uuid})"
-            ) from None
+            raise ProtocolError(f"CUDA IPC from a GPU this worker cannot see ({peer_uuid})") from None
+        if len(self.shares) + len(parts) > 2 * SHARES_PER_PEER:
+            raise ProtocolError(f"{self.source} keeps more CUDA IPC shares than agreed")
         if self.lane is None:
-            self.lane = CudaLane(dev)
-        cf = self.lane.run(ipc_copy, self.lane, frames[-1], live, wait_event, ipc_dev)
-        host = self.host
-        fut: asyncio.Future[None] = host.loop.create_future()
+            self.lane = CudaLane(f"aiorl-ipc-{self.source}")
+        fut: asyncio.Future[None] = self.host.loop.create_future()
         msg.cuda_fut = fut
+        job = _IpcJob(
+            msg, list(specs), posted, ipc_device, list(parts), event_id, handle,
+            sum(int(p[3]) for p in parts), token, address, fut,
+        )
+        if self.window.offer(job, job.nbytes):
+            self._start(job)
 
-        def on_copied(cf: concurrent.futures.Future[None]) -> None:  # loop
-            err = None
-            if cf.cancelled():
-                err = "cancelled"
-            elif cf.exception() is not None:
-                err = repr(cf.exception())
-            endpoint = host.endpoint
-            if not endpoint.is_lost(address):
-                try:
-                    endpoint.send_oneway(address, OP_DONE, [host.name, token, err])
-                except PeerLostError:
-                    pass
-            if err is None:
-                resolve(fut, None)
-            else:
-                fail(fut, ProtocolError(f"CUDA IPC receive from {self.source} failed: {err}"))
+    def _start(self, job: _IpcJob) -> None:
+        assert self.lane is not None
+        landed = after_lane(
+            self.host,
+            self.lane.run(self._copy, job),
+            lambda issued: gpu_done(self.host, issued[0], keep=issued[1]),
+        )
+        landed.add_done_callback(lambda f: self._copied(f, job))
 
-        def copied(cf: concurrent.futures.Future[None]) -> None:  # lane thread
-            host.call_soon_threadsafe(on_copied, cf)
+    def _copy(self, job: _IpcJob) -> tuple[Any, Any]:
+        """Lane: allocate the targets, wait for the sender's event, copy from its memory."""
+        import torch
 
-        cf.add_done_callback(copied)
+        posted, specs, ipc_device, event_id = job.posted, job.specs, job.ipc_device, job.event_id
+
+        assert self.lane is not None
+        cuda = untyped("torch.cuda")
+        device = selected_device()
+        stream = self.lane.stream(device)
+        user = posted.buf if posted is not None and job.msg.kind == K_CUDA else None
+        if user is not None and user.device.type == "cuda" and len(specs) == 1 and (
+            nbytes_of(user) == job.nbytes
+        ):
+            assert posted is not None
+            device = user.device.index
+            stream = self.lane.stream(device)
+            with torch.cuda.device(device):
+                wait_events(stream, posted.event)  # the caller may still use the buffer
+            targets = [user]
+        else:
+            targets = allocate([(dtype_of(d), s) for d, s in specs], device, stream)
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            ev = self.events.get(event_id)
+            if ev is None:
+                if job.handle is None:
+                    raise ProtocolError(f"unknown CUDA IPC event {event_id} from {self.source}")
+                ev = self.events[event_id] = cuda.Event.from_ipc_handle(ipc_device, job.handle)
+            stream.wait_event(ev)
+            sources = []
+            live = [t for t in targets if t.numel()]
+            for (share_id, args, offset, n), target in zip(job.parts, live, strict=True):
+                whole = self._open(share_id, args, ipc_device)
+                src = whole[offset : offset + n]
+                flat_u8(target).copy_(src, non_blocking=True)
+                sources.append(src)
+            done = cuda.Event()
+            done.record(stream)
+        job.msg.cuda = targets
+        return done, (sources, targets)
+
+    def _open(self, share_id: int, args: Any, ipc_device: int) -> Any:
+        """Lane: a share's whole storage as uint8, mapped once (cached until dropped)."""
+        whole = self.shares.get(share_id)
+        if whole is not None:
+            return whole
+        if args is None:
+            raise ProtocolError(f"unknown CUDA IPC share {share_id} from {self.source}")
+        import torch
+
+        reductions = untyped("torch.multiprocessing.reductions")
+        _dev, handle, size, offset, ref_handle, ref_offset, ev_handle, ev_sync = args
+        whole = reductions.rebuild_cuda_tensor(
+            torch.Tensor, (size,), (1,), 0, torch.UntypedStorage, torch.uint8, ipc_device,
+            handle, size, offset, False, ref_handle, ref_offset, ev_handle, ev_sync,
+        )
+        self.shares[share_id] = whole
+        return whole
+
+    def _copied(self, f: asyncio.Future[None], job: _IpcJob) -> None:
+        """Loop: acknowledge to the sender, settle the receive, start what the window held."""
+        error = f.exception() if not f.cancelled() else PeerLostError("abandoned")
+        endpoint = self.host.endpoint
+        if not endpoint.is_lost(job.address):
+            try:
+                err = None if error is None else f"{type(error).__name__}: {error}"
+                endpoint.send_oneway(job.address, OP_DONE, [self.host.name, job.token, err])
+            except PeerLostError:
+                pass
+        if error is None:
+            resolve(job.fut, None)
+        else:
+            fail(job.fut, ProtocolError(f"CUDA IPC receive from {self.source} failed: {error}"))
+        if self.lane is not None:
+            for waiting in self.window.release(job.nbytes):
+                self._start(waiting)
 
     def on_control(self, meta: Sequence[Any]) -> None:
-        pass
+        if len(meta) == 3 and meta[1] == "ipc-drop" and self.lane is not None:
+            self.lane.run(self.shares.pop, meta[2], None)  # after the copies that read it
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
         self.close()
 
     def close(self) -> None:
+        self.window.clear()
         if self.lane is not None:
             self.lane.close()
             self.lane = None
+        self.shares.clear()
+        self.events.clear()
 
     def statistics(self) -> PathStatistics:
-        return PathStatistics(usable=True, resources=int(self.lane is not None))
+        return PathStatistics(usable=True, in_use=self.window.in_flight, resources=len(self.shares))
 
 
 PATH = PathSpec("cuda_ipc", IPC, True, IpcSend.create, IpcRecv.create)

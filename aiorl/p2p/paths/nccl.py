@@ -1,153 +1,463 @@
-"""Payload path: CUDA tensors by NCCL, one process group per *ordered* pair.
+"""Payload path: CUDA tensors by NCCL, one communicator per *unordered* pair.
 
-Used for CUDA tensors between different GPUs (same node or not). The two directions
-of a pair never share a communicator, so they cannot deadlock each other. The sender
-is rank 0 and opens a ``TCPStore`` on a free port; the store address travels in the
-first control message, and the receiver connects as rank 1. Each side issues its NCCL
-operations for the pair on one :class:`~aiorl.p2p.paths.cuda_common.CudaLane`, in
-control-message order (the receiver at arrival, in arrival order): NCCL matches
-point-to-point operations of a communicator in issue order, so both sequences pair up.
-Group creation blocks (store rendezvous, communicator set-up), a second reason it
-happens on the lane and never on the event loop.
+Used for CUDA tensors between different GPUs (same node or not). Both directions of a
+pair share one two-rank communicator (:class:`NcclPair`), created lazily by both sides
+at the first transfer either way; its *leader* (the name that sorts first) is rank 0 and
+hosts the rendezvous ``TCPStore``, whose address travels in its messages. Every NCCL
+operation of the pair is issued on the pair's :class:`~aiorl.p2p.gpu.CudaLane`, in the
+one order :mod:`aiorl.p2p.paths.nccl_order` defines: nothing is issued before the
+receiver allocated, a receiver that cannot allocate refuses that message alone, and the
+leader decides the order of both directions. Handshake messages ride ``p2p.done``
+(receiver -> sender: ready, go, refuse) and ``p2p.cuda`` (sender -> receiver: go).
+
+The tensors of one message travel as one NCCL operation each, except that several small
+ones (together at most :data:`PACK_MAX` bytes) are packed into one buffer: one operation
+per message for the common "a few small tensors" case. A receiver lets at most
+:data:`aiorl.p2p.gpu.CUDA_INFLIGHT_BYTES` per sender land at once (allocations included).
+Peer loss fails every pending transfer at once with ``PeerLostError`` and aborts the
+communicator off the loop; docs/gpu.md describes the settings and what has run on a GPU.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import datetime
-import logging
 import uuid
+import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from aiorl.errors import PeerLostError
-from aiorl.p2p.message import InMessage, OutMessage, PostedRecv, cuda_specs
-from aiorl.p2p.paths.base import Destination, PathHost, PathSpec, PathStatistics, Placed
-from aiorl.p2p.paths.cuda_common import (
+from aiorl.errors import PeerLostError, ProtocolError
+from aiorl.p2p.gpu import (
+    ByteWindow,
     CudaLane,
+    abort_in_background,
+    after_lane,
+    allocate,
     flat_u8,
-    gpu_done_future,
-    receive_targets,
+    gpu_done,
+    new_nccl_group,
     untyped,
+    wait_events,
 )
-from aiorl.p2p.proto import NCCL
+from aiorl.p2p.message import InMessage, OutMessage, PostedRecv, cuda_specs, dtype_of, nbytes_of
+from aiorl.p2p.paths.base import (
+    Destination,
+    PathHost,
+    PathSpec,
+    PathStatistics,
+    Placed,
+    fail,
+    lost_error,
+    resolve,
+)
+from aiorl.p2p.paths.nccl_order import Do, PairOrder, Step, is_leader
+from aiorl.p2p.proto import K_CUDA, NCCL, OP_CUDA, OP_DONE
+from aiorl.util.cuda_device import selected_device
 
-log = logging.getLogger("aiorl.p2p")
+__all__ = ["PACK_MAX", "NcclPair", "PATH", "pack_layout"]
 
-#: How long NCCL set-up waits for the other side before failing.
+#: How long NCCL set-up and one operation may wait for the other side before failing.
 RENDEZVOUS_TIMEOUT_S = 120.0
+#: Messages whose non-empty CUDA tensors are several and together at most this many
+#: bytes travel packed in one buffer (one NCCL operation instead of one per tensor).
+PACK_MAX = 4 << 20
+#: Offsets inside a packed buffer are multiples of this (any dtype can view them).
+PACK_ALIGN = 16
 
 
-class CudaPair(CudaLane):
-    """One side of the NCCL link of an ordered pair, issued on its lane.
+def pack_layout(sizes: Sequence[int]) -> tuple[list[int], int] | None:
+    """Offsets of the non-empty tensors of ``sizes`` (bytes) in one packed buffer and its
+    size, or None when the message travels one operation per tensor. Both sides compute it
+    from the message's specs, so they agree."""
+    if len(sizes) < 2 or sum(sizes) > PACK_MAX:
+        return None
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // PACK_ALIGN) * PACK_ALIGN
+    return offsets, end
 
-    Args:
-        gid: the pair's group id (also the store prefix), chosen by the sender.
-        rank: 0 on the sender, 1 on the receiver.
-        device: the local CUDA device index this side uses.
-    """
 
-    def __init__(self, gid: str, rank: int, device: int) -> None:
-        super().__init__(device)
-        self.gid = gid
-        self.rank = rank
+@dataclass
+class _Send:
+    token: int
+    tensors: list[Any]
+    events: Mapping[int, Any] | None
+    fut: asyncio.Future[None]
+
+
+@dataclass
+class _Recv:
+    token: int
+    msg: InMessage
+    specs: list[Any]
+    posted: PostedRecv | None
+    nbytes: int
+    fut: asyncio.Future[None]
+    buffers: list[Any] = field(default_factory=list)  # what NCCL writes (flat uint8)
+
+
+_PAIRS: weakref.WeakKeyDictionary[Any, dict[str, NcclPair]] = weakref.WeakKeyDictionary()
+
+
+def pair_for(host: PathHost, peer: str, gid: str | None = None) -> NcclPair:
+    """This process's pair with ``peer``; a ``gid`` the leader chose anew replaces it."""
+    pairs = _PAIRS.setdefault(host, {})
+    pair = pairs.get(peer)
+    if pair is not None and gid is not None and pair.gid is not None and pair.gid != gid:
+        pair.fail(ProtocolError(f"the NCCL communicator with {peer} was re-created"))
+        pair = None
+    if pair is None or pair.broken is not None:
+        pair = pairs[peer] = NcclPair(host, peer)
+    if gid is not None and pair.gid is None:
+        pair.gid = gid
+    return pair
+
+
+class NcclPair:
+    """This side of the NCCL communicator shared with one peer, both directions (loop)."""
+
+    def __init__(self, host: PathHost, peer: str) -> None:
+        self.host = host
+        self.peer = peer
+        self.leader = is_leader(host.name, peer)
+        self.rank = 0 if self.leader else 1
+        self.order = PairOrder(self.leader)
+        self.window = ByteWindow()
+        self.lane = CudaLane(f"aiorl-nccl-{peer}")
+        self.device = selected_device()
+        self.gid: str | None = None
         self.store: Any = None
-        self.store_address: tuple[str, int] | None = None
+        self.store_address: list[Any] | None = None
         self.pg: Any = None
+        self.peer_address: str | None = None
+        self.sends: dict[int, _Send] = {}
+        self.recvs: dict[int, _Recv] = {}
+        self.broken: BaseException | None = None
 
-    def open_master_store(self, host: str) -> tuple[str, int]:
-        """Sender: open the rendezvous store on a free port; returns its address."""
-        dist = untyped("torch.distributed")
-        self.store = dist.TCPStore(
-            host,
-            0,
-            2,
-            True,
-            timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
-            wait_for_workers=False,
-        )
-        self.store_address = (host, int(self.store.port))
+    # ------------------------------------------------------------------ rendezvous
+    def leader_store(self) -> list[Any]:
+        """Leader: the rendezvous store's address (opened on first use; binds a port only)."""
+        if self.store_address is None:
+            dist = untyped("torch.distributed")
+            import datetime
+
+            self.gid = self.gid or f"aiorl-p2p/{self.host.name}|{self.peer}/{uuid.uuid4().hex[:8]}"
+            self.store = dist.TCPStore(
+                self.host.endpoint.ip,
+                0,
+                2,
+                True,
+                timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+                wait_for_workers=False,
+            )
+            self.store_address = [self.host.endpoint.ip, int(self.store.port)]
         return self.store_address
 
-    def set_store_address(self, host: str, port: int) -> None:
-        """Receiver: where the sender's store listens (connected lazily on the lane)."""
-        self.store_address = (host, port)
+    def follow(self, store: Sequence[Any] | None) -> None:
+        """Follower: where the leader's store listens (joined on the lane, at first issue)."""
+        if store is not None and self.store_address is None:
+            self.store_address = [store[0], int(store[1])]
 
-    def _ensure_group(self) -> Any:
-        # Lane thread only. Blocks until the other side joins (store rendezvous).
-        if self.pg is not None:
-            return self.pg
-        dist = untyped("torch.distributed")
-        timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
-        if self.store is None:
-            if self.store_address is None:
-                raise RuntimeError(f"no rendezvous address for NCCL pair {self.gid!r}")
-            host, port = self.store_address
-            self.store = dist.TCPStore(host, port, 2, False, timeout=timeout)
-        prefix = dist.PrefixStore(self.gid, self.store)
-        opts = dist.ProcessGroupNCCL.Options()
-        if hasattr(opts, "_timeout"):  # older torch: the default timeout applies
-            opts._timeout = timeout
-        self.pg = dist.ProcessGroupNCCL(prefix, self.rank, 2, opts)
+    def _group(self) -> Any:
+        """Lane thread: the communicator, created (non-blocking set-up) at first issue."""
+        if self.pg is None:
+            import datetime
+
+            dist = untyped("torch.distributed")
+            if self.store is None:
+                if self.store_address is None or self.gid is None:
+                    raise ProtocolError(f"no rendezvous for the NCCL pair with {self.peer}")
+                host, port = self.store_address
+                self.store = dist.TCPStore(
+                    host, port, 2, False, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+                )
+            prefix = dist.PrefixStore(self.gid, self.store)
+            self.pg = new_nccl_group(prefix, self.rank, 2, self.device, RENDEZVOUS_TIMEOUT_S)
         return self.pg
 
-    def submit(
-        self, tensors: Sequence[Any], wait_event: Any, send: bool
-    ) -> concurrent.futures.Future[tuple[list[Any], Any]]:
-        """Issue one NCCL send (rank 0) or receive (rank 1) per tensor, after ``wait_event``.
+    # ------------------------------------------------------------------ sending
+    def send(
+        self, token: int, tensors: list[Any], events: Mapping[int, Any] | None
+    ) -> asyncio.Future[None]:
+        """Our control message for ``token`` left: wait for the receiver (see nccl_order)."""
+        fut: asyncio.Future[None] = self.host.loop.create_future()
+        if self.broken is not None:
+            fail(fut, lost_error(self.broken, f"NCCL send to {self.peer}"))
+            return fut
+        self.order.announced(token)
+        self.sends[token] = _Send(token, tensors, events, fut)
+        return fut
 
-        Returns a future of ``(works, done_event)``; ``done_event`` completes when
-        every transfer of the call has. Tensors must stay referenced until then.
-        """
-        return self.run(self._issue, list(tensors), wait_event, send)
+    def on_reply(self, token: int, reply: Sequence[Any]) -> bool:
+        """The receiver's handshake for our send ``token``; False if not one of ours."""
+        if token not in self.sends:
+            return False
+        kind = reply[0]
+        if kind == "ready":
+            self._run(self.order.on_ready(token), sending=True)
+        elif kind == "go":
+            self.gid = self.gid or reply[1]
+            self.follow(reply[2])
+            self._run(self.order.on_go_send(token), sending=True)
+        elif kind == "refuse":
+            self._run(self.order.on_refused(token, str(reply[1])), sending=True)
+        else:
+            raise ProtocolError(f"unknown NCCL handshake {kind!r} from {self.peer}")
+        return True
 
-    def _issue(self, tensors: list[Any], wait_event: Any, send: bool) -> tuple[list[Any], Any]:
+    def _issue_send(self, entry: _Send) -> tuple[list[Any], Any, list[Any]]:
+        """Lane: the NCCL sends of one message, after the caller's events."""
         import torch
 
-        if self.closed:
-            raise RuntimeError(f"NCCL pair {self.gid} is closed")
-        pg = self._ensure_group()
-        stream = self.side_stream()
-        with torch.cuda.stream(stream):
-            if wait_event is not None:
-                stream.wait_event(wait_event)
-            # ProcessGroupNCCL orders its NCCL stream after the current (= our side) stream.
-            works = [pg.send([t], 1, 0) if send else pg.recv([t], 0, 0) for t in tensors]
+        pg = self._group()
+        stream = self.lane.stream(self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            wait_events(stream, entry.events)
+            payload = [self._on_pair_device(t) for t in entry.tensors]
+            layout = pack_layout([nbytes_of(t) for t in payload])
+            if layout is not None:
+                offsets, size = layout
+                packed = torch.empty(size, dtype=torch.uint8, device=self.device)
+                for off, t in zip(offsets, payload, strict=True):
+                    packed[off : off + nbytes_of(t)].copy_(flat_u8(t))
+                payload = [packed]
+            else:
+                payload = [flat_u8(t) for t in payload]
+            works = [pg.send([t], 1 - self.rank, 0) for t in payload]
             for w in works:
-                w.wait()  # our side stream waits for the NCCL stream (no CPU block)
+                w.wait()  # our stream waits for NCCL's (TORCH_NCCL_BLOCKING_WAIT=0: no CPU wait)
             done = untyped("torch.cuda").Event()
             done.record(stream)
-        return works, done
+        return works, done, [*payload, *entry.tensors]
 
-    def close(self) -> None:
-        """Abort the communicator (a peer that died leaves NCCL operations hanging)."""
-        pg = self.pg
-        if pg is not None:
-            abort = getattr(pg, "abort", None) or getattr(pg, "shutdown", None)
-            if abort is not None:
-                try:
-                    abort()
-                except Exception:  # noqa: BLE001 - best effort: the process may be exiting
-                    log.debug("NCCL abort of %s failed", self.gid, exc_info=True)
-        super().close()
+    def _on_pair_device(self, t: Any) -> Any:
+        """``t``, copied to the communicator's device if it lives on another (lane stream)."""
+        if t.device.index == self.device:
+            return t.detach()
+        staged = t.detach().to(self.device, non_blocking=True)
+        return staged
+
+    # ------------------------------------------------------------------ receiving
+    def receive(
+        self, token: int, msg: InMessage, specs: list[Any], posted: PostedRecv | None
+    ) -> asyncio.Future[None]:
+        """The peer announced ``token``: allocate within the window, then handshake."""
+        fut: asyncio.Future[None] = self.host.loop.create_future()
+        if self.broken is not None:
+            fail(fut, lost_error(self.broken, f"NCCL receive from {self.peer}"))
+            return fut
+        nbytes = 0
+        for dtype, shape in specs:
+            n = int(dtype_of(dtype).itemsize)
+            for d in shape:
+                n *= int(d)
+            nbytes += n
+        entry = _Recv(token, msg, specs, posted, nbytes, fut)
+        self.recvs[token] = entry
+        if self.window.offer(entry, nbytes):
+            self._allocate(entry)
+        return fut
+
+    def _allocate(self, entry: _Recv) -> None:
+        cf = self.lane.run(self._allocate_on_lane, entry)
+
+        def allocated(cf: Any) -> None:  # loop
+            if self.broken is not None or entry.fut.done():
+                return
+            exc = cf.exception() if not cf.cancelled() else PeerLostError("abandoned")
+            if exc is not None:
+                reason = f"{type(exc).__name__}: {exc}"
+                self._finish_recv(
+                    entry,
+                    ProtocolError(
+                        f"could not allocate {entry.nbytes} bytes of CUDA memory to receive "
+                        f"from {self.peer}: {reason}"
+                    ),
+                )
+                self._run(self.order.allocation_failed(entry.token, reason), sending=False)
+                return
+            self._run(self.order.allocated(entry.token), sending=False)
+
+        cf.add_done_callback(lambda cf: self.host.call_soon_threadsafe(allocated, cf))
+
+    def _allocate_on_lane(self, entry: _Recv) -> None:
+        """Lane: the message's tensors on the pair's device (or the posted buffer itself)."""
+        import torch
+
+        specs = [(dtype_of(dtype), shape) for dtype, shape in entry.specs]
+        stream = self.lane.stream(self.device)
+        user = entry.posted.buf if entry.posted is not None else None
+        if (
+            user is not None
+            and entry.msg.kind == K_CUDA
+            and len(specs) == 1
+            and user.device.type == "cuda"
+            and user.device.index == self.device
+            and nbytes_of(user) == entry.nbytes
+        ):
+            assert entry.posted is not None
+            with torch.cuda.device(self.device):
+                wait_events(stream, entry.posted.event)  # the caller may still use it
+            targets = [user]
+        else:
+            targets = allocate(specs, self.device, stream)
+        live = [t for t in targets if t.numel()]
+        layout = pack_layout([nbytes_of(t) for t in live])
+        if layout is None:
+            entry.buffers = [flat_u8(t) for t in live]
+        else:
+            offsets, size = layout
+            packed = allocate([(torch.uint8, (size,))], self.device, stream)[0]
+            views = iter(
+                packed[off : off + nbytes_of(t)].view(t.dtype).reshape(t.shape)
+                for off, t in zip(offsets, live, strict=True)
+            )
+            targets = [next(views) if t.numel() else t for t in targets]
+            entry.buffers = [packed]
+        entry.msg.cuda = targets
+
+    def _issue_recv(self, entry: _Recv) -> tuple[list[Any], Any, list[Any]]:
+        """Lane: the NCCL receives of one message."""
+        import torch
+
+        pg = self._group()
+        stream = self.lane.stream(self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            works = [pg.recv([b], 1 - self.rank, 0) for b in entry.buffers]
+            for w in works:
+                w.wait()
+            done = untyped("torch.cuda").Event()
+            done.record(stream)
+        return works, done, entry.buffers
+
+    def _finish_recv(self, entry: _Recv, error: BaseException | None) -> None:
+        """A receive landed or failed: settle it, give its bytes back to the window."""
+        if self.recvs.pop(entry.token, None) is None:
+            return
+        if error is None:
+            resolve(entry.fut, None)
+        else:
+            fail(entry.fut, error)
+        for waiting in self.window.release(entry.nbytes):
+            self._allocate(waiting)
+
+    # ------------------------------------------------------------------ carrying out steps
+    def _run(self, steps: list[Step], sending: bool) -> None:
+        for step in steps:
+            do, token = step.do, step.token
+            if do is Do.ISSUE_SEND:
+                self._start_send(self.sends.pop(token))
+            elif do is Do.ISSUE_RECV:
+                self._start_recv(self.recvs[token])
+            elif do is Do.TELL_GO and sending:
+                self._tell(OP_CUDA, [self.host.name, "go", self.gid, self.leader_store(), token])
+            elif do is Do.TELL_GO:
+                reply = ["go", self.gid, self.leader_store()]
+                self._tell(OP_DONE, [self.host.name, token, reply])
+            elif do is Do.TELL_READY:
+                self._tell(OP_DONE, [self.host.name, token, ["ready"]])
+            elif do is Do.TELL_REFUSE:
+                self._tell(OP_DONE, [self.host.name, token, ["refuse", step.reason]])
+            elif do is Do.FAIL_SEND:
+                entry = self.sends.pop(token)
+                fail(entry.fut, ProtocolError(f"{self.peer} refused the CUDA payload: {step.reason}"))
+
+    def _tell(self, op: str, meta: list[Any]) -> None:
+        if self.peer_address is None:
+            raise ProtocolError(f"no address for NCCL peer {self.peer}")
+        self.host.endpoint.send_oneway(self.peer_address, op, meta)
+
+    def _start_send(self, entry: _Send) -> None:
+        host, pg_of = self.host, self
+
+        def landed(issued: tuple[list[Any], Any, list[Any]]) -> asyncio.Future[None]:
+            works, done, keep = issued
+            return gpu_done(host, done, works, pg_of.pg, keep)
+
+        fut = after_lane(host, self.lane.run(self._issue_send, entry), landed)
+        fut.add_done_callback(lambda f: self._transfer_done(entry.fut, f))
+
+    def _start_recv(self, entry: _Recv) -> None:
+        host, pg_of = self.host, self
+
+        def landed(issued: tuple[list[Any], Any, list[Any]]) -> asyncio.Future[None]:
+            works, done, keep = issued
+            return gpu_done(host, done, works, pg_of.pg, keep)
+
+        fut = after_lane(host, self.lane.run(self._issue_recv, entry), landed)
+
+        def finished(f: asyncio.Future[None]) -> None:
+            error = f.exception() if not f.cancelled() else PeerLostError("abandoned")
+            self._finish_recv(entry, error)
+            if error is not None:
+                self.fail(error)
+
+        fut.add_done_callback(finished)
+
+    def _transfer_done(self, target: asyncio.Future[None], f: asyncio.Future[None]) -> None:
+        error = f.exception() if not f.cancelled() else PeerLostError("abandoned")
+        if error is None:
+            resolve(target, None)
+        else:
+            fail(target, error)
+            self.fail(error)
+
+    # ------------------------------------------------------------------ loss
+    def fail(self, exc: BaseException) -> None:
+        """The pair cannot go on (peer lost, engine closed, an NCCL error): fail everything
+        pending at once, abort the communicator off the loop; the next transfer either way
+        starts a new communicator."""
+        if self.broken is not None:
+            return
+        self.broken = exc
+        keep: list[Any] = []
+        for s in self.sends.values():
+            keep.extend(s.tensors)
+            fail(s.fut, lost_error(exc, f"NCCL send to {self.peer} did not complete"))
+        for r in self.recvs.values():
+            keep.extend(r.buffers)
+            fail(r.fut, lost_error(exc, f"NCCL receive from {self.peer} did not complete"))
+        self.sends.clear()
+        self.recvs.clear()
+        self.window.clear()
+        self.order.clear()
+        self.lane.close()
+        abort_in_background(self.pg, self.gid or self.peer, keep)
+        self.pg = None
         self.store = None
+        pairs = _PAIRS.get(self.host)
+        if pairs is not None and pairs.get(self.peer) is self:
+            del pairs[self.peer]
+
+    def statistics(self) -> PathStatistics:
+        return PathStatistics(
+            usable=self.broken is None,
+            in_use=len(self.sends) + len(self.recvs),
+            resources=int(self.pg is not None),
+            resource_bytes=self.window.in_flight,
+        )
 
 
 class NcclSend:
-    """The NCCL pair toward one destination (rank 0), created with the first CUDA payload."""
+    """The sending half toward one destination: the pair's sends and their handshakes."""
 
-    acks: ClassVar[str | None] = None
+    acks: ClassVar[str | None] = OP_DONE
 
     def __init__(self, host: PathHost, dest: Destination) -> None:
         self.host = host
         self.dest = dest
         self.settled = True
-        self.pair: CudaPair | None = None
 
     @classmethod
     def create(cls, host: PathHost, dest: Destination) -> NcclSend:
         return cls(host, dest)
+
+    def _pair(self) -> NcclPair:
+        pair = pair_for(self.host, self.dest.name)
+        pair.peer_address = self.dest.address
+        return pair
 
     def wants(self, msg: OutMessage) -> bool:
         return False
@@ -163,44 +473,45 @@ class NcclSend:
 
     def place(self, msg: OutMessage, frames: list[Any]) -> Placed:
         specs, live = cuda_specs(msg)
-        pair = self.pair
-        store = None
-        if pair is None:
-            gid = f"aiorl-p2p/{self.host.name}->{self.dest.name}/{uuid.uuid4().hex[:8]}"
-            pair = CudaPair(gid, 0, live[0].device.index)
-            store = list(pair.open_master_store(self.host.endpoint.ip))
-            self.pair = pair
-        host = self.host
+        pair = self._pair()
+        token = self.dest.next_token()
+        store = pair.leader_store() if pair.leader else None
+        desc = [NCCL, pair.gid, store, specs, token, self.host.endpoint.address]
+        events = msg.event
 
         def issue() -> asyncio.Future[None]:
-            return gpu_done_future(host, pair.submit([flat_u8(t) for t in live], msg.event, True))
+            return pair.send(token, live, events)
 
-        return Placed([NCCL, pair.gid, store, specs], after_send=issue)
+        return Placed(desc, after_send=issue)
 
     def on_ack(self, meta: Sequence[Any]) -> bool:
-        return False
+        _, token, reply = meta
+        if not isinstance(reply, list) or not reply:
+            return False
+        pair = _PAIRS.get(self.host, {}).get(self.dest.name)
+        return pair is not None and pair.on_reply(token, reply)
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
-        self.close()  # pending transfers fail through their lane futures
+        pair = _PAIRS.get(self.host, {}).get(self.dest.name)
+        if pair is not None:
+            pair.fail(exc)
 
     def close(self) -> None:
-        if self.pair is not None:
-            self.pair.close()
-            self.pair = None
+        self.lost(PeerLostError("the p2p engine is closed"))
 
     def statistics(self) -> PathStatistics:
-        return PathStatistics(usable=True, resources=int(self.pair is not None))
+        pair = _PAIRS.get(self.host, {}).get(self.dest.name)
+        return PathStatistics(usable=True) if pair is None else pair.statistics()
 
 
 class NcclRecv:
-    """The NCCL pair from one source (rank 1), joined with the first NCCL payload."""
+    """The receiving half from one source: allocation, window, handshakes."""
 
-    control: ClassVar[str | None] = None
+    control: ClassVar[str | None] = OP_CUDA
 
     def __init__(self, host: PathHost, source: str) -> None:
         self.host = host
         self.source = source
-        self.pair: CudaPair | None = None
 
     @classmethod
     def create(cls, host: PathHost, source: str) -> NcclRecv:
@@ -217,30 +528,31 @@ class NcclRecv:
         start: int,
         posted: PostedRecv | None,
     ) -> None:
-        _, gid, store, specs = desc
-        _targets, live, dev, wait_event = receive_targets(msg, specs, posted)
-        if self.pair is None:
-            self.pair = CudaPair("", 1, dev)
-        pair = self.pair
-        if store is not None:
-            pair.gid = gid
-            pair.set_store_address(store[0], int(store[1]))
-        cf = pair.submit([flat_u8(t) for t in live], wait_event, False)
-        msg.cuda_fut = gpu_done_future(self.host, cf)
+        _, gid, store, specs, token, address = desc
+        pair = pair_for(self.host, self.source, gid)
+        pair.peer_address = address
+        pair.follow(store)
+        msg.cuda_fut = pair.receive(token, msg, list(specs), posted)
 
     def on_control(self, meta: Sequence[Any]) -> None:
-        pass
+        if len(meta) != 5 or meta[1] != "go":
+            return  # another path's p2p.cuda message
+        _, _, gid, store, token = meta
+        pair = pair_for(self.host, self.source, gid)
+        pair.follow(store)
+        pair._run(pair.order.on_go_recv(token), sending=False)
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
-        self.close()
+        pair = _PAIRS.get(self.host, {}).get(self.source)
+        if pair is not None:
+            pair.fail(exc)
 
     def close(self) -> None:
-        if self.pair is not None:
-            self.pair.close()
-            self.pair = None
+        self.lost(PeerLostError("the p2p engine is closed"))
 
     def statistics(self) -> PathStatistics:
-        return PathStatistics(usable=True, resources=int(self.pair is not None))
+        pair = _PAIRS.get(self.host, {}).get(self.source)
+        return PathStatistics(usable=True) if pair is None else pair.statistics()
 
 
 PATH = PathSpec("nccl", NCCL, True, NcclSend.create, NcclRecv.create)

@@ -1,0 +1,40 @@
+"""Which running cluster a command of ``aiorl`` looks at, and with which keys."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+__all__ = ["resolve_target"]
+
+
+def resolve_target(args: argparse.Namespace) -> tuple[str, Any, str | None] | None:
+    """Where ``aiorl status`` (and every command that looks at a running cluster) looks:
+    (registry address, keys, host to bind on).
+
+    ``--registry`` or ``$AIORL_REGISTRY`` (keys from ``--key-file``, else as every aiorl
+    process finds them); otherwise this user's newest running embedded cluster, found
+    through its runtime file. None (after saying why) when there is nothing to look at.
+    """
+    from aiorl.cluster.embedded import running_embedded_clusters
+    from aiorl.transport import security
+
+    address = args.registry or os.environ.get("AIORL_REGISTRY")
+    if address:
+        keys = (security.ClusterKeys.load(args.key_file) if args.key_file
+                else security.keys_from_environment())
+        return address, keys, None
+    embedded = running_embedded_clusters()
+    if not embedded:
+        print("error: no registry address (use --registry or set AIORL_REGISTRY) and no "
+              "embedded aiorl.Cluster() of this user is running", file=sys.stderr)
+        return None
+    newest = embedded[0]
+    if len(embedded) > 1:
+        others = ", ".join(str(e.pid) for e in embedded[1:])
+        print(f"({len(embedded)} embedded clusters are running; showing driver pid "
+              f"{newest.pid}'s; the others' drivers: {others})", file=sys.stderr)
+    keys = security.ClusterKeys.load(newest.key_file) if newest.key_file else None
+    return newest.registry, keys, f"ipc://{newest.session_dir}"

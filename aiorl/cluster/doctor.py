@@ -1,0 +1,439 @@
+"""``aiorl doctor`` and ``aiorl trace``: ask every live process, then explain what waits on what.
+
+Collection: the registry lists every live worker and driver with its endpoint; each is
+asked the ``inspect`` operation (aiorl/actors/inspection.py) concurrently, with a timeout,
+from any endpoint (the driver's own for ``cluster.doctor()``, a private one for the
+command line). Nothing here runs inside the job's processes except that one handler.
+
+Analysis (:func:`diagnose`): the pending operations of all processes form a wait-for graph
+whose nodes are processes and channels:
+
+* ``A -> B`` when A waits a receive from B, a call it made to B, or a send to B;
+* ``A -> channel 'c'`` when A waits a get (or a put) on channel ``c``;
+* ``channel 'c' -> P`` for each process P that put into ``c`` while ``c`` is empty and
+  has getters waiting (only a producer can end that wait).
+
+A cycle is a deadlock; an edge to a dead process, or to an empty channel none of whose
+producers is alive, is a wait that can never end; a group call that some ranks answered
+and others not names its stragglers. Findings come first in plain words, then the oldest
+waits (ages need tracing on: spans carry their start), then every process's summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from aiorl.protocol.ops import WorkerOp, WorkerState
+from aiorl.protocol.registry import StatusReport
+from aiorl.registry.client import RegistryClient
+from aiorl.trace import chrome
+from aiorl.trace import recorder as _trace
+from aiorl.transport.endpoint import Endpoint
+
+__all__ = [
+    "DoctorReport", "Probe", "collect", "diagnose", "format_report", "format_stacks",
+    "pull_trace", "switch_tracing",
+]
+
+#: Seconds each process has to answer one inspect request.
+DEFAULT_TIMEOUT = 5.0
+
+
+@dataclass
+class Probe:
+    """One live process the registry knows, and what it answered (or why it did not)."""
+
+    name: str
+    endpoint: str
+    kind: str  # "worker" or "driver"
+    node: str = "?"
+    local: bool = True
+    state: str = "ready"
+    reply: dict[str, Any] | None = None
+    error: str | None = None
+    sent_ns: int = 0
+    received_ns: int = 0
+
+
+def _probes(status: StatusReport) -> tuple[list[Probe], dict[str, str]]:
+    """The processes to ask (live workers and drivers) and every worker's registry state."""
+    here = socket.gethostname()
+    hosts = {n.node_rank: n.hostname for n in status.nodes}
+    states: dict[str, str] = {}
+    probes: list[Probe] = []
+    for w in status.workers:
+        states[w.name] = str(w.state)
+        if w.state == WorkerState.READY and w.info.endpoint:
+            probes.append(Probe(w.name, w.info.endpoint, "worker", str(w.info.node_rank),
+                                hosts.get(w.info.node_rank, here) in (here, ""), str(w.state)))
+    for d in status.drivers:
+        if d.endpoint:
+            probes.append(Probe("driver", d.endpoint, "driver", d.hostname or "?",
+                                d.hostname in (here, "")))
+    return probes, states
+
+
+async def collect(endpoint: Endpoint, registry: RegistryClient, action: str,
+                  timeout: float = DEFAULT_TIMEOUT) -> tuple[list[Probe], StatusReport]:
+    """Ask every live process ``inspect(action)`` at once; each probe holds its answer."""
+    status = await registry.status(timeout=timeout)
+    probes, _ = _probes(status)
+
+    async def ask(p: Probe) -> None:
+        p.sent_ns = _trace._now()
+        try:
+            reply, _ = await endpoint.request(p.endpoint, WorkerOp.INSPECT, {"action": action},
+                                              timeout=timeout)
+            p.reply = reply
+        except TimeoutError:
+            p.error = (f"did not answer within {timeout:g} s (its event loop is blocked: see "
+                       "`aiorl doctor stack` or py-spy)")
+        except Exception as exc:  # noqa: BLE001 - one process's failure is part of the report
+            p.error = f"{type(exc).__name__}: {exc}"
+        p.received_ns = _trace._now()
+
+    await asyncio.gather(*(ask(p) for p in probes))
+    return probes, status
+
+
+async def switch_tracing(endpoint: Endpoint, registry: RegistryClient, on: bool,
+                         timeout: float = DEFAULT_TIMEOUT) -> list[Probe]:
+    """Turn tracing on or off in every live process."""
+    probes, _ = await collect(endpoint, registry, "trace_start" if on else "trace_stop", timeout)
+    return probes
+
+
+async def pull_trace(endpoint: Endpoint, registry: RegistryClient,
+                     timeout: float = DEFAULT_TIMEOUT) -> tuple[dict[str, Any], list[Probe]]:
+    """Drain every live process's trace buffer and merge them into one Chrome trace."""
+    probes, _ = await collect(endpoint, registry, "trace_pull", timeout)
+    buffers = []
+    for p in probes:
+        if p.reply is None:
+            continue
+        group, _, rank = p.name.rpartition(":")
+        buffers.append(chrome.PulledBuffer(
+            p.reply, node=p.node, group=group if p.kind == "worker" else "",
+            rank=int(rank) if rank.isdigit() else -1, sent_ns=p.sent_ns,
+            received_ns=p.received_ns, local=p.local))
+    return chrome.merge(buffers), probes
+
+
+# ---------------------------------------------------------------------- analysis
+@dataclass
+class Wait:
+    """One edge of the wait-for graph: ``waiter`` waits ``what`` on ``target``."""
+
+    waiter: str
+    target: str
+    what: str  # "recv from", "call to", "get on", ...
+    age_s: float | None = None
+    count: int = 1
+
+    def words(self) -> str:
+        age = f" for {self.age_s:.1f} s" if self.age_s is not None else ""
+        many = f" ({self.count} operations)" if self.count > 1 else ""
+        return f"{self.waiter} waits {self.what} {self.target}{many}{age}"
+
+
+@dataclass
+class DoctorReport:
+    """What ``aiorl doctor`` found; ``exit_code`` is 1 on a deadlock or a dead-peer wait."""
+
+    findings: list[str] = field(default_factory=list)
+    deadlocks: list[list[str]] = field(default_factory=list)
+    dead_peer_waits: list[str] = field(default_factory=list)
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    growing_channels: list[dict[str, Any]] = field(default_factory=list)
+    unresponsive: list[str] = field(default_factory=list)
+    oldest_waits: list[dict[str, Any]] = field(default_factory=list)
+    waits: list[dict[str, Any]] = field(default_factory=list)
+    processes: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.deadlocks or self.dead_peer_waits else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "exit_code": self.exit_code}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+
+def _channel_node(name: str) -> str:
+    return f"channel '{name}'"
+
+
+def _ages(pending: list[dict[str, Any]]) -> dict[tuple[str, str | None], float]:
+    """Tracing on: the oldest open span per (category, peer), to date the waits."""
+    ages: dict[tuple[str, str | None], float] = {}
+    for e in pending:
+        if e["kind"] == "span":
+            key = (e["cat"], e["peer"])
+            ages[key] = max(ages.get(key, 0.0), e["age_s"])
+    return ages
+
+
+def _edges(process: str, pending: list[dict[str, Any]], names: dict[str, str]) -> list[Wait]:
+    ages = _ages(pending)
+    counted: dict[tuple[str, str], Wait] = {}
+
+    def add(target: str | None, what: str, age: float | None) -> None:
+        if not target or target == process:
+            return
+        w = counted.get((target, what))
+        if w is None:
+            counted[target, what] = Wait(process, target, what, age)
+        else:
+            w.count += 1
+
+    for e in pending:
+        kind = e["kind"]
+        if kind == "recv":
+            add(e["peer"], "recv from", ages.get(("recv", e["peer"])))
+        elif kind == "send":
+            add(e["peer"], "send to", ages.get(("send", e["peer"])))
+        elif kind == "call":
+            peer = e.get("peer") or names.get(e["address"])
+            add(peer, "a call answered by", e.get("age_s"))
+        elif kind.startswith("channel."):
+            verb = kind.split(".", 1)[1]
+            add(_channel_node(e["channel"]), f"{verb} on",
+                ages.get(("channel", f"channel {e['channel']}")))
+    return list(counted.values())
+
+
+def _channel_edges(snapshots: dict[str, dict[str, Any]], states: dict[str, str]
+                   ) -> tuple[list[Wait], dict[str, str], dict[str, dict[str, Any]]]:
+    """Edges from empty channels to their producers; why a channel with no producer alive
+    never fills (by channel node); every hosted queue."""
+    edges: list[Wait] = []
+    dead_ends: dict[str, str] = {}
+    queues: dict[str, dict[str, Any]] = {}
+    for snap in snapshots.values():
+        for q in snap.get("channels") or ():
+            node = _channel_node(q["channel"])
+            queues[f"{node} queue {q['queue']!r}"] = q
+            if q["size"] or not q["waiting_getters"]:
+                continue
+            alive = [p for p in q["producers"] if states.get(p, "ready") == "ready"
+                     and p in snapshots]
+            for p in alive:
+                edges.append(Wait(node, p, "a put from"))
+            if not alive:
+                gone = ", ".join(f"{p} is {states.get(p, 'gone')}" for p in q["producers"])
+                dead_ends[node] = ("which is empty and has no producer alive"
+                                   + (f" ({gone})" if gone else " (nobody has put into it)"))
+    return edges, dead_ends, queues
+
+
+def _cycles(edges: Iterable[Wait]) -> list[list[Wait]]:
+    """Simple cycles of the wait-for graph, each once (the graph is small)."""
+    graph: dict[str, list[Wait]] = {}
+    for e in edges:
+        graph.setdefault(e.waiter, []).append(e)
+    found: list[list[Wait]] = []
+    seen: set[tuple[str, ...]] = set()
+
+    def walk(start: str, node: str, path: list[Wait], on_path: set[str]) -> None:
+        for e in graph.get(node, ()):
+            if e.target == start:
+                cycle = [*path, e]
+                nodes = [w.waiter for w in cycle]
+                i = nodes.index(min(nodes))
+                key = tuple(nodes[i:] + nodes[:i])
+                if key not in seen:
+                    seen.add(key)
+                    found.append(cycle[i:] + cycle[:i])
+            elif e.target not in on_path and e.target > start:
+                walk(start, e.target, [*path, e], on_path | {e.target})
+
+    for start in sorted(graph):
+        walk(start, start, [], {start})
+    return found
+
+
+def _sentence(chain: list[Wait]) -> str:
+    first = chain[0]
+    text = f"{first.waiter} waits {first.what} {first.target}"
+    for w in chain[1:]:
+        text += f", which waits {w.what} {w.target}"
+    return text
+
+
+def _stragglers(snapshots: dict[str, dict[str, Any]], names: dict[str, str]
+                ) -> list[dict[str, Any]]:
+    """Group calls some ranks answered and others not: the latter are named."""
+    out = []
+    for process, snap in snapshots.items():
+        calls: dict[int, list[dict[str, Any]]] = {}
+        for e in snap["pending"]:
+            if e["kind"] == "call":
+                calls.setdefault(e["call"], []).append(e)
+        for entries in calls.values():
+            size = entries[0]["call_size"]
+            if len(entries) == size:
+                continue  # nobody answered yet: slow everywhere, not a straggler
+            late = sorted(e.get("peer") or names.get(e["address"], e["address"]) for e in entries)
+            methods = sorted({x["method"] for n in late for x in
+                              snapshots.get(n, {}).get("pending", ()) if x["kind"] == "executing"
+                              and x["peer"] == process})
+            age = max((e.get("age_s") or 0.0 for e in entries), default=0.0)
+            out.append({"caller": process, "ranks": size, "answered": size - len(entries),
+                        "waiting_for": late, "methods": methods, "age_s": age or None})
+    return out
+
+
+def diagnose(probes: list[Probe], status: StatusReport,
+             later: list[Probe] | None = None, interval: float = 0.0) -> DoctorReport:
+    """The report of one collection of snapshots (``later``: a second one, for growth)."""
+    _, states = _probes(status)
+    report = DoctorReport()
+    snapshots: dict[str, dict[str, Any]] = {}
+    for p in probes:
+        if p.reply is None:
+            report.unresponsive.append(f"{p.name} ({p.endpoint}): {p.error}")
+            continue
+        snapshots[p.name] = p.reply
+    names = {p.endpoint: p.name for p in probes}
+    names.update({w.info.endpoint: w.name for w in status.workers if w.info.endpoint})
+    for snap in snapshots.values():  # name the peers a process knows only by address
+        for e in snap["pending"]:
+            if not e.get("peer") and e.get("address") in names:
+                e["peer"] = names[e["address"]]
+    edges: list[Wait] = []
+    for name, snap in snapshots.items():
+        edges.extend(_edges(name, snap["pending"], names))
+    channel_edges, dead_ends, queues = _channel_edges(snapshots, states)
+    all_edges = edges + channel_edges
+    report.waits = [asdict(e) for e in all_edges]
+    for cycle in _cycles(all_edges):
+        report.deadlocks.append([w.words() for w in cycle])
+        report.findings.append(f"DEADLOCK: {_sentence(cycle)} (a cycle: none of them can go on)")
+    for e in edges:
+        target_state = states.get(e.target)
+        if target_state in (WorkerState.DEAD, WorkerState.FAILED):
+            text = f"{e.words()}, which is {target_state}"
+            report.dead_peer_waits.append(text)
+            report.findings.append("WAITING ON A DEAD PEER: " + text)
+    for e in edges:
+        if e.target in dead_ends:
+            text = f"{e.words()}, {dead_ends[e.target]}"
+            report.dead_peer_waits.append(text)
+            report.findings.append("WAITING ON A DEAD PEER: " + text)
+    for s in _stragglers(snapshots, names):
+        report.stragglers.append(s)
+        method = f" {'/'.join(s['methods'])}" if s["methods"] else ""
+        age = f" after {s['age_s']:.1f} s" if s["age_s"] else ""
+        report.findings.append(
+            f"STRAGGLER: {s['caller']}'s group call{method}: {s['answered']} of {s['ranks']} "
+            f"ranks answered; still waiting{age} for {', '.join(s['waiting_for'])}")
+    if later is not None:
+        before = {k: q["size"] for k, q in queues.items()}
+        later_snaps = {p.name: p.reply for p in later if p.reply is not None}
+        _, _, after = _channel_edges(later_snaps, states)
+        for key, q in after.items():
+            if key in before and q["size"] > before[key] and not q["waiting_getters"]:
+                grown = {"queue": key, "from": before[key], "to": q["size"],
+                         "interval_s": interval}
+                report.growing_channels.append(grown)
+                report.findings.append(
+                    f"GROWING: {key} grew from {before[key]} to {q['size']} items in "
+                    f"{interval:.1f} s with nobody getting from it")
+    for line in report.unresponsive:
+        report.findings.append("UNRESPONSIVE: " + line)
+    dated = [{"process": name, "what": _describe_pending(e), "age_s": e["age_s"]}
+             for name, snap in snapshots.items() for e in snap["pending"]
+             if e.get("age_s") is not None]
+    report.oldest_waits = sorted(dated, key=lambda e: -e["age_s"])[:10]
+    for p in probes:
+        snap = p.reply or {}
+        report.processes.append({
+            "name": p.name, "kind": p.kind, "node": p.node, "pid": snap.get("pid"),
+            "answered": p.reply is not None, "tracing": snap.get("tracing"),
+            "pending": [e for e in snap.get("pending", ()) if e["kind"] != "span"],
+            "threads": snap.get("threads", []), "tasks": snap.get("tasks", []),
+            "channels": snap.get("channels", []), "resources": snap.get("resources", {}),
+        })
+    return report
+
+
+# ---------------------------------------------------------------------- text
+def _describe_pending(e: dict[str, Any]) -> str:
+    kind = e["kind"]
+    if kind == "executing":
+        return f"executing {e['method']}() for {e['peer']}"
+    if kind == "span":
+        return f"{e['cat']} {e['name']}" + (f" with {e['peer']}" if e.get("peer") else "")
+    if kind == "call":
+        return f"call to {e.get('peer') or e['address']} (rank {e['index']} of a " \
+               f"{e['call_size']}-rank group call)"
+    if kind.startswith("channel."):
+        return f"{kind.split('.', 1)[1]} on channel '{e['channel']}' (queue {e['queue']!r})"
+    return f"{kind} {'from' if kind == 'recv' else 'to'} {e.get('peer')}"
+
+
+def format_report(report: DoctorReport, verbose: bool = False) -> str:
+    """The report in plain words: findings first, then oldest waits, then each process."""
+    lines = []
+    answered = sum(1 for p in report.processes if p["answered"])
+    pending = sum(len(p["pending"]) for p in report.processes)
+    lines.append(f"aiorl doctor: {answered}/{len(report.processes)} processes answered, "
+                 f"{pending} pending operations")
+    lines.append("")
+    if report.findings:
+        lines.extend(report.findings)
+    else:
+        lines.append("No deadlock, no wait on a dead peer, no straggler found.")
+    lines.append("")
+    if report.oldest_waits:
+        lines.append("OLDEST WAITS (dated while tracing is on)")
+        for e in report.oldest_waits:
+            lines.append(f"  {e['age_s']:8.2f} s  {e['process']}: {e['what']}")
+        lines.append("")
+    lines.append("PROCESSES")
+    for p in report.processes:
+        if not p["answered"]:
+            lines.append(f"  {p['name']} (node {p['node']}): did not answer")
+            continue
+        rss = p["resources"].get("rss_bytes", 0) / 2**20
+        lines.append(f"  {p['name']} (node {p['node']}, pid {p['pid']}, {rss:.0f} MiB): "
+                     f"{len(p['pending'])} pending")
+        for e in p["pending"]:
+            lines.append(f"      {_describe_pending(e)}")
+        for q in p["channels"]:
+            lines.append(f"      hosts channel '{q['channel']}' queue {q['queue']!r}: "
+                         f"{q['size']} items, {q['waiting_getters']} getters and "
+                         f"{q['waiting_putters']} putters waiting, producers: "
+                         f"{', '.join(q['producers']) or 'none'}")
+        if verbose:
+            for t in p["tasks"]:
+                lines.append(f"      task {t['name']} ({t['coro']}) at {t['where']}")
+    return "\n".join(lines)
+
+
+def format_stacks(probes: list[Probe]) -> str:
+    """Every process's thread stacks and asyncio tasks, like ``py-spy dump`` for each."""
+    out = []
+    for p in probes:
+        out.append(f"=== {p.name} (node {p.node}, {p.endpoint})")
+        if p.reply is None:
+            out.append(f"    no answer: {p.error}")
+            continue
+        for t in p.reply["threads"]:
+            mark = "  (answering this request)" if t["inspecting"] else ""
+            out.append(f"--- thread {t['thread']}{mark}")
+            out.append(t["stack"].rstrip())
+        for task in p.reply["tasks"]:
+            out.append(f"--- task {task['name']} {task['coro']}: awaits {task['awaits']}")
+            if task["stack"]:
+                out.append(task["stack"].rstrip())
+        out.append("")
+    return "\n".join(out)
+

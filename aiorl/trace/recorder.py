@@ -1,0 +1,267 @@
+"""The per-process span recorder: a ring buffer of finished spans and a set of open ones.
+
+Hooks in the runtime services read the module-level :data:`ON` once per operation; with
+tracing off that check is all they cost. With tracing on, an operation becomes one
+:class:`Span` (a slotted object: ~0.5 µs to open and close) that stays in :data:`open_spans`
+while it is pending (what ``aiorl doctor`` shows as pending work with its age) and moves to
+the ring buffer when it ends. Nothing is sent per span: the buffer is pulled in bulk
+(:func:`drain`) by ``aiorl trace dump`` / ``cluster.trace_dump``.
+
+Flows (the arrows from a send to its receive, from a call to its execution) need no extra
+message either: both ends count the messages of an ordered pair of processes, and the k-th
+send from A to B is the k-th receive of B from A (each pair's messages are delivered in
+order, docs/ordering.md), so each end names the flow ``(pair, k)`` on its own.
+
+Times are ``time.perf_counter_ns()`` (CLOCK_MONOTONIC: shared by the processes of one
+machine); the merger corrects other machines' clocks (:mod:`aiorl.trace.chrome`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = [
+    "ON", "Span", "begin", "counter", "disable", "drain", "enable", "enable_from_environment",
+    "error_text", "flow_seq", "mark", "now", "open_spans", "payload_bytes", "recent", "record",
+    "set_process_name", "span",
+]
+
+#: The switch every hook reads. Off by default; ``AIORL_TRACE=1`` turns it on at start-up.
+ON = False
+#: The environment variable that turns tracing on in a process and everything it spawns.
+ENV = "AIORL_TRACE"
+#: Finished spans kept per process (the oldest are dropped first).
+DEFAULT_CAPACITY = 200_000
+
+_now = time.perf_counter_ns
+#: The recorder's clock (ns), for hooks that time an operation themselves.
+now = _now
+_ident = threading.get_ident
+_running_loop = asyncio._get_running_loop
+
+#: Finished spans as plain tuples (:meth:`Span.to_wire`): tuples of atomic values leave the
+#: garbage collector's tracking, so a full buffer does not slow every collection.
+_buffer: deque[tuple[Any, ...]] = deque(maxlen=DEFAULT_CAPACITY)
+#: Spans begun and not ended: the process's pending operations while tracing is on.
+open_spans: set[Span] = set()
+_flow_counts: dict[str, int] = {}
+_process_name = f"pid{os.getpid()}"
+
+
+class Span:
+    """One operation or user region: when, where (thread), with whom, how much, and how it ended.
+
+    ``on_loop`` spans (begun on a running event loop, or completed later by the loop) are
+    drawn as async slices, since they interleave with other tasks; the others are nested
+    slices of their thread. ``flow_out``/``flow_in`` name the pair-and-sequence that links
+    this span to its counterpart in another process.
+    """
+
+    __slots__ = ("cat", "name", "t0", "t1", "tid", "end_tid", "peer", "nbytes", "ok", "error",
+                 "flow_out", "flow_in", "tags", "on_loop")
+
+    def __init__(self, cat: str, name: str, peer: str | None, tags: dict[str, Any] | None,
+                 on_loop: bool) -> None:
+        self.cat = cat
+        self.name = name
+        self.peer = peer
+        self.tags = tags
+        self.on_loop = on_loop
+        self.nbytes = 0
+        self.ok = True
+        self.error: str | None = None
+        self.flow_out: tuple[str, int] | None = None
+        self.flow_in: tuple[str, int] | None = None
+        self.t1 = 0
+        self.end_tid = 0
+        self.tid = _ident()
+        self.t0 = _now()
+        open_spans.add(self)
+
+    def end(self, ok: bool = True, nbytes: int = 0, error: str | None = None) -> None:
+        """Close the span (once; later calls are ignored)."""
+        if self.t1:
+            return
+        self.t1 = _now()
+        self.end_tid = _ident()
+        self.ok = ok
+        if nbytes:
+            self.nbytes += nbytes
+        if error is not None:
+            self.error = error
+        open_spans.discard(self)
+        _buffer.append((self.cat, self.name, self.t0, self.t1, self.tid, self.end_tid, self.peer,
+                        self.nbytes, ok, self.error, self.flow_out, self.flow_in, self.tags,
+                        self.on_loop))
+
+    def settled(self, fut: asyncio.Future[Any]) -> None:
+        """A done-callback: close the span as the operation's future ended."""
+        if fut.cancelled():
+            self.end(False, error="cancelled")
+        elif (exc := fut.exception()) is not None:
+            self.end(False, error=error_text(exc))
+        else:
+            self.end()
+
+    def age_s(self, now_ns: int | None = None) -> float:
+        return ((now_ns or _now()) - self.t0) / 1e9
+
+    def to_wire(self) -> tuple[Any, ...]:
+        """The record a pull carries (:mod:`aiorl.trace.chrome` reads it); finished spans are
+        kept in this form."""
+        return (self.cat, self.name, self.t0, self.t1, self.tid, self.end_tid, self.peer,
+                self.nbytes, self.ok, self.error, self.flow_out, self.flow_in, self.tags,
+                self.on_loop)
+
+
+def begin(cat: str, name: str, peer: str | None = None, **tags: Any) -> Span:
+    """Open a span for an operation that ends later (``span.end()`` or ``span.settled``)."""
+    return Span(cat, name, peer, tags or None, _running_loop() is not None)
+
+
+def record(cat: str, name: str, t0: int, peer: str | None, nbytes: int, ok: bool,
+           error: str | None, flow_out: tuple[str, int] | None,
+           flow_in: tuple[str, int] | None, on_loop: bool) -> None:
+    """Record a finished operation begun at ``t0`` (``now()``) without a :class:`Span`:
+    for hot operations whose pending state the doctor reads elsewhere (group calls,
+    executions), one tuple is all they cost."""
+    tid = _ident()
+    _buffer.append((cat, name, t0, _now(), tid, tid, peer, nbytes, ok, error, flow_out, flow_in,
+                    None, on_loop))
+
+
+def error_text(exc: BaseException) -> str:
+    """How a span records the error an operation ended with."""
+    return f"{type(exc).__name__}: {exc}"[:200]
+
+
+def flow_seq(pair: str) -> tuple[str, int]:
+    """The next flow id of the ordered pair ``pair`` (``"A>B/kind"``), counted on this end."""
+    k = _flow_counts.get(pair, 0) + 1
+    _flow_counts[pair] = k
+    return pair, k
+
+
+@contextmanager
+def span(name: str, **tags: Any) -> Iterator[Span | None]:
+    """Record the enclosed block as a span (a no-op yielding None when tracing is off).
+
+    Example::
+
+        with aiorl.span("rollout.generate", step=step):
+            trajectories = self.generate(prompts)
+    """
+    if not ON:
+        yield None
+        return
+    s = Span("user", name, None, tags or None, _running_loop() is not None)
+    try:
+        yield s
+    except BaseException as exc:
+        s.end(False, error=error_text(exc))
+        raise
+    s.end()
+
+
+def mark(name: str, **tags: Any) -> None:
+    """Record an instant (a zero-length span) when tracing is on.
+
+    Example::
+
+        aiorl.mark("weights.published", version=step)
+    """
+    if ON:
+        t = _now()
+        _buffer.append(("mark", name, t, t, _ident(), 0, None, 0, True, None, None, None,
+                        tags or None, False))
+
+
+def counter(name: str, value: float) -> None:
+    """Record a sample of a counter (a queue depth, pending operations) when tracing is on."""
+    if ON:
+        t = _now()
+        _buffer.append(("counter", name, t, t, 0, 0, None, 0, True, None, None, None,
+                        {"value": value}, False))
+
+
+def payload_bytes(frames: Any) -> int:
+    """Bytes in a list of frames (bytes, memoryviews, pickle buffers)."""
+    total = 0
+    for f in frames:
+        try:
+            total += memoryview(f).nbytes
+        except TypeError:
+            pass
+    return total
+
+
+def set_process_name(name: str) -> None:
+    """The name this process's spans carry (its worker name, or the driver's)."""
+    global _process_name
+    _process_name = name
+
+
+def enable(capacity: int | None = None) -> None:
+    """Turn tracing on in this process (optionally resizing the ring buffer)."""
+    global ON, _buffer
+    if capacity is not None and capacity != _buffer.maxlen:
+        _buffer = deque(_buffer, maxlen=capacity)
+    ON = True
+
+
+def disable() -> None:
+    """Turn tracing off; what was recorded stays until drained."""
+    global ON
+    ON = False
+
+
+def enable_from_environment() -> bool:
+    """Turn tracing on if ``AIORL_TRACE`` is set (read when a process starts); returns ON."""
+    if os.environ.get(ENV, "") not in ("", "0"):
+        enable()
+    return ON
+
+
+def recent(window_s: float) -> dict[str, list[float]]:
+    """Per category, ``[operations, errors, bytes]`` per second over the last ``window_s``
+    seconds of finished spans (what live status and metrics show while tracing is on).
+
+    Read from the newest end of the buffer back to the window's start, so recording pays
+    nothing for it."""
+    since = _now() - int(window_s * 1e9)
+    totals: dict[str, list[float]] = {}
+    for rec in reversed(_buffer):
+        if rec[3] < since:
+            break
+        t = totals.get(rec[0])
+        if t is None:
+            t = totals[rec[0]] = [0.0, 0.0, 0.0]
+        t[0] += 1
+        t[1] += not rec[8]
+        t[2] += rec[7]
+    return {cat: [v / window_s for v in t] for cat, t in totals.items()}
+
+
+def drain() -> dict[str, Any]:
+    """Take every finished span (and copies of the open ones) for a pull.
+
+    The reply carries this process's clock at the time of the pull, so the puller can
+    estimate the offset between its clock and ours from the round trip.
+    """
+    global _buffer
+    taken, _buffer = _buffer, deque(maxlen=_buffer.maxlen)
+    threads = {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
+    return {
+        "process": _process_name, "pid": os.getpid(), "on": ON,
+        "spans": list(taken),
+        "open": [s.to_wire() for s in list(open_spans)],
+        "threads": threads, "clock_ns": _now(),
+        "full": len(taken) == taken.maxlen,
+    }

@@ -1,0 +1,91 @@
+"""GPU-related behaviour of node agents that runs without a GPU (real agents, real workers).
+
+* Issue 13 item 11: an agent started under its own ``CUDA_VISIBLE_DEVICES`` (indices or GPU
+  UUIDs) gives each worker the *physical* devices its local placement indices stand for.
+* Issue 13 item 12: a zygote preload that initialises CUDA must not hand workers a broken
+  CUDA state: the zygote notices and starts workers as fresh interpreters instead.
+  (No GPU here: the preload fakes "CUDA initialised" through ``torch.cuda._initialized``,
+  the flag ``torch.cuda.is_initialized()`` reads.)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+import aiorl
+from aiorl.node.visible_devices import physical_visible_devices
+from aiorl.placement import FlexiblePlacementStrategy, PackedPlacementStrategy
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class EnvReporter(aiorl.Worker):
+    def visible(self) -> str | None:
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    def started_by_exec(self) -> bool:
+        with open("/proc/self/cmdline", "rb") as f:
+            return b"aiorl.node.exec_worker" in f.read()
+
+
+def test_workers_get_physical_gpus_through_the_agents_index_mask(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # the embedded agent inherits it
+    with aiorl.Cluster(accelerators_per_node=4) as cluster:
+        singles = EnvReporter.create_group().launch(
+            cluster, PackedPlacementStrategy(0, 3), name="masked"
+        )
+        pairs = EnvReporter.create_group().launch(
+            cluster, FlexiblePlacementStrategy([[0, 1], [2, 3]]), name="pairs"
+        )
+        try:
+            assert singles.visible().wait(30) == ["4", "5", "6", "7"]
+            assert pairs.visible().wait(30) == ["4,5", "6,7"]
+            assert singles.started_by_exec().wait(30) == [False] * 4  # a plain zygote forks
+        finally:
+            singles.close()
+            pairs.close()
+
+
+def test_workers_get_physical_gpus_through_the_agents_uuid_mask(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa,GPU-bb,GPU-cc,GPU-dd")
+    with aiorl.Cluster(accelerators_per_node=4) as cluster:
+        group = EnvReporter.create_group().launch(
+            cluster, FlexiblePlacementStrategy([[1], [3]]), name="uuids"
+        )
+        try:
+            assert group.visible().wait(30) == ["GPU-bb", "GPU-dd"]
+        finally:
+            group.close()
+
+
+def test_mapping_rules() -> None:
+    assert physical_visible_devices("0,2", None, 4) == "0,2"  # unmasked agent
+    assert physical_visible_devices("1", "3,1", 2) == "1"
+    assert physical_visible_devices("0", "3,1", 2) == "3"
+    assert physical_visible_devices("GPU-x", "3,1", 2) == "GPU-x"  # already physical
+    # A mask shorter than the declared accelerators is not a device list (test machines).
+    assert physical_visible_devices("3", "0", 8) == "3"
+    with pytest.raises(ValueError, match="local GPU 2 does not exist"):
+        physical_visible_devices("2", "3,1", 2)
+
+
+def test_zygote_that_initialised_cuda_starts_workers_by_exec(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("AIORL_ZYGOTE_PRELOAD", "tests._fake_cuda_preload")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
+    with aiorl.Cluster() as cluster:
+        group = EnvReporter.create_group().launch(cluster, num_workers=2, name="cudazyg")
+        try:
+            assert group.started_by_exec().wait(60) == [True, True]
+        finally:
+            group.close()
+    err = capfd.readouterr().err
+    assert "tests._fake_cuda_preload" in err and "initialised CUDA" in err

@@ -1,0 +1,260 @@
+"""Supervision (docs/failures.md, invariants 23-28): restart policies, incarnations, fate
+sharing, the event stream, fencing of a node cut off from the registry, name reuse.
+Real processes; every wait is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+import aiorl
+from aiorl.group.supervision import EventKind, GroupEvent
+
+pytestmark = pytest.mark.timeout(90)
+
+
+class Member(aiorl.Worker):
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def my_incarnation(self) -> str:
+        return os.environ.get("AIORL_INCARNATION", "0")
+
+    async def hang(self) -> None:
+        """Stands for a collective waiting on a peer that will never answer."""
+        await asyncio.sleep(60)
+
+    def note(self, what: str) -> None:
+        self.log.append(what)
+
+    def notes(self) -> list[str]:
+        return self.log
+
+
+class Configured(Member):
+    """Names ``configure`` as replayed after a restart (as PollingWorker does)."""
+
+    _aiorl_replay_on_restart = ("configure",)
+
+    def configure(self, config: str) -> None:
+        self.log.append(f"configure {config}")
+
+
+def _gone(pids: list[int], within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                   for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _until(events: aiorl.group.supervision.GroupEvents, kind: EventKind, rank: int | None,
+           within: float = 20) -> list[GroupEvent]:
+    """Events up to and including the first of ``kind`` for ``rank``."""
+    seen = []
+    deadline = time.monotonic() + within
+    while True:
+        event = events.get(timeout=max(deadline - time.monotonic(), 0.01))
+        seen.append(event)
+        if event.kind == kind and event.rank == rank:
+            return seen
+
+
+def test_restart_on_failure_keeps_name_and_rank_with_a_new_incarnation(cluster):
+    group = Member.create_group().launch(cluster, num_workers=2, name="phoenix",
+                                         restart="on_failure", backoff=0.05)
+    try:
+        events = group.events()
+        pids = group.pid().wait(60)
+        pending = group.execute_on(1).hang()
+        time.sleep(0.2)
+        os.kill(pids[1], signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(aiorl.PeerLostError, match="SIGKILL"):
+            pending.wait(10)  # pending on the old incarnation: failed, never re-delivered
+        assert time.monotonic() - started < 5
+        later = group.execute_on(1).my_incarnation()  # waits for the new incarnation
+        assert later.wait(30) == ["1"]
+        kinds = [(e.kind, e.rank, e.incarnation) for e in _until(events, EventKind.RESTARTED, 1)]
+        assert kinds == [(EventKind.DIED, 1, 0), (EventKind.RESTARTING, 1, 1),
+                         (EventKind.RESTARTED, 1, 1)]
+        new_pids = group.pid().wait(30)
+        assert new_pids[0] == pids[0] and new_pids[1] != pids[1]  # rank 0 untouched
+        assert group.incarnation(1) == 1
+        record = cluster.runtime.run_sync(cluster.runtime.registry.lookup("phoenix:1"), 10)
+        assert record.incarnation == 1 and record.info.pid == new_pids[1]
+        # Another worker calling it by name reaches the new incarnation too.
+        assert cluster.runtime.run_sync(
+            cluster.runtime.call_worker("phoenix:1", "pid"), 10) == new_pids[1]
+    finally:
+        group.close()
+
+
+def test_restart_never_and_max_restarts_give_up(cluster):
+    never = Member.create_group().launch(cluster, num_workers=1, name="mortal")
+    limited = Member.create_group().launch(cluster, num_workers=1, name="twice",
+                                           restart="on_failure", max_restarts=1, backoff=0.05)
+    try:
+        (pid,) = never.pid().wait(60)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(aiorl.PeerLostError, match="SIGKILL"):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # until the death is known, calls still answer
+                never.pid().wait(10)
+                time.sleep(0.05)
+        assert never.events().get(timeout=5).kind == EventKind.DIED
+        events = limited.events()
+        for expected in (EventKind.RESTARTED, EventKind.GAVE_UP):
+            (pid,) = limited.pid().wait(30)
+            os.kill(pid, signal.SIGKILL)
+            _until(events, expected, 0)
+        with pytest.raises(aiorl.PeerLostError):
+            limited.pid().wait(10)
+    finally:
+        never.close()
+        limited.close()
+
+
+def test_fate_group_tears_the_group_down_and_aborts_pending_calls_within_5s(cluster):
+    group = Member.create_group().launch(cluster, num_workers=3, name="spmd", fate="group")
+    try:
+        events = group.events()
+        pids = group.pid().wait(60)
+        pending = group.execute_on(1, 2).hang()  # as if blocked in a collective with rank 0
+        time.sleep(0.2)
+        os.kill(pids[0], signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(aiorl.PeerLostError, match="fate='group'"):
+            pending.wait(10)
+        assert time.monotonic() - started < 5
+        assert _gone(pids, within=5), "a rank outlived its group's fate"
+        _until(events, EventKind.TORN_DOWN, None)
+        with pytest.raises(aiorl.PeerLostError):
+            group.pid().wait(5)
+    finally:
+        group.close()
+
+
+def test_fate_group_with_restart_restarts_every_rank(cluster):
+    group = Member.create_group().launch(cluster, num_workers=2, name="spmd_again",
+                                         fate="group", restart="on_failure", backoff=0.05)
+    try:
+        pids = group.pid().wait(60)
+        os.kill(pids[0], signal.SIGKILL)
+        assert _gone(pids, within=5)
+        deadline = time.monotonic() + 30
+        while True:  # calls fail while the group restarts, then reach the new processes
+            try:
+                if group.my_incarnation().wait(30) == ["1", "1"]:
+                    break
+            except aiorl.PeerLostError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert not set(group.pid().wait(30)) & set(pids)
+    finally:
+        group.close()
+
+
+def test_restarted_rank_gets_its_last_configure_and_the_hook_speaks_first(cluster):
+    hooked: list[GroupEvent] = []
+
+    def on_restart(view: aiorl.WorkerGroup[Configured], event: GroupEvent) -> None:
+        hooked.append(event)
+        view.note("hook")  # sent before the calls that waited for the restart
+
+    group = Configured.create_group().launch(cluster, num_workers=1, name="configured",
+                                             restart="on_failure", backoff=0.2,
+                                             on_restart=on_restart)
+    try:
+        group.configure("v1").wait(60)
+        group.configure("v2").wait(60)
+        (pid,) = group.pid().wait(60)
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+        group.note("queued")
+        assert group.notes().wait(30) == [["configure v2", "hook", "queued"]]
+        assert [e.kind for e in hooked] == [EventKind.RESTARTED]
+    finally:
+        group.close()
+
+
+def test_a_dead_groups_worker_names_are_free_for_a_new_group(cluster):
+    first = Member.create_group().launch(cluster, num_workers=1, name="reborn")
+    (pid,) = first.pid().wait(60)
+    os.kill(pid, signal.SIGKILL)
+    assert _gone([pid], 5)
+    first.close()
+    second = Member.create_group().launch(cluster, num_workers=1, name="reborn")
+    try:
+        assert second.pid().wait(60) != [pid]
+        assert cluster.runtime.run_sync(cluster.runtime.call_worker("reborn:0", "pid"), 10) != pid
+    finally:
+        second.close()
+
+
+@pytest.fixture
+def processes(tmp_path):
+    from tests.test_failures import ClusterProcesses
+
+    procs = ClusterProcesses(tmp_path, nodes=1)
+    try:
+        yield procs
+    finally:
+        procs.registry.send_signal(signal.SIGCONT)
+        procs.close()
+
+
+def test_node_cut_off_from_the_registry_stops_its_workers_after_the_expiry(processes):
+    """No split brain: two expiries (2 s each here) after its last answered heartbeat, a node
+    cut off from the registry has stopped its workers; the registry declared it dead after
+    one, and owners restart its workers only after the second."""
+    with aiorl.Cluster(registry=processes.address, num_nodes=1,
+                       key_file=processes.key_file) as c:
+        group = Member.create_group().launch(c, num_workers=1, name="fenced")
+        (pid,) = group.pid().wait(60)
+        processes.registry.send_signal(signal.SIGSTOP)  # silent, as behind a partition
+        stopped = time.monotonic()
+        assert _gone([pid], within=8), "a worker of a node cut off from the registry kept running"
+        assert 3.4 < time.monotonic() - stopped < 6.5  # two expiries (4 s), less the last beat
+        processes.registry.send_signal(signal.SIGCONT)
+        with pytest.raises(aiorl.PeerLostError):
+            group.pid().wait(15)
+
+
+def test_channel_restart_on_failure_fails_pending_gets_and_comes_back_empty(cluster):
+    from aiorl.channels._server import group_name_for
+
+    channel = aiorl.Channel.create(cluster, "phoenix_items", restart="on_failure")
+    worker = f"{group_name_for('phoenix_items')}:0"
+    for i in range(3):
+        channel.put(i).wait(30)
+    channel.put("drained").wait(30)
+    assert [channel.get().wait(10) for _ in range(4)] == [0, 1, 2, "drained"]
+    channel.put("lost").wait(30)  # queued when the worker dies: lost with it
+    pending = channel.get(key="empty")  # waits on the worker
+    time.sleep(0.2)
+    pid = cluster.runtime.run_sync(cluster.runtime.registry.lookup(worker), 10).info.pid
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(aiorl.PeerLostError, match="phoenix_items"):
+        pending.wait(10)
+    deadline = time.monotonic() + 30
+    while True:  # operations fail until the replacement is ready, then reach it
+        try:
+            channel.put("after").wait(10)
+            break
+        except aiorl.PeerLostError:
+            assert time.monotonic() < deadline, "the channel did not come back"
+            time.sleep(0.1)
+    assert channel.get().wait(10) == "after"  # the replacement started empty
+    assert channel.qsize() == 0
