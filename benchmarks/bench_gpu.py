@@ -33,8 +33,13 @@ from typing import Any
 import torch
 
 SIZES = {
-    "1KB": 1 << 10, "1MB": 1 << 20, "64MB": 64 << 20, "256MB": 256 << 20,
-    "1GB": 1 << 30, "4GB": 4 << 30, "8GB": 8 << 30,
+    "1KB": 1 << 10,
+    "1MB": 1 << 20,
+    "64MB": 64 << 20,
+    "256MB": 256 << 20,
+    "1GB": 1 << 30,
+    "4GB": 4 << 30,
+    "8GB": 8 << 30,
 }
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "gpu.json")
 
@@ -112,7 +117,7 @@ def _worker_class() -> Any:
                     await self.recv("gpubench", other)
                     await self.send(payload, "gpubench", other)
                 times.append((time.perf_counter() - t0) / 2)
-            return statistics.median(times[n // 10:])
+            return statistics.median(times[n // 10 :])
 
     return Bench
 
@@ -122,8 +127,10 @@ def aiorl_run(gpus: tuple[int, int], sizes: list[int], reps: int) -> dict[str, A
     from aiorl.placement import FlexiblePlacementStrategy
 
     with aiorl.Cluster(num_nodes=1, log_to_driver=False) as cluster:
-        group = _worker_class().create_group(0).launch(
-            cluster, FlexiblePlacementStrategy([[gpus[0]], [gpus[1]]]), name="gpubench"
+        group = (
+            _worker_class()
+            .create_group(0)
+            .launch(cluster, FlexiblePlacementStrategy([[gpus[0]], [gpus[1]]]), name="gpubench")
         )
         try:
             recv = group.execute_on(1).recv_sizes(sizes, reps)
@@ -145,8 +152,13 @@ def _nccl_peer(rank: int, port: int, sizes: list[int], reps: int, batch: bool, q
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, device_id=torch.device("cuda", rank))
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        device_id=torch.device("cuda", rank),
+    )
     out = {}
     for nbytes in sizes:
         t = torch.ones(max(1, nbytes // 4), device="cuda")
@@ -179,8 +191,7 @@ def raw_nccl(sizes: list[int], reps: int, batch: bool) -> dict[int, float]:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_nccl_peer, args=(r, port, sizes, reps, batch, q))
-             for r in (0, 1)]
+    procs = [ctx.Process(target=_nccl_peer, args=(r, port, sizes, reps, batch, q)) for r in (0, 1)]
     for p in procs:
         p.start()
     result: dict[int, float] = q.get(timeout=3600)
@@ -213,12 +224,16 @@ def main() -> int:
             continue
         ratio = raw[n]["d2d"] / ipc["one_way_s"][n]
         mark = "" if n < 64 << 20 else ("  ok" if ratio >= 0.8 else "  BELOW 80%")
-        print(f"{name:>8} {n / ipc['one_way_s'][n] / 1e9:9.2f} {n / raw[n]['d2d'] / 1e9:9.2f}"
-              f" {n / raw[n]['h2d'] / 1e9:9.2f} {ratio:8.2f}{mark}")
+        print(
+            f"{name:>8} {n / ipc['one_way_s'][n] / 1e9:9.2f} {n / raw[n]['d2d'] / 1e9:9.2f}"
+            f" {n / raw[n]['h2d'] / 1e9:9.2f} {ratio:8.2f}{mark}"
+        )
     ratio = ipc["small_cuda_s"] / ipc["small_cpu_s"]
-    print(f"small message: CUDA {ipc['small_cuda_s'] * 1e6:.0f} us, CPU "
-          f"{ipc['small_cpu_s'] * 1e6:.0f} us, ratio {ratio:.2f}"
-          f"{'  ok' if ratio <= 2 else '  ABOVE 2x'}")
+    print(
+        f"small message: CUDA {ipc['small_cuda_s'] * 1e6:.0f} us, CPU "
+        f"{ipc['small_cpu_s'] * 1e6:.0f} us, ratio {ratio:.2f}"
+        f"{'  ok' if ratio <= 2 else '  ABOVE 2x'}"
+    )
     if torch.cuda.device_count() >= 2:
         nccl = aiorl_run((0, 1), sizes, reps)
         send_recv = raw_nccl(sizes, reps, batch=False)
@@ -229,9 +244,11 @@ def main() -> int:
             if n not in send_recv:
                 continue
             ratio = send_recv[n] / nccl["one_way_s"][n]
-            print(f"{name:>8} {n / nccl['one_way_s'][n] / 1e9:11.2f} "
-                  f"{n / send_recv[n] / 1e9:10.2f} {n / batched[n] / 1e9:11.2f} {ratio:6.2f}"
-                  f"{'  ok' if ratio >= 0.9 else '  BELOW 90%'}")
+            print(
+                f"{name:>8} {n / nccl['one_way_s'][n] / 1e9:11.2f} "
+                f"{n / send_recv[n] / 1e9:10.2f} {n / batched[n] / 1e9:11.2f} {ratio:6.2f}"
+                f"{'  ok' if ratio >= 0.9 else '  BELOW 90%'}"
+            )
     else:
         print("one GPU: the NCCL comparison needs two")
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)

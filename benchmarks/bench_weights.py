@@ -43,6 +43,8 @@ from aiorl.placement import NodePlacementStrategy
 RESULTS = Path(__file__).parent / "results" / "weights.json"
 PLOT = Path(__file__).parent.parent / "docs" / "img" / "weights.png"
 NUM_TENSORS = 200
+#: Every timed update, by series and subscriber count (written to the results file).
+RAW: dict[str, dict[int, list[float]]] = {}
 
 
 def make_state(total_bytes: int, fill: float = 0.0) -> dict[str, torch.Tensor]:
@@ -143,6 +145,7 @@ def bench_local(total_bytes: int, subs: list[int], reps: int) -> dict[str, dict[
                         times["aiorl N sends"].append(t_sends)
                 for k in out:
                     out[k][n] = statistics.median(times[k])
+                    RAW.setdefault(k, {})[n] = times[k]
                 print(f"  n={n}: floor {out['floor'][n]:.3f} s, weights "
                       f"{out['aiorl.weights'][n]:.3f} s, sends {out['aiorl N sends'][n]:.3f} s",
                       flush=True)
@@ -278,6 +281,7 @@ def bench_ray(total_bytes: int, subs: list[int], reps: int) -> dict[str, dict[in
                     if rep:
                         times.append(t)
                 out[kind][n] = statistics.median(times)
+                RAW.setdefault(kind, {})[n] = times
                 print(f"  {kind} n={n}: {out[kind][n]:.3f} s", flush=True)
         return out
     finally:
@@ -334,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         "size_mb": args.size_mb, "num_tensors": NUM_TENSORS, "reps": args.reps,
         "series": {k: {str(n): v for n, v in s.items()} for k, s in series.items()},
         "ray": ray_out if isinstance(ray_out, str) else "ran",
+        "raw": {k: {str(n): v for n, v in s.items()} for k, s in RAW.items()},
     }
     floor = series["floor"]
     results["weights_over_floor"] = {str(n): series["aiorl.weights"][n] / floor[n] for n in subs}

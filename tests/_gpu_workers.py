@@ -48,7 +48,9 @@ def dtype_cases() -> list[tuple[str, Any]]:
         ("2d", lambda d: torch.arange(64, device=d, dtype=torch.int32).reshape(8, 8)),
     ]
     if hasattr(torch, "float8_e4m3fn"):
-        cases.append(("fp8", lambda d: torch.linspace(-4, 4, 256, device=d).to(torch.float8_e4m3fn)))
+        cases.append(
+            ("fp8", lambda d: torch.linspace(-4, 4, 256, device=d).to(torch.float8_e4m3fn))
+        )
     return cases
 
 
@@ -104,25 +106,37 @@ class G(aiorl.Worker):
 
     # ------------------------------------------------------------------ where tensors land
     async def send_one(self, dst: int, n: int) -> None:
-        await self.send({"t": torch.arange(n, device=self.device, dtype=torch.float32)},
-                        self.worker_group_name, dst)
+        await self.send(
+            {"t": torch.arange(n, device=self.device, dtype=torch.float32)},
+            self.worker_group_name,
+            dst,
+        )
 
     def recv_where(self, src: int) -> dict[str, Any]:
         """Plain method (method thread): where a received tensor landed."""
         got = self.recv(self.worker_group_name, src).wait(60)["t"]
-        return {"index": got.device.index, "uuid": device_uuid(got.device.index),
-                "ok": bool((got.cpu() == torch.arange(got.numel())).all())}
+        return {
+            "index": got.device.index,
+            "uuid": device_uuid(got.device.index),
+            "ok": bool((got.cpu() == torch.arange(got.numel())).all()),
+        }
 
     async def recv_where_async(self, src: int) -> dict[str, Any]:
         """Async method (event-loop thread, never set_device'd): same answer wanted."""
         got = (await self.recv(self.worker_group_name, src))["t"]
-        return {"index": got.device.index, "uuid": device_uuid(got.device.index),
-                "ok": bool((got.cpu() == torch.arange(got.numel())).all())}
+        return {
+            "index": got.device.index,
+            "uuid": device_uuid(got.device.index),
+            "ok": bool((got.cpu() == torch.arange(got.numel())).all()),
+        }
 
     def make_result(self) -> dict[str, Any]:
         p = torch.nn.Parameter(torch.ones(3, device=self.device))
-        return {"t": torch.arange(5, device=self.device), "p": p,
-                "view": torch.arange(10, device=self.device)[::2]}
+        return {
+            "t": torch.arange(5, device=self.device),
+            "p": p,
+            "view": torch.arange(10, device=self.device)[::2],
+        }
 
     def take_arg(self, x: Any) -> dict[str, Any]:
         return {"index": x.device.index, "sum": float(x.sum())}
@@ -135,8 +149,10 @@ class G(aiorl.Worker):
             if raw:
                 await self.send_tensor(t.contiguous(), self.worker_group_name, dst)
             else:
-                param = torch.nn.Parameter(t.float() if t.is_floating_point() else t.clone(),
-                                           requires_grad=t.is_floating_point())
+                param = torch.nn.Parameter(
+                    t.float() if t.is_floating_point() else t.clone(),
+                    requires_grad=t.is_floating_point(),
+                )
                 await self.send({"t": t.contiguous(), "p": param}, self.worker_group_name, dst)
             n += 1
         return n
@@ -185,8 +201,11 @@ class G(aiorl.Worker):
         await ticker
         lateness.sort()
         ok = bool(buf[0] == 1.0) and bool(buf[-1] == 7.0)
-        return {"ok": ok, "s": elapsed,
-                "p99_ms": 1e3 * lateness[int(0.99 * (len(lateness) - 1))] if lateness else 0.0}
+        return {
+            "ok": ok,
+            "s": elapsed,
+            "p99_ms": 1e3 * lateness[int(0.99 * (len(lateness) - 1))] if lateness else 0.0,
+        }
 
     # ------------------------------------------------------------------ endurance
     async def send_same(self, dst: int, times: int) -> dict[str, float]:
@@ -212,9 +231,12 @@ class G(aiorl.Worker):
             if i == 99:
                 rss0 = rss_mb()
         lateness.sort()
-        return {"bad": bad, "rss_growth_mb": rss_mb() - rss0,
-                "p99_ms": 1e3 * lateness[int(0.99 * (len(lateness) - 1))],
-                "median_ms": 1e3 * statistics.median(lateness)}
+        return {
+            "bad": bad,
+            "rss_growth_mb": rss_mb() - rss0,
+            "p99_ms": 1e3 * lateness[int(0.99 * (len(lateness) - 1))],
+            "median_ms": 1e3 * statistics.median(lateness),
+        }
 
     # ------------------------------------------------------------------ failures
     def fill_memory(self, leave_mb: int) -> int:
@@ -266,14 +288,42 @@ class G(aiorl.Worker):
         except Exception as exc:  # noqa: BLE001 - the test reads the class name
             return type(exc).__name__
 
+    async def send_two(self, dst: int, n: int) -> None:
+        await self.recv(self.worker_group_name, dst)  # the receiver posted (and may cancel)
+        for value in (1.0, 2.0):
+            await self.send_tensor(
+                torch.full((n,), value, device=self.device), self.worker_group_name, dst
+            )
+
+    async def recv_cancelled(self, src: int, n: int, delay_s: float) -> dict[str, Any]:
+        """Post a recv_tensor, cancel it after ``delay_s``, then receive the next message."""
+        g = self.worker_group_name
+        buf = torch.full((n,), -1.0, device=self.device)
+        work = self.recv_tensor(buf, g, src)
+        await self.send(None, g, src)
+        await asyncio.sleep(delay_s)
+        work.cancel()
+        nxt = torch.empty(n, device=self.device)
+        await self.recv_tensor(nxt, g, src)
+        await asyncio.sleep(0.5)  # a late write into buf would show by now
+        torch.cuda.synchronize()
+        return {
+            "first_written": bool((buf != -1).any()),
+            "next": float(nxt[0]),
+            "cancelled": work.cancelled() if hasattr(work, "cancelled") else None,
+        }
+
     def alive(self) -> int:
         return os.getpid()
 
     # ------------------------------------------------------------------ all-to-all
     async def all_to_all(self, world: int, n: int) -> list[str]:
         g, me = self.worker_group_name, self.rank
-        sends = [self.send(torch.full((n,), float(me * 100 + peer), device=self.device), g, peer)
-                 for peer in range(world) if peer != me]  # every first send at once
+        sends = [
+            self.send(torch.full((n,), float(me * 100 + peer), device=self.device), g, peer)
+            for peer in range(world)
+            if peer != me
+        ]  # every first send at once
         bad = []
         for peer in range(world):
             if peer == me:

@@ -41,8 +41,13 @@ def cluster() -> Iterator[aiorl.Cluster]:
         yield c
 
 
-def _launch(cluster: aiorl.Cluster, name: str, gpus: list[list[int]], device: int,
-            env: dict[str, str] | None = None) -> Any:
+def _launch(
+    cluster: aiorl.Cluster,
+    name: str,
+    gpus: list[list[int]],
+    device: int,
+    env: dict[str, str] | None = None,
+) -> Any:
     group = G.create_group(device).launch(
         cluster, FlexiblePlacementStrategy(gpus), name=name, env=env or {}
     )
@@ -66,8 +71,14 @@ if GPUS >= 4:
 
 @pytest.mark.parametrize(("label", "gpus", "device", "env"), LAYOUTS, ids=[x[0] for x in LAYOUTS])
 @pytest.mark.parametrize("posted_first", [True, False], ids=["recv-first", "send-first"])
-def test_matrix(cluster: aiorl.Cluster, label: str, gpus: list[list[int]], device: int,
-                env: dict[str, str] | None, posted_first: bool) -> None:
+def test_matrix(
+    cluster: aiorl.Cluster,
+    label: str,
+    gpus: list[list[int]],
+    device: int,
+    env: dict[str, str] | None,
+    posted_first: bool,
+) -> None:
     group = _launch(cluster, f"m-{label}-{int(posted_first)}", gpus, device, env)
     try:
         infos = group.info().wait(30)

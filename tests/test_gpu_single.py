@@ -105,16 +105,20 @@ def test_dtype_and_shape_matrix(pair: Any, raw: bool) -> None:
     assert recv.wait(120) == [[]]
 
 
-@pytest.mark.skipif(_free_gib() < 20 if torch.cuda.is_available() else True,
-                    reason="needs 20 GiB of free GPU memory")
+@pytest.mark.skipif(
+    _free_gib() < 20 if torch.cuda.is_available() else True,
+    reason="needs 20 GiB of free GPU memory",
+)
 def test_a_4_gib_tensor(pair: Any) -> None:
     recv = pair.execute_on(1).recv_huge(0, 4.5)
     pair.execute_on(0).send_huge(1, 4.5).wait(240)
     assert recv.wait(240)[0]["ok"]
 
 
-@pytest.mark.skipif(_free_gib() < 24 if torch.cuda.is_available() else True,
-                    reason="needs 24 GiB of free GPU memory")
+@pytest.mark.skipif(
+    _free_gib() < 24 if torch.cuda.is_available() else True,
+    reason="needs 24 GiB of free GPU memory",
+)
 def test_the_loop_stays_responsive_during_an_8_gib_transfer(pair: Any) -> None:
     recv = pair.execute_on(1).recv_huge(0, 8.0)
     pair.execute_on(0).send_huge(1, 8.0).wait(300)
@@ -127,8 +131,9 @@ def test_the_loop_stays_responsive_during_an_8_gib_transfer(pair: Any) -> None:
     "alloc", ["expandable_segments:True", "backend:cudaMallocAsync"], ids=["expandable", "async"]
 )
 def test_allocators(cluster: aiorl.Cluster, alloc: str) -> None:
-    group = _same_gpu(cluster, f"alloc-{alloc.split(':')[0].replace('_', '')}",
-                      {"PYTORCH_CUDA_ALLOC_CONF": alloc})
+    group = _same_gpu(
+        cluster, f"alloc-{alloc.split(':')[0].replace('_', '')}", {"PYTORCH_CUDA_ALLOC_CONF": alloc}
+    )
     try:
         assert group.info().wait(30)[0]["alloc"] == alloc
         for raw in (False, True):
@@ -153,6 +158,21 @@ def test_receiver_oom_fails_that_message_then_the_next_is_correct(pair: Any) -> 
     recv = pair.execute_on(1).recv_expect(0, 1000, 2.0)
     assert pair.execute_on(0).send_expect(1, 1000, 2.0).wait(60) == ["ok"]
     assert recv.wait(60) == ["ok"]
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.0005, 0.002, 0.02])
+def test_a_cancelled_recv_tensor_is_never_written_after_its_message_went_elsewhere(
+    pair: Any, delay_s: float
+) -> None:
+    n = 64 << 20  # 256 MB: long enough to cancel while it lands
+    recv = pair.execute_on(1).recv_cancelled(0, n, delay_s)
+    pair.execute_on(0).send_two(1, n).wait(120)
+    (got,) = recv.wait(120)
+    # Withdrawn before its message: the next receive gets message 1, buf untouched.
+    # Matched, then cancelled: message 1 is consumed; buf is written only if its transfer
+    # was already issued. Never both written and delivered again.
+    assert got["next"] in (1.0, 2.0)
+    assert not (got["first_written"] and got["next"] == 1.0)
 
 
 def test_a_peer_killed_mid_transfer_fails_the_survivor_within_5_s(cluster: aiorl.Cluster) -> None:

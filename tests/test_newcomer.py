@@ -6,6 +6,7 @@ say what went wrong and what to write instead.
 
 from __future__ import annotations
 
+import glob
 import os
 import pathlib
 import shutil
@@ -170,11 +171,14 @@ def test_aiorl_status_finds_the_embedded_cluster(cluster, reward) -> None:
     reward.wait_ready(60)
     mine = [e for e in running_embedded_clusters() if e.pid == os.getpid()]
     assert [e.registry for e in mine] == [cluster.registry_address]
-    path = os.path.join(runtime_files_dir(), f"{os.getpid()}.json")
+    path = cluster._embedded.runtime_file
+    assert os.path.dirname(path) == runtime_files_dir()
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(runtime_files_dir()).st_mode) == 0o700
     env = {k: v for k, v in os.environ.items() if k != "AIORL_REGISTRY"}
-    out = subprocess.run([sys.executable, "-m", "aiorl.cli.main", "status"], env=env,
+    # Other programs of this user may run embedded clusters too: name ours.
+    out = subprocess.run([sys.executable, "-m", "aiorl.cli.main", "status", "--pid",
+                          str(os.getpid())], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert f"registry {cluster.registry_address}" in out.stdout
@@ -257,10 +261,9 @@ def test_sigkill_of_an_embedded_driver_leaves_no_process_behind() -> None:
         driver.wait()
         gone, alive = psutil.wait_procs(descendants, timeout=10)
         assert not alive, [" ".join(p.cmdline()) for p in alive]
-        # Its runtime file outlived it; the next reader removes it.
-        stale = os.path.join(runtime_files_dir(), f"{driver.pid}.json")
+        # Its runtime file outlived it; the next reader (maybe another program's) removes it.
         assert driver.pid not in [e.pid for e in running_embedded_clusters()]
-        assert not os.path.exists(stale)
+        assert not glob.glob(os.path.join(runtime_files_dir(), f"{driver.pid}-*.json"))
     finally:
         if driver.poll() is None:
             driver.kill()

@@ -258,3 +258,38 @@ def test_channel_restart_on_failure_fails_pending_gets_and_comes_back_empty(clus
             time.sleep(0.1)
     assert channel.get().wait(10) == "after"  # the replacement started empty
     assert channel.qsize() == 0
+
+
+def test_a_watch_snapshot_never_overwrites_an_event_sent_after_it():
+    """The registry-restart flake ("only 1 of 2 node agents joined" for a whole minute): the
+    registry answered a driver's node watch, then pushed the news of a node that joined just
+    after; the client handled the event when it was read but delivered the (older) snapshot
+    only when its coroutine resumed, so the driver kept a node list one node short."""
+    from aiorl.protocol.ops import RegistryEvent, RegistryOp
+    from aiorl.protocol.registry import NodeInfo, NodeList, WatchSnapshot
+    from aiorl.registry.client import RegistryClient
+    from aiorl.transport.endpoint import Endpoint
+
+    def node(rank: int) -> NodeInfo:
+        return NodeInfo(f"n{rank}", "tcp://127.0.0.1:1", node_rank=rank)
+
+    async def main() -> list[int]:
+        registry = Endpoint("fake-registry", keys=None)
+
+        def on_watch(msg) -> None:  # answer, then at once a newer node list (same turn)
+            msg.reply(WatchSnapshot(nodes=(node(0),)).to_wire())
+            registry.push_event(msg.identity, RegistryEvent.NODES,
+                                NodeList((node(0), node(1))).to_wire())
+
+        registry.handle(RegistryOp.WATCH, on_watch)
+        driver = Endpoint("driver", keys=None)
+        client = RegistryClient(driver, registry.address)
+        seen: list[int] = []
+        await client.watch_nodes(lambda nodes: seen.append(len(nodes)))
+        await asyncio.sleep(0.3)
+        driver.close()
+        registry.close()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[-1] == 2, f"node counts delivered: {seen}"

@@ -161,7 +161,7 @@ def test_trace_of_a_pipeline(traced_cluster, tmp_path):
     _check_chrome_json(trace)
     events = trace["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    pid_of = {name.split()[-1]: pid for pid, name in names.items()}
+    pid_of = {name.split()[-1].split("@")[0]: pid for pid, name in names.items()}
     for worker in ("producer:0", "producer:1", "consumer:0", "driver"):
         assert worker in pid_of, names
         assert any(e["pid"] == pid_of[worker] and e["ph"] in "Xb" for e in events), worker

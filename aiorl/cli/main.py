@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--registry", default=None,
                     help="registry address (default: $AIORL_REGISTRY, else this user's newest "
                          "running embedded Cluster())")
+    st.add_argument("--pid", type=int, default=None,
+                    help="the driver process whose embedded Cluster() to show, when this user "
+                         "runs several (default: the newest)")
     st.add_argument("--key-file", default=None,
                     help="the cluster's key file (default: $AIORL_KEY_FILE, else "
                          "~/.aiorl/cluster.key when it exists)")

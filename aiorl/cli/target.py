@@ -15,8 +15,8 @@ def resolve_target(args: argparse.Namespace) -> tuple[str, Any, str | None] | No
     (registry address, keys, host to bind on).
 
     ``--registry`` or ``$AIORL_REGISTRY`` (keys from ``--key-file``, else as every aiorl
-    process finds them); otherwise this user's newest running embedded cluster, found
-    through its runtime file. None (after saying why) when there is nothing to look at.
+    process finds them); otherwise this user's running embedded cluster in process
+    ``--pid`` when given, else the newest, found through its runtime file. None (after saying why) when there is nothing to look at.
     """
     from aiorl.cluster.embedded import running_embedded_clusters
     from aiorl.transport import security
@@ -27,6 +27,13 @@ def resolve_target(args: argparse.Namespace) -> tuple[str, Any, str | None] | No
                 else security.keys_from_environment())
         return address, keys, None
     embedded = running_embedded_clusters()
+    pid = getattr(args, "pid", None)
+    if pid is not None:
+        embedded = [e for e in embedded if e.pid == pid]
+        if not embedded:
+            print(f"error: no embedded aiorl.Cluster() of this user runs in process {pid}",
+                  file=sys.stderr)
+            return None
     if not embedded:
         print("error: no registry address (use --registry or set AIORL_REGISTRY) and no "
               "embedded aiorl.Cluster() of this user is running", file=sys.stderr)
@@ -35,6 +42,7 @@ def resolve_target(args: argparse.Namespace) -> tuple[str, Any, str | None] | No
     if len(embedded) > 1:
         others = ", ".join(str(e.pid) for e in embedded[1:])
         print(f"({len(embedded)} embedded clusters are running; showing driver pid "
-              f"{newest.pid}'s; the others' drivers: {others})", file=sys.stderr)
+              f"{newest.pid}'s; the others' drivers: {others}; choose with --pid)",
+              file=sys.stderr)
     keys = security.ClusterKeys.load(newest.key_file) if newest.key_file else None
     return newest.registry, keys, f"ipc://{newest.session_dir}"

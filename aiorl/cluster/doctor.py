@@ -370,7 +370,12 @@ def _describe_pending(e: dict[str, Any]) -> str:
     if kind == "executing":
         return f"executing {e['method']}() for {e['peer']}"
     if kind == "span":
-        return f"{e['cat']} {e['name']}" + (f" with {e['peer']}" if e.get("peer") else "")
+        cat, peer = e["cat"], e.get("peer")
+        if cat in ("recv", "send"):
+            return f"{cat} {'from' if cat == 'recv' else 'to'} {peer}"
+        tags = ", ".join(f"{k}={v}" for k, v in (e.get("tags") or {}).items())
+        return f"{'span ' if cat == 'user' else ''}{e['name']}" + (
+            f" ({tags})" if tags else "") + (f" with {peer}" if peer else "")
     if kind == "call":
         return f"call to {e.get('peer') or e['address']} (rank {e['index']} of a " \
                f"{e['call_size']}-rank group call)"

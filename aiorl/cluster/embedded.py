@@ -10,7 +10,7 @@ The children exit when this process dies, however it dies: each reads EOF on a s
 from us (a parent-death signal would follow the creating thread, not the process).
 
 So that ``aiorl status`` can find a running embedded cluster, each one is announced in a
-*runtime file*, ``<runtime dir>/aiorl-clusters-<uid>/<driver pid>.json`` (the directory
+*runtime file*, ``<runtime dir>/aiorl-clusters-<uid>/<driver pid>-<session>.json`` (the directory
 0700, the file 0600; the runtime dir is ``$XDG_RUNTIME_DIR`` or the temporary directory):
 the registry's address, the session directory and the path of its key file, never the key
 itself. :meth:`EmbeddedProcesses.stop` removes it; a file left by a killed driver is
@@ -170,7 +170,8 @@ def _announce(found: EmbeddedClusterFile) -> str | None:
     except (OSError, AuthenticationError) as exc:
         log.warning("not announcing the embedded cluster to `aiorl status`: %s", exc)
         return None
-    path = os.path.join(directory, f"{found.pid}.json")
+    # One process may run several clusters: the session directory's name tells them apart.
+    path = os.path.join(directory, f"{found.pid}-{os.path.basename(found.session_dir)}.json")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(found.__dict__, f)

@@ -187,9 +187,16 @@ class GroupCore:
 
     def _call_flows(self, ranks: Sequence[int]) -> tuple[list[str], list[tuple[str, int]]]:
         """Tracing: each rank's name and the flow from this call to its execution there."""
-        peers = [f"{self.name}:{r}" for r in ranks]
-        me = self.runtime.name
-        return peers, [_trace.flow_seq(f"{me}>{peer}/call") for peer in peers]
+        names: dict[int, tuple[str, str]] = self.__dict__.setdefault("_trace_names", {})
+        peers, flows = [], []
+        for r in ranks:
+            known = names.get(r)
+            if known is None:
+                peer = f"{self.name}:{r}"
+                known = names[r] = (peer, f"{self.runtime.name}>{peer}/call")
+            peers.append(known[0])
+            flows.append(_trace.flow_seq(known[1]))
+        return peers, flows
 
     def _send_call(self, call: _GroupCall, i: int, state: _Rank, method: str,
                    frames: list[Any]) -> None:

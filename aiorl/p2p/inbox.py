@@ -341,6 +341,9 @@ def _complete_after_cuda(work: Any, inc: InMessage, value: Callable[[], Any]) ->
     fut = inc.cuda_fut
 
     def finish(f: asyncio.Future[None] | None) -> None:
+        if is_settled(work):  # cancelled meanwhile: its buffer is not written, nor copied into
+            inc.release()
+            return
         if f is not None and (f.cancelled() or f.exception() is not None):
             exc = None if f.cancelled() else f.exception()
             reject_work(work, exc or PeerLostError("the CUDA transfer was abandoned"))

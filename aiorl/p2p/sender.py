@@ -293,7 +293,11 @@ class Sender:
         waits: list[asyncio.Future[None]] = []
         for placed in (placed_cpu, placed_cuda):
             if placed is not None:
-                fut = placed.after_send() if placed.after_send is not None else placed.done
+                try:
+                    fut = placed.after_send() if placed.after_send is not None else placed.done
+                except Exception as exc:  # noqa: BLE001 - the send fails; the pair goes on
+                    reject_work(work, exc)
+                    return
                 if fut is not None:
                     waits.append(fut)
         if not waits:

@@ -19,6 +19,7 @@ watched worker.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -103,15 +104,17 @@ class RegistryClient:
         """
         try:
             reply_meta, _ = await self.endpoint.request(self.address, op, meta, timeout=timeout)
-        except (TimeoutError, PeerLostError) as exc:
-            raise RegistryUnavailable(  # a CURVE key mismatch looks like silence here
-                f"no answer from {self.address} to '{op}' within {timeout:g} s (wrong address, "
-                "or a key mismatch: every process needs the registry's key file)"
-            ) from exc
-        except AuthenticationError as exc:  # whoever answers there is not our registry (yet)
-            raise RegistryUnavailable(
-                f"{self.address} refused '{op}': wrong or missing key ({exc})") from exc
+        except (TimeoutError, PeerLostError, AuthenticationError) as exc:
+            raise self._unavailable(op, timeout, exc) from exc
         return reply_meta
+
+    def _unavailable(self, op: str, timeout: float, exc: BaseException) -> RegistryUnavailable:
+        if isinstance(exc, AuthenticationError):  # whoever answers is not our registry (yet)
+            return RegistryUnavailable(
+                f"{self.address} refused '{op}': wrong or missing key ({exc})")
+        return RegistryUnavailable(  # a CURVE key mismatch looks like silence here
+            f"no answer from {self.address} to '{op}' within {timeout:g} s (wrong address, "
+            "or a key mismatch: every process needs the registry's key file)")
 
     # ------------------------------------------------------------------ typed operations
     async def _call(self, op: RegistryOp, request: WireMessage,
@@ -196,17 +199,49 @@ class RegistryClient:
         every change. Returns the snapshot.
         """
         self._watch_callbacks.setdefault(name, []).append(callback)
-        # Always a fresh snapshot (the registry's subscriber set makes re-watching
-        # idempotent): the local cache may hold workers of a closed group of this name.
-        snapshot = await self._snapshot(name)
-        for stale in [n for n in self.known if (n == name or root_of(n) == name)
-                      and n not in snapshot.workers]:
-            del self.known[stale]
-        self._deliver(snapshot, [callback])
-        return dict(snapshot.workers)
 
-    async def _snapshot(self, name: str) -> WatchSnapshot:
-        return WatchSnapshot.from_wire(await self._call(RegistryOp.WATCH, WatchRequest(name)))
+        def deliver(snapshot: WatchSnapshot) -> None:
+            # Always a fresh snapshot (the registry's subscriber set makes re-watching
+            # idempotent): the local cache may hold workers of a closed group of this name.
+            for stale in [n for n in self.known if (n == name or root_of(n) == name)
+                          and n not in snapshot.workers]:
+                del self.known[stale]
+            self._deliver(snapshot, [callback])
+
+        return dict((await self._snapshot(name, deliver)).workers)
+
+    async def _snapshot(self, name: str, deliver: Callable[[WatchSnapshot], None],
+                        timeout: float = DEFAULT_TIMEOUT) -> WatchSnapshot:
+        """Watch ``name``; ``deliver(snapshot)`` runs the moment the reply arrives.
+
+        Not after an ``await``: the registry may push an event right after its reply, and
+        the event is handled as soon as it is read, before an awaiting coroutine resumes;
+        a snapshot delivered then would overwrite newer news with older (a node list one
+        node short for ever, a dead worker shown ready). Delivered on arrival, the
+        snapshot and the events reach the callbacks in the order the registry sent them.
+        """
+        fut: asyncio.Future[WatchSnapshot] = self.endpoint.loop.create_future()
+
+        def settle(error: BaseException | None, reply: Any) -> None:
+            if fut.done():
+                return  # the caller gave up (cancelled)
+            if error is None:
+                try:
+                    snapshot = WatchSnapshot.from_wire(reply[0])
+                    deliver(snapshot)
+                except Exception as exc:  # noqa: BLE001 - the watcher's caller gets it
+                    error = exc
+                else:
+                    fut.set_result(snapshot)
+                    return
+            fut.set_exception(error)
+
+        self.endpoint.request_then(self.address, RegistryOp.WATCH, WatchRequest(name).to_wire(),
+                                   (), settle, timeout)
+        try:
+            return await fut
+        except (TimeoutError, PeerLostError, AuthenticationError) as exc:
+            raise self._unavailable(RegistryOp.WATCH, timeout, exc) from exc
 
     def _deliver(self, snapshot: WatchSnapshot, callbacks: list[WorkerEvent]) -> None:
         for wname, record in snapshot.workers.items():
@@ -218,9 +253,9 @@ class RegistryClient:
     async def watch_nodes(self, callback: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
         """Call ``callback`` with the live nodes (as wire maps) now and after every change."""
         self._node_callbacks.append(callback)
-        nodes = [n.to_wire() for n in (await self._snapshot(NODES_PATTERN)).nodes]
-        callback(nodes)
-        return nodes
+        snapshot = await self._snapshot(
+            NODES_PATTERN, lambda snap: callback([n.to_wire() for n in snap.nodes]))
+        return [n.to_wire() for n in snapshot.nodes]
 
     async def resubscribe(self) -> None:
         """Issue every watch again (the registry restarted and forgot its subscribers).
@@ -229,11 +264,14 @@ class RegistryClient:
         registry was down is simply absent from it.
         """
         for name, callbacks in list(self._watch_callbacks.items()):
-            self._deliver(await self._snapshot(name), callbacks)
+            await self._snapshot(name, functools.partial(self._deliver, callbacks=callbacks))
         if self._node_callbacks:
-            nodes = [n.to_wire() for n in (await self._snapshot(NODES_PATTERN)).nodes]
-            for cb in self._node_callbacks:
-                cb(nodes)
+            await self._snapshot(NODES_PATTERN, self._deliver_nodes)
+
+    def _deliver_nodes(self, snapshot: WatchSnapshot) -> None:
+        nodes = [n.to_wire() for n in snapshot.nodes]
+        for cb in self._node_callbacks:
+            cb(nodes)
 
     def _on_worker_event(self, _peer: str, meta: Any, _frames: list[Any]) -> None:
         try:

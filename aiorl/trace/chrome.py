@@ -69,8 +69,11 @@ def _flow_id(flow: Sequence[Any]) -> int:
 
 
 def _track_name(b: PulledBuffer) -> str:
+    """``node0 rollout:3`` for a worker, ``driver@host`` for a driver (known by host)."""
     name = str(b.dump.get("process", "?"))
-    return f"node{b.node} {name}" if b.node not in ("", "?") else name
+    if b.node in ("", "?"):
+        return name
+    return f"node{b.node} {name}" if b.group else f"{name}@{b.node}"
 
 
 def merge(buffers: Sequence[PulledBuffer]) -> dict[str, Any]:

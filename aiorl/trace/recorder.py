@@ -64,8 +64,8 @@ class Span:
     this span to its counterpart in another process.
     """
 
-    __slots__ = ("cat", "name", "t0", "t1", "tid", "end_tid", "peer", "nbytes", "ok", "error",
-                 "flow_out", "flow_in", "tags", "on_loop")
+    __slots__ = ("cat", "name", "t0", "tid", "peer", "nbytes", "flow_out", "flow_in", "tags",
+                 "on_loop")
 
     def __init__(self, cat: str, name: str, peer: str | None, tags: dict[str, Any] | None,
                  on_loop: bool) -> None:
@@ -75,30 +75,22 @@ class Span:
         self.tags = tags
         self.on_loop = on_loop
         self.nbytes = 0
-        self.ok = True
-        self.error: str | None = None
         self.flow_out: tuple[str, int] | None = None
         self.flow_in: tuple[str, int] | None = None
-        self.t1 = 0
-        self.end_tid = 0
         self.tid = _ident()
         self.t0 = _now()
         open_spans.add(self)
 
     def end(self, ok: bool = True, nbytes: int = 0, error: str | None = None) -> None:
-        """Close the span (once; later calls are ignored)."""
-        if self.t1:
+        """Close the span (once; later calls are ignored): it leaves the open spans and its
+        record goes to the ring buffer."""
+        try:
+            open_spans.remove(self)
+        except KeyError:
             return
-        self.t1 = _now()
-        self.end_tid = _ident()
-        self.ok = ok
-        if nbytes:
-            self.nbytes += nbytes
-        if error is not None:
-            self.error = error
-        open_spans.discard(self)
-        _buffer.append((self.cat, self.name, self.t0, self.t1, self.tid, self.end_tid, self.peer,
-                        self.nbytes, ok, self.error, self.flow_out, self.flow_in, self.tags,
+        tid = _ident()
+        _buffer.append((self.cat, self.name, self.t0, _now(), self.tid, tid, self.peer,
+                        self.nbytes + nbytes, ok, error, self.flow_out, self.flow_in, self.tags,
                         self.on_loop))
 
     def settled(self, fut: asyncio.Future[Any]) -> None:
@@ -114,11 +106,10 @@ class Span:
         return ((now_ns or _now()) - self.t0) / 1e9
 
     def to_wire(self) -> tuple[Any, ...]:
-        """The record a pull carries (:mod:`aiorl.trace.chrome` reads it); finished spans are
-        kept in this form."""
-        return (self.cat, self.name, self.t0, self.t1, self.tid, self.end_tid, self.peer,
-                self.nbytes, self.ok, self.error, self.flow_out, self.flow_in, self.tags,
-                self.on_loop)
+        """The record of a span still open (a finished span's record is made by :meth:`end`;
+        :mod:`aiorl.trace.chrome` reads both)."""
+        return (self.cat, self.name, self.t0, 0, self.tid, 0, self.peer, self.nbytes, True,
+                None, self.flow_out, self.flow_in, self.tags, self.on_loop)
 
 
 def begin(cat: str, name: str, peer: str | None = None, **tags: Any) -> Span:
@@ -195,6 +186,9 @@ def payload_bytes(frames: Any) -> int:
     """Bytes in a list of frames (bytes, memoryviews, pickle buffers)."""
     total = 0
     for f in frames:
+        if f.__class__ is bytes:
+            total += len(f)
+            continue
         try:
             total += memoryview(f).nbytes
         except TypeError:

@@ -13,10 +13,12 @@ Importable without CUDA (torch is imported inside functions).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from aiorl.errors import PeerLostError
 from aiorl.p2p.gpu import (
     CudaLane,
     GpuHost,
@@ -63,17 +65,51 @@ def copy_async(
     GPU) on the copy lane; done when the bytes are there. ``dst_events``: what the caller's
     streams still did with ``dst`` when it posted the receive (waited for first)."""
     lane = _lane()
-    return after_lane(
-        host,
-        lane.run(_copy_on_lane, lane, dst, src, dst_events),
-        lambda issued: gpu_done(host, issued[0], keep=issued[1]),
-    )
+    issued_box: list[Any] = []
+
+    def on_gpu(issued: tuple[Any, list[Any]]) -> asyncio.Future[None]:
+        issued_box.append(issued)
+        return gpu_done(host, issued[0], keep=issued[1])
+
+    landed = after_lane(host, lane.run(_copy_on_lane, lane, dst, src, dst_events), on_gpu)
+    if dst.device.type != "cpu":
+        return landed
+    # Into host memory: the GPU filled a pinned buffer; one more lane step copies it out
+    # (no thread waits on the GPU for it).
+    out: asyncio.Future[None] = host.loop.create_future()
+
+    def unpin(f: asyncio.Future[None]) -> None:
+        if f.cancelled() or f.exception() is not None:
+            out.set_exception(f.exception() or PeerLostError("the copy was abandoned"))
+            return
+        pinned = issued_box[0][1][-1]
+        cf = lane.run(_unpin, dst, pinned)
+        cf.add_done_callback(lambda cf: host.call_soon_threadsafe(_finish, out, cf))
+
+    landed.add_done_callback(unpin)
+    return out
+
+
+def _unpin(dst: Any, pinned: Any) -> None:
+    """Lane: the landed bytes from pinned memory into the (pageable) destination."""
+    flat_u8(dst).copy_(pinned)
+
+
+def _finish(out: asyncio.Future[None], cf: concurrent.futures.Future[None]) -> None:
+    if out.done():
+        return
+    exc = cf.exception() if not cf.cancelled() else PeerLostError("the copy was abandoned")
+    if exc is None:
+        out.set_result(None)
+    else:
+        out.set_exception(exc)
 
 
 def _copy_on_lane(
     lane: CudaLane, dst: Any, src: Any, dst_events: Mapping[int, Any] | None
 ) -> tuple[Any, Any]:
-    """Lane: stage host bytes through pinned memory, copy on the side stream of the GPU end."""
+    """Lane: stage host bytes through pinned memory, copy on the side stream of the GPU end
+    (into host memory: into a pinned buffer, copied out once the GPU is done)."""
     import torch
 
     device = dst.device.index if dst.device.type == "cuda" else src.device.index
@@ -90,8 +126,6 @@ def _copy_on_lane(
         if dst.device.type == "cpu":
             pinned = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=True)
             pinned.copy_(source, non_blocking=True)
-            stream.synchronize()  # this lane's thread waits, not the loop
-            flat_u8(dst).copy_(pinned)
             keep.append(pinned)
         else:
             dst.copy_(reinterpret(source, dst), non_blocking=True)

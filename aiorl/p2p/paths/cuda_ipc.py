@@ -238,8 +238,16 @@ class IpcSend:
         return Placed(desc, fut, undo=undo)
 
     def _event_free(self, event_id: int, ev: Any) -> None:
+        """A send's event is free again: pooled, or (pool full) forgotten on both sides."""
         if len(self.events) < EVENTS_PER_PEER:
             self.events.append((event_id, ev))
+        elif self.dest.address is not None:
+            try:
+                self.host.endpoint.send_oneway(
+                    self.dest.address, OP_CUDA, [self.host.name, "ipc-drop-event", event_id]
+                )
+            except PeerLostError:
+                pass
 
     def on_ack(self, meta: Sequence[Any]) -> bool:
         if not self.waiting.on_ack(meta):
@@ -305,7 +313,9 @@ class IpcRecv:
         try:
             ipc_device = _local_uuids().index(peer_uuid)
         except ValueError:
-            raise ProtocolError(f"CUDA IPC from a GPU this worker cannot see ({peer_uuid})") from None
+            raise ProtocolError(
+                f"CUDA IPC from a GPU this worker cannot see ({peer_uuid})"
+            ) from None
         if len(self.shares) + len(parts) > 2 * SHARES_PER_PEER:
             raise ProtocolError(f"{self.source} keeps more CUDA IPC shares than agreed")
         if self.lane is None:
@@ -313,8 +323,17 @@ class IpcRecv:
         fut: asyncio.Future[None] = self.host.loop.create_future()
         msg.cuda_fut = fut
         job = _IpcJob(
-            msg, list(specs), posted, ipc_device, list(parts), event_id, handle,
-            sum(int(p[3]) for p in parts), token, address, fut,
+            msg,
+            list(specs),
+            posted,
+            ipc_device,
+            list(parts),
+            event_id,
+            handle,
+            sum(int(p[3]) for p in parts),
+            token,
+            address,
+            fut,
         )
         if self.window.offer(job, job.nbytes):
             self._start(job)
@@ -338,9 +357,17 @@ class IpcRecv:
         cuda = untyped("torch.cuda")
         device = selected_device()
         stream = self.lane.stream(device)
-        user = posted.buf if posted is not None and job.msg.kind == K_CUDA else None
-        if user is not None and user.device.type == "cuda" and len(specs) == 1 and (
-            nbytes_of(user) == job.nbytes
+        # A receive cancelled before the copy is issued does not get its buffer written.
+        user = (
+            posted.buf
+            if posted is not None and job.msg.kind == K_CUDA and not posted.work.done()
+            else None
+        )
+        if (
+            user is not None
+            and user.device.type == "cuda"
+            and len(specs) == 1
+            and (nbytes_of(user) == job.nbytes)
         ):
             assert posted is not None
             device = user.device.index
@@ -381,8 +408,21 @@ class IpcRecv:
         reductions = untyped("torch.multiprocessing.reductions")
         _dev, handle, size, offset, ref_handle, ref_offset, ev_handle, ev_sync = args
         whole = reductions.rebuild_cuda_tensor(
-            torch.Tensor, (size,), (1,), 0, torch.UntypedStorage, torch.uint8, ipc_device,
-            handle, size, offset, False, ref_handle, ref_offset, ev_handle, ev_sync,
+            torch.Tensor,
+            (size,),
+            (1,),
+            0,
+            torch.UntypedStorage,
+            torch.uint8,
+            ipc_device,
+            handle,
+            size,
+            offset,
+            False,
+            ref_handle,
+            ref_offset,
+            ev_handle,
+            ev_sync,
         )
         self.shares[share_id] = whole
         return whole
@@ -406,8 +446,13 @@ class IpcRecv:
                 self._start(waiting)
 
     def on_control(self, meta: Sequence[Any]) -> None:
-        if len(meta) == 3 and meta[1] == "ipc-drop" and self.lane is not None:
-            self.lane.run(self.shares.pop, meta[2], None)  # after the copies that read it
+        """The sender dropped a share or an event: forget it after the copies that use it."""
+        if len(meta) != 3 or self.lane is None:
+            return
+        if meta[1] == "ipc-drop":
+            self.lane.run(self.shares.pop, meta[2], None)
+        elif meta[1] == "ipc-drop-event":
+            self.lane.run(self.events.pop, meta[2], None)
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
         self.close()

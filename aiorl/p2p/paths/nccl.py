@@ -288,7 +288,9 @@ class NcclPair:
 
         specs = [(dtype_of(dtype), shape) for dtype, shape in entry.specs]
         stream = self.lane.stream(self.device)
-        user = entry.posted.buf if entry.posted is not None else None
+        posted = entry.posted
+        # A receive cancelled before its transfer is issued does not get its buffer written.
+        user = posted.buf if posted is not None and not posted.work.done() else None
         if (
             user is not None
             and entry.msg.kind == K_CUDA
@@ -362,7 +364,9 @@ class NcclPair:
                 self._tell(OP_DONE, [self.host.name, token, ["refuse", step.reason]])
             elif do is Do.FAIL_SEND:
                 entry = self.sends.pop(token)
-                fail(entry.fut, ProtocolError(f"{self.peer} refused the CUDA payload: {step.reason}"))
+                fail(
+                    entry.fut, ProtocolError(f"{self.peer} refused the CUDA payload: {step.reason}")
+                )
 
     def _tell(self, op: str, meta: list[Any]) -> None:
         if self.peer_address is None:
