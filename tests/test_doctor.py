@@ -148,3 +148,14 @@ def test_a_straggler_rank_is_named(cluster):
         assert work.wait(30) == [0, 1, 2]
     finally:
         sleepy.close()
+
+
+def test_cycles_are_found_once_whatever_the_start():
+    from aiorl.cluster.doctor import Wait, _cycles, _sentence
+
+    edges = [Wait("c:0", "a:0", "recv from"), Wait("a:0", "b:0", "a call answered by"),
+             Wait("b:0", "c:0", "get on"), Wait("d:0", "a:0", "recv from")]
+    (cycle,) = _cycles(edges)
+    assert _sentence(cycle) == ("a:0 waits a call answered by b:0, which waits get on c:0, "
+                                "which waits recv from a:0")
+    assert _cycles(edges[1:]) == []

@@ -238,6 +238,9 @@ def test_share_cache_exports_each_live_storage_once_and_stays_bounded() -> None:
     new_share, args, dropped = cache.lookup(5, alive, lambda: export(5))
     assert args is not None and dropped  # a dead storage's share is dropped, re-exported
     assert len(cache) <= 4
+    cache.forget(new_share)  # its send never left: the next send exports again
+    again, args, _ = cache.lookup(5, alive, lambda: export(5))
+    assert args is not None and again != new_share
 
 
 # ----------------------------------------------------------------------------- packing

@@ -2,6 +2,8 @@
 
 * Issue 13 item 11: an agent started under its own ``CUDA_VISIBLE_DEVICES`` (indices or GPU
   UUIDs) gives each worker the *physical* devices its local placement indices stand for.
+* Issue 13 item 13: a worker that exits after a failed ``__init__`` still closes its P2P
+  engine (its runtime's closers run), which releases what the CUDA paths hold.
 * Issue 13 item 12: a zygote preload that initialises CUDA must not hand workers a broken
   CUDA state: the zygote notices and starts workers as fresh interpreters instead.
   (No GPU here: the preload fakes "CUDA initialised" through ``torch.cuda._initialized``,
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+from typing import Any
 
 import pytest
 
@@ -89,3 +93,37 @@ def test_zygote_that_initialised_cuda_starts_workers_by_exec(
             group.close()
     err = capfd.readouterr().err
     assert "tests._fake_cuda_preload" in err and "initialised CUDA" in err
+
+
+class FailsAfterUsingP2P(aiorl.Worker):
+    """Uses its P2P engine, then fails in ``__init__``: the engine must still be closed."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        engine = self._p2p_engine()
+        engine.runtime.on_close(lambda: open(marker, "w").close())
+        raise RuntimeError("init fails on purpose")
+
+    def ping(self) -> None:
+        """Never reached: ``__init__`` fails."""
+
+    def _p2p_engine(self) -> Any:
+        from aiorl.p2p import get_p2p
+
+        return get_p2p(self._runtime)
+
+
+def test_the_p2p_engine_is_closed_when_a_worker_exits_after_a_failed_init(
+    cluster: aiorl.Cluster, tmp_path: Any
+) -> None:
+    marker = str(tmp_path / "closed")
+    group = FailsAfterUsingP2P.create_group(marker).launch(cluster, num_workers=1, name="initfail")
+    try:
+        with pytest.raises(aiorl.WorkerInitError, match="on purpose"):
+            group.ping().wait(30)
+    finally:
+        group.close()
+    deadline = time.monotonic() + 10
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.path.exists(marker)  # the runtime's closers (P2P.close among them) ran

@@ -56,6 +56,18 @@ def test_span_mark_and_pending(tracing):
     assert not recorder.open_spans
 
 
+def test_aiorl_trace_environment_variable(monkeypatch):
+    was = recorder.ON
+    try:
+        monkeypatch.setenv("AIORL_TRACE", "0")
+        recorder.disable()
+        assert recorder.enable_from_environment() is False
+        monkeypatch.setenv("AIORL_TRACE", "1")
+        assert recorder.enable_from_environment() is True
+    finally:
+        (recorder.enable if was else recorder.disable)()
+
+
 def test_flow_ids_are_counted_per_pair(tracing):
     assert recorder.flow_seq("a>b/p2p") == ("a>b/p2p", 1)
     assert recorder.flow_seq("a>b/p2p") == ("a>b/p2p", 2)

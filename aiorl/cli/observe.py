@@ -26,6 +26,9 @@ def _add_target_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registry", default=None,
                    help="registry address (default: $AIORL_REGISTRY, else this user's newest "
                         "running embedded Cluster())")
+    p.add_argument("--pid", type=int, default=None,
+                   help="the driver process whose embedded Cluster() to look at, when this "
+                        "user runs several (default: the newest)")
     p.add_argument("--key-file", default=None,
                    help="the cluster's key file (default: $AIORL_KEY_FILE, else "
                         "~/.aiorl/cluster.key when it exists)")
@@ -58,11 +61,11 @@ def _run(args: argparse.Namespace, name: str,
     """Run ``body(endpoint, registry client)`` against the cluster; None if none was found."""
     import uvloop
 
-    from aiorl.cli.target import resolve_target as _status_target
+    from aiorl.cli.target import resolve_target
     from aiorl.registry.client import RegistryClient
     from aiorl.transport.endpoint import Endpoint
 
-    target = _status_target(args)
+    target = resolve_target(args)
     if target is None:
         return None
     address, keys, host = target

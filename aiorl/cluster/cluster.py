@@ -127,6 +127,8 @@ class Cluster:
             _trace.set_process_name("driver")
             if trace:
                 _trace.enable()
+            else:
+                _trace.enable_from_environment()  # AIORL_TRACE=1
             serve_inspection(self._session.runtime)  # aiorl doctor / trace from anywhere
         except BaseException:
             self.close()

@@ -52,8 +52,7 @@ class Probe:
     endpoint: str
     kind: str  # "worker" or "driver"
     node: str = "?"
-    local: bool = True
-    state: str = "ready"
+    local: bool = True  # on this machine: its clock needs no correction
     reply: dict[str, Any] | None = None
     error: str | None = None
     sent_ns: int = 0
@@ -70,7 +69,7 @@ def _probes(status: StatusReport) -> tuple[list[Probe], dict[str, str]]:
         states[w.name] = str(w.state)
         if w.state == WorkerState.READY and w.info.endpoint:
             probes.append(Probe(w.name, w.info.endpoint, "worker", str(w.info.node_rank),
-                                hosts.get(w.info.node_rank, here) in (here, ""), str(w.state)))
+                                hosts.get(w.info.node_rank, here) in (here, "")))
     for d in status.drivers:
         if d.endpoint:
             probes.append(Probe("driver", d.endpoint, "driver", d.hostname or "?",

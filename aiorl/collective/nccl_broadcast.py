@@ -101,6 +101,7 @@ class _Communicator:
         self.store: Any = None
         self.store_address: tuple[str, int] | None = None
         self.pg: Any = None
+        self.aborted = False
         self.lane = CudaLane(f"aiorl-bcast-{key[:8]}")
 
     def open_store(self, host: str) -> list[Any]:
@@ -123,8 +124,12 @@ class _Communicator:
                 host, port = self.store_address
                 self.store = dist.TCPStore(host, port, self.world, False, timeout=timeout)
             prefix = dist.PrefixStore(f"aiorl-bcast/{self.key}", self.store)
-            self.pg = new_nccl_group(prefix, self.rank, self.world, self.device,
-                                     RENDEZVOUS_TIMEOUT_S)
+            pg = new_nccl_group(prefix, self.rank, self.world, self.device,
+                                RENDEZVOUS_TIMEOUT_S)
+            if self.aborted:  # aborted while we were setting up: nobody else aborts this one
+                abort_in_background(pg, self.key)
+                raise PeerLostError(f"communicator {self.key} was aborted")
+            self.pg = pg
         return self.pg
 
     def broadcast(self, tensors: list[Any], root: int,
@@ -159,6 +164,7 @@ class _Communicator:
     def abort(self) -> None:
         """A representative died: NCCL calls would wait for it for ever. Aborted off the
         loop; the lane (maybe stuck in NCCL) is abandoned."""
+        self.aborted = True
         self.lane.close()
         abort_in_background(self.pg, self.key)
         self.pg = None

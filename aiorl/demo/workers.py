@@ -300,9 +300,9 @@ class TrainerWorker(Worker):
                 await self.send([p.grad for p in params], group, 0)
                 self._activity = "waiting for weights"
                 version, final = await self.recv(group, 0)
-                self._version = await self.weight_subscriber(WEIGHTS).pull(
-                    into=policy.state_dict())
-                assert self._version == version  # rank 0 publishes no newer before our grads
+                weights = self.weight_subscriber(WEIGHTS)
+                await weights.wait_for(version)  # our view of the directory may lag a moment
+                self._version = await weights.pull(into=policy.state_dict())
                 if final:
                     break
                 continue

@@ -41,8 +41,12 @@ log = logging.getLogger("aiorl.group")
 #: A worker class attribute naming methods whose last call a restarted rank receives again,
 #: before any other call (``PollingWorker`` names ``configure``).
 REPLAY_ATTRIBUTE = "_aiorl_replay_on_restart"
-#: How long a node agent may take to answer a spawn request.
-SPAWN_TIMEOUT_S = 30.0
+#: How long a node agent may take to answer a spawn request (a fork once its zygote is warm;
+#: a cold zygote imports torch first, which takes seconds on a loaded machine).
+SPAWN_TIMEOUT_S = 60.0
+#: How often a pending spawn checks that its node is still in the cluster: an agent killed
+#: after it got the request never answers, and its node leaving the list is how we learn it.
+NODE_CHECK_S = 0.25
 
 
 class _Rank:
@@ -251,7 +255,9 @@ class GroupCore:
         err = WorkerInitError(f"{self.name}:*", -1, type(exc).__name__, str(exc), "", exc)
         for r in ranks:
             st = self.ranks[r]
-            if st.address is None and st.error is None:
+            # A rank restarted meanwhile (its first process died while this launch waited
+            # for an agent that never answered) is not this launch's to fail.
+            if st.address is None and st.error is None and st.incarnation == 0:
                 self._fail_rank(st, err)
 
     async def watch(self) -> None:
@@ -318,9 +324,21 @@ class GroupCore:
             request = SpawnRequest(self.name, self.session.driver_id, self.world_size,
                                    tuple(launches), f"{self.cls.__module__}.{self.cls.__qualname__}",
                                    output_to)
-            await self.runtime.endpoint.request(node["endpoint"], AgentOp.SPAWN,
-                                                request.to_wire(), [self._payload],
-                                                timeout=SPAWN_TIMEOUT_S)
+            await self._request_spawn(node, request)
+
+    async def _request_spawn(self, node: dict[str, Any], request: SpawnRequest) -> None:
+        """Send ``request`` to ``node``'s agent; fail at once if the node leaves the cluster
+        (its agent died) before it answers, instead of waiting for the timeout."""
+        reply = self.runtime.endpoint.request(node["endpoint"], AgentOp.SPAWN, request.to_wire(),
+                                              [self._payload], timeout=SPAWN_TIMEOUT_S)
+        while not reply.done():
+            await asyncio.wait((reply,), timeout=NODE_CHECK_S)
+            if not reply.done() and all(n.get("node_id") != node.get("node_id")
+                                        for n in self.session._node_list()):
+                reply.cancel()
+                raise PeerLostError(f"node {node['node_rank']} left the cluster before its "
+                                    f"agent answered the spawn of {self.name}")
+        reply.result()
 
     # ------------------------------------------------------------------ registry news
     def _on_worker_event(self, name: str, state: str, info: dict[str, Any], detail: dict[str, Any]) -> None:
@@ -413,6 +431,7 @@ class GroupCore:
             self._relocate(ranks)
             await self._spawn(ranks)
         except Exception as exc:  # noqa: BLE001 - the restart itself failed: a death of its own
+            self._kill_ranks(ranks)  # whatever the agent may still start for this attempt
             why = f"restarting it failed: {type(exc).__name__}: {exc} (after: {reason})"
             for r in ranks:
                 st = self.ranks[r]

@@ -374,6 +374,10 @@ class NodeAgent:
             log_path = os.path.join(self.log_dir, f"{request.group}_{launch.rank}.log")
             spec = WorkerSpawn(launch, request.group, request.world_size, payload,
                                self.registry_address, node, log_path)
+            # A restart replaces an earlier process of this name that may still run here
+            # (its death was declared while it lived on): never two of one name.
+            self._kill([c for c in self.children.values() if c.name == spec.name
+                        and c.incarnation < _incarnation_of(launch.env)])
             spawn_id = next(self._spawn_ids)
             fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             self._spawn_waiters[spawn_id] = fut

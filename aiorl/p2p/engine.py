@@ -32,6 +32,7 @@ from typing import Any
 
 from aiorl.errors import PeerLostError, RegistryUnavailable
 from aiorl.names import WorkerAddress
+from aiorl.p2p.gpu import cuda_needs_init, local_cuda_info
 from aiorl.p2p.inbox import Inbox, InboxStatistics
 from aiorl.p2p.message import (
     OutMessage,
@@ -297,7 +298,13 @@ class P2PEngine:
             ib.on_control(msg.op, msg.meta)
 
     def _on_hello(self, msg: Incoming) -> None:
-        msg.reply(self.inbox(msg.meta["src"]).answer(msg.meta))
+        ib = self.inbox(msg.meta["src"])
+        if msg.meta.get("cuda") and cuda_needs_init():
+            # This process's first CUDA use: initialise it off the loop, answer after.
+            fut = self.loop.run_in_executor(None, local_cuda_info)
+            fut.add_done_callback(lambda _f: msg.reply(ib.answer(msg.meta)))
+            return
+        msg.reply(ib.answer(msg.meta))
 
     # ------------------------------------------------------------------ state
     @property

@@ -30,6 +30,7 @@ import logging
 import os
 import queue
 import socket
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -46,6 +47,7 @@ __all__ = [
     "GpuHost",
     "abort_in_background",
     "allocate",
+    "cuda_needs_init",
     "device_uuid",
     "flat_u8",
     "gpu_done",
@@ -129,6 +131,15 @@ def host_identity() -> str:
     except OSError:
         boot = "?"
     return f"{socket.gethostname()}/{boot}"
+
+
+def cuda_needs_init() -> bool:
+    """Whether describing this process's GPUs would initialise CUDA here (its first use),
+    which must then happen off the event loop."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return True
+    return bool(torch.cuda.is_available()) and not torch.cuda.is_initialized()
 
 
 def local_cuda_info() -> dict[str, Any]:

@@ -28,6 +28,7 @@ from aiorl.protocol.ops import WorkerOp
 from aiorl.registry.client import RegistryClient
 from aiorl.runtime.loop import LoopThread
 from aiorl.runtime.waiter import BlockingWaiter
+from aiorl.trace import recorder as _trace
 from aiorl.transport.endpoint import Endpoint
 
 __all__ = ["Runtime", "current_runtime", "set_current_runtime"]
@@ -183,7 +184,12 @@ class Runtime:
 
         info = await self.resolve_worker(name)
         frames = serialization.dumps((args, kwargs)) if args or kwargs else []
-        _, payload = await self.endpoint.request(info["endpoint"], WorkerOp.CALL, method, frames)
+        fut = self.endpoint.request(info["endpoint"], WorkerOp.CALL, method, frames)
+        if _trace.ON:  # counted as the worker counts the calls it executes (the flow's ends)
+            span = _trace.begin("call", method, name)
+            span.flow_out = _trace.flow_seq(f"{self.name}>{name}/call")
+            fut.add_done_callback(span.settled)
+        _, payload = await fut
         return serialization.loads(payload) if payload else None
 
     # ------------------------------------------------------------------ shutdown

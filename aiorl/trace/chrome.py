@@ -124,7 +124,7 @@ def _span_events(pid: int, spans: Iterable[Sequence[Any]], offset_ns: int) -> li
                         "ts": ts, "args": args})
             continue
         if on_loop:
-            ident = f"{pid:x}.{n:x}"
+            ident = (pid << 24) | n  # unique across processes (async ids are global)
             out.append({"ph": "b", "name": name, "cat": cat, "id": ident, "pid": pid,
                         "tid": tid, "ts": ts, "args": args})
             out.append({"ph": "e", "name": name, "cat": cat, "id": ident, "pid": pid,

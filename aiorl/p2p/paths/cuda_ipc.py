@@ -108,6 +108,12 @@ class ShareCache:
         self._entries[key] = (share_id, ref, args)
         return share_id, args, dropped
 
+    def forget(self, share_id: int) -> None:
+        """Drop share ``share_id`` here only (the receiver never saw its export)."""
+        for key, entry in list(self._entries.items()):
+            if entry[0] == share_id:
+                del self._entries[key]
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -224,8 +230,15 @@ class IpcSend:
                 self.dest.address or "", OP_CUDA, [self.host.name, "ipc-drop", share_id]
             )
         token = self.dest.next_token()
-        fut, undo = self.waiting.park(token, (live, ev))
+        fut, unpark = self.waiting.park(token, (live, ev))
         fut.add_done_callback(lambda _f: self._event_free(event_id, ev))
+        exported = [p[0] for p in parts if p[1] is not None]
+
+        def undo() -> None:  # the control message never left: the receiver saw none of it
+            unpark()
+            for share_id in exported:
+                self.shares.forget(share_id)
+
         desc = [
             IPC,
             token,

@@ -174,7 +174,11 @@ class NcclPair:
                     host, port, 2, False, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
                 )
             prefix = dist.PrefixStore(self.gid, self.store)
-            self.pg = new_nccl_group(prefix, self.rank, 2, self.device, RENDEZVOUS_TIMEOUT_S)
+            pg = new_nccl_group(prefix, self.rank, 2, self.device, RENDEZVOUS_TIMEOUT_S)
+            if self.broken is not None:  # failed while we were setting up: nobody else aborts it
+                abort_in_background(pg, self.gid or self.peer)
+                raise PeerLostError(f"the NCCL pair with {self.peer} failed: {self.broken}")
+            self.pg = pg
         return self.pg
 
     # ------------------------------------------------------------------ sending
