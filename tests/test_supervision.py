@@ -293,3 +293,27 @@ def test_a_watch_snapshot_never_overwrites_an_event_sent_after_it():
 
     seen = asyncio.run(main())
     assert seen[-1] == 2, f"node counts delivered: {seen}"
+
+
+class Sized(aiorl.Worker):
+    def __init__(self, blob: bytes) -> None:
+        super().__init__()
+        self.n = len(blob)
+
+    def size(self) -> int:
+        return self.n
+
+
+def test_large_constructor_arguments_reach_every_rank_and_the_node_keeps_spawning(cluster):
+    """Found by the chaos test's search for unanswered spawns: the agent wrote spawn messages
+    to its zygote with sendall on a non-blocking socket, which raised after a partial write
+    once a message outgrew the socket buffer (~230 KB), tearing the zygote's stream: that
+    launch failed with BlockingIOError and the node never started a worker again."""
+    big = Sized.create_group(b"x" * (4 << 20)).launch(cluster, num_workers=2, name="big_args")
+    after = Sized.create_group(b"y").launch(cluster, num_workers=1, name="after_big_args")
+    try:
+        assert big.size().wait(60) == [4 << 20, 4 << 20]
+        assert after.size().wait(60) == [1]
+    finally:
+        big.close()
+        after.close()

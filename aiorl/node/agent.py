@@ -48,7 +48,7 @@ from typing import Any
 from aiorl.errors import AiorlError, ProtocolError, RegistryUnavailable
 from aiorl.names import WorkerInfo
 from aiorl.node.visible_devices import physical_visible_devices
-from aiorl.node.zygote import read_message, write_message
+from aiorl.node.zygote import encode_message, read_message, write_message
 from aiorl.protocol.fields import Fields
 from aiorl.protocol.ops import AgentOp, DriverOp, WorkerOp, WorkerState
 from aiorl.protocol.registry import (
@@ -153,6 +153,9 @@ class NodeAgent:
         self._spawn_waiters: dict[int, asyncio.Future[int]] = {}
         self._spawn_ids = iter(range(1, 1 << 62))
         self._zygote_ready: asyncio.Future[None] | None = None
+        #: One spawn message at a time on the zygote channel: a large one is written in
+        #: pieces as the zygote reads, and two must not interleave.
+        self._zygote_write = asyncio.Lock()
         self._stopped = asyncio.Event()
         #: Seconds without an answered heartbeat after which the registry declares us dead.
         self._expiry = 3.0
@@ -381,7 +384,13 @@ class NodeAgent:
             spawn_id = next(self._spawn_ids)
             fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             self._spawn_waiters[spawn_id] = fut
-            write_message(self._zygote_channel, ("spawn", spawn_id, spec))
+            # The channel is non-blocking (its reads run on the loop): sendall would raise
+            # after a partial write when the zygote is busy and the message is larger than
+            # the socket buffer (a few hundred KiB of constructor arguments), leaving the
+            # zygote a torn message and this node unable to start any worker again.
+            async with self._zygote_write:
+                await asyncio.get_running_loop().sock_sendall(
+                    self._zygote_channel, encode_message(("spawn", spawn_id, spec)))
             pid = await fut
             self.children[pid] = _Child(spec.name, request.group, pid, log_path, time.time(),
                                         output_to=request.output_to,

@@ -67,9 +67,15 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
         pass  # not Linux: the stdin/heartbeat watches still end orphans
 
 
-def write_message(sock: socket.socket, obj: Any) -> None:
+def encode_message(obj: Any) -> bytes:
+    """One message as it travels on the agent-zygote channel: its length, then its pickle."""
     data = pickle.dumps(obj, protocol=5)
-    sock.sendall(_LEN.pack(len(data)) + data)
+    return _LEN.pack(len(data)) + data
+
+
+def write_message(sock: socket.socket, obj: Any) -> None:
+    """Write one message on a blocking socket (a non-blocking one: ``loop.sock_sendall``)."""
+    sock.sendall(encode_message(obj))
 
 
 def read_message(sock: socket.socket) -> Any:

@@ -83,6 +83,8 @@ class WeightSubscriber:
     def pull(self, into: Mapping[str, Any]) -> AsyncWork[int]:
         """Copy the newest complete version into ``into`` (name -> tensor) and return it.
 
+        "Newest" is :attr:`latest_version` (or newer), which follows the publisher by one
+        directory message: to pull at least version v, ``await wait_for(v)`` first.
         Every published tensor must be in ``into`` with the same dtype and shape; the copy
         is in place. Waits only when no version exists yet; never for a publish in
         progress. A pull returns one complete version: a copy the publisher overwrote
