@@ -33,7 +33,7 @@ KILLS = int(os.environ.get("AIORL_CHAOS_KILLS", "8"))
 KILL_WINDOW_S = float(os.environ.get("AIORL_CHAOS_WINDOW_S", "8" if KILLS <= 20 else "900"))
 STEPS = int(os.environ.get("AIORL_CHAOS_STEPS", "8"))
 ITEMS_PER_RANK = 5
-EXPIRY_S = 1.5
+EXPIRY_S = 3.0  # the default: shorter ones declare loaded (not dead) drivers dead here
 #: The longest any one operation may take before the test calls it a hang: a call waits for
 #: its rank's restart, and a restart whose node agent is killed meanwhile fails after the
 #: spawn timeout (10 s) and is tried again; a few of those in a row fit.
@@ -188,13 +188,17 @@ def _run_step(producers, consumers, channel, ids: list[list[int]],
     consume = consumers.consume(channel, ITEMS_PER_RANK, wait_s)
     received: list[int] = []
     error = ""
-    for work in [*produce, consume]:
+    for what, work in [*((f"produce on rank {r}", w) for r, w in enumerate(produce)),
+                       ("consume", consume)]:
         try:
             result = work.wait(OPERATION_BOUND_S)
             if work is consume:
                 received = [i for per_rank in result for i in per_rank]
         except aiorl.WaitTimeout:
-            raise AssertionError("an operation hung under chaos") from None
+            states = {g.worker_group_name: [
+                (st.incarnation, st.restarting, st.address is not None, repr(st.error)[:80])
+                for st in g._core.ranks] for g in (producers, consumers)}
+            raise AssertionError(f"{what} hung under chaos; ranks: {states}") from None
         except (aiorl.AiorlError, LookupError) as exc:
             error = error or f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     return received, error

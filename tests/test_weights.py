@@ -136,6 +136,9 @@ class Rollout(aiorl.Worker):
     def stats(self, name: str) -> dict[str, int]:
         return vars(self.weight_subscriber(name).statistics())
 
+    def die(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
 
 @pytest.fixture(scope="module")
 def cluster2():
@@ -287,3 +290,75 @@ def test_other_node_receives_each_version_once_through_one_relay(trainers, rollo
     per_version = sum(s["relayed_bytes"] for s in remote) / 2
     assert model_bytes() <= per_version <= model_bytes() + 64 * len(SHAPES)  # + alignment
     assert sorted(s["relayed_versions"] for s in remote) == [0, 2]
+
+
+def test_dead_relay_is_replaced_by_another_subscriber_of_its_node(cluster2, trainers):
+    pair = Rollout.create_group().launch(cluster2, NodePlacementStrategy([1, 1]), name="pair")
+    try:
+        pub = trainers.execute_on(0)
+        pub.publish("w-relay", 1).wait(60)
+        assert pair.wait_for("w-relay", 1).wait(60) == [1, 1]
+        assert pair.pull("w-relay").wait(60) == [(1, [1.0])] * 2
+        relayed = [s["relayed_versions"] for s in pair.stats("w-relay").wait(30)]
+        relay = relayed.index(1)
+        with pytest.raises(aiorl.PeerLostError):
+            pair.execute_on(relay).die().wait(30)
+        survivor = pair.execute_on(1 - relay)
+        pub.publish("w-relay", 2).wait(60)
+        assert survivor.wait_for("w-relay", 2).wait(60) == [2]
+        assert survivor.pull("w-relay").wait(60) == [(2, [2.0])]
+        # It took over: it fetched v2 (and v1 too if it was elected before v2 existed,
+        # since the node's copy died with the old relay).
+        assert survivor.stats("w-relay").wait(30)[0]["relayed_versions"] in (1, 2)
+    finally:
+        pair.close()
+
+
+# ----------------------------------------------------------------------------- layout, errors
+def test_layout_buckets_cover_every_tensor_within_the_bucket_size():
+    from aiorl.weights._layout import Layout
+
+    sd = {"a": torch.zeros(10), "big": torch.zeros(1000, dtype=torch.bfloat16),
+          "c": torch.zeros(300), "empty": torch.zeros(0), "scalar": torch.tensor(1.0)}
+    layout = Layout.of(sd, bucket_bytes=1024)
+    assert all(0 < end - start <= 1024 for start, end in layout.buckets)
+    assert all(s.offset % 64 == 0 for s in layout.tensors)
+    covered = [(s, e) for s, e in layout.buckets]
+    for spec in layout.tensors:  # every byte of every tensor is in exactly one bucket
+        inside = sum(max(0, min(e, spec.offset + spec.nbytes) - max(s, spec.offset))
+                     for s, e in covered)
+        assert inside == spec.nbytes, spec.name
+    layout.check({k: v.clone() for k, v in sd.items()})
+    with pytest.raises(ValueError, match="changed"):
+        layout.check({**sd, "c": torch.zeros(301)})
+    with pytest.raises(ValueError, match="missing"):
+        layout.check({k: v for k, v in sd.items() if k != "a"})
+
+
+class Misuser(aiorl.Worker):
+    async def misuse(self) -> list[str]:
+        """Each wrong call, and the error it raised."""
+        pub = self.weight_publisher("w-misuse", bucket_mb=1)
+        sub = self.weight_subscriber("w-misuse")
+        await pub.publish(model(1), 1)
+        await sub.wait_for(1)
+        errors = []
+        for call in (lambda: pub.publish(model(2), "2"),                      # not an int
+                     lambda: pub.publish({"x": [1.0]}, 2),                    # not a tensor
+                     lambda: pub.publish(model(2, ["embed"]), 2),             # layout changed
+                     lambda: sub.pull(into=model(0, ["embed"])),              # missing names
+                     lambda: sub.pull(into={**model(0), "embed": torch.zeros(3)})):  # shape
+            try:
+                await call()
+            except (TypeError, ValueError, KeyError) as exc:
+                errors.append(type(exc).__name__)
+        return errors
+
+
+def test_misuse_raises_specific_errors(cluster2):
+    g = Misuser.create_group().launch(cluster2, NodePlacementStrategy([0]), name="misuser")
+    try:
+        assert g.misuse().wait(60) == [["TypeError", "TypeError", "ValueError", "KeyError",
+                                        "ValueError"]]
+    finally:
+        g.close()

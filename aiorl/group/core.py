@@ -53,7 +53,8 @@ class _Rank:
     """The driver's view of one rank: its endpoint once ready, or why it cannot be called,
     and which process of the rank (incarnation) that is."""
 
-    __slots__ = ("address", "error", "queued", "incarnation", "restarts", "restarting", "member")
+    __slots__ = ("address", "error", "queued", "incarnation", "restarts", "streak", "restarting",
+                 "member")
 
     def __init__(self) -> None:
         self.address: str | None = None
@@ -61,6 +62,7 @@ class _Rank:
         self.queued: list[Callable[[], None]] = []
         self.incarnation = 0
         self.restarts = 0
+        self.streak = 0  # restarts since it was last ready: the backoff's exponent
         self.restarting = False  # a replacement is on its way (calls wait for it)
         self.member = True  # False once remove_ranks took it out of the group
 
@@ -359,6 +361,7 @@ class GroupCore:
             st.error = None
             if st.restarting:
                 st.restarting = False
+                st.streak = 0
                 self._restarted(rank, st)
             queued, st.queued = st.queued, []
             for fn in queued:
@@ -402,7 +405,7 @@ class GroupCore:
                        f"restarted {st.restarts} time(s) already (max_restarts="
                        f"{sup.max_restarts}); its calls fail with the last death's error")
         else:
-            self._schedule_restart([rank], max(sup.delay(st.restarts), not_before), reason)
+            self._schedule_restart([rank], max(sup.delay(st.streak), not_before), reason)
 
     def _schedule_restart(self, ranks: Sequence[int], delay: float, reason: str) -> None:
         """Each rank becomes its next incarnation: later calls wait for it (queued), and in
@@ -411,6 +414,7 @@ class GroupCore:
             st = self.ranks[r]
             st.incarnation += 1
             st.restarts += 1
+            st.streak += 1
             st.restarting = True
             st.error = None
             st.address = None

@@ -79,8 +79,8 @@ class Supervision:
       not: that would fail again).
     * ``max_restarts``: restarts allowed per rank (per group with ``fate="group"``);
       then the rank gives up and its calls fail with the last death's error.
-    * ``backoff``: seconds before the first restart of a rank, doubling with each
-      further one (at most 30 s).
+    * ``backoff``: seconds before a rank's restart, doubling with each further restart
+      before it is ready again (at most 30 s); a rank that came up starts over.
     * ``fate``: ``"rank"`` (one rank's death fails only what involves it) or
       ``"group"`` (any death stops every rank: SPMD ranks bound by one communicator;
       with ``restart="on_failure"`` the whole group is started again).
@@ -113,9 +113,10 @@ class Supervision:
     def restarts(self) -> bool:
         return self.restart == "on_failure"
 
-    def delay(self, restarts_so_far: int) -> float:
-        """Seconds to wait before restart number ``restarts_so_far + 1``."""
-        return float(min(self.backoff * 2.0 ** restarts_so_far, MAX_BACKOFF_S))
+    def delay(self, failed_in_a_row: int) -> float:
+        """Seconds to wait before a restart that follows ``failed_in_a_row`` restarts that
+        did not bring the rank up."""
+        return float(min(self.backoff * 2.0 ** failed_in_a_row, MAX_BACKOFF_S))
 
 
 class GroupEvents:

@@ -311,6 +311,10 @@ class RegistryClient:
 
         async def beat() -> None:
             failing = False  # one warning per run of failed beats, not one per beat
+            # A re-registration that failed halfway (the registry died again, or timed out)
+            # is retried on every beat until it succeeds, even if the registry knows us by
+            # then: its watches may be missing, and without them no news would reach us.
+            reregister = False
             while True:
                 await asyncio.sleep(interval)
                 try:
@@ -328,11 +332,15 @@ class RegistryClient:
                     continue
                 failing = False
                 self.last_answered = time.monotonic()
-                if not known and on_unknown is not None:
+                if (reregister or not known) and on_unknown is not None:
                     try:
                         await on_unknown()
-                    except Exception:
-                        log.exception("re-registering with the registry failed")
+                        reregister = False
+                    except Exception as exc:  # noqa: BLE001 - tried again on the next beat
+                        reregister = True
+                        log.warning("re-registering with the registry failed (%s: %s); "
+                                    "trying again", type(exc).__name__,
+                                    str(exc).splitlines()[0] if str(exc) else "")
 
         self._heartbeat_task = self.endpoint.loop.create_task(beat())
 
