@@ -212,7 +212,7 @@ async def _main(spec: WorkerSpawn, listen: str) -> int:
     # The agent keeps our info so it can report us again if the registry restarts.
     endpoint.send_oneway(spec.node.endpoint, AgentOp.WORKER_READY, {"info": info.to_wire()})
     def on_registry_restarted(_msg: Incoming) -> None:
-        loop.create_task(registry.resubscribe())
+        loop.create_task(registry.resubscribe_patiently())
 
     endpoint.handle(WorkerOp.REGISTRY_RESTARTED, on_registry_restarted)
     await stop.wait()

@@ -7,9 +7,11 @@ trains a CartPole policy with REINFORCE:
 * rollout workers (:class:`~aiorl.PollingWorker`) play episodes of varying length with
   their current policy and ``put`` each trajectory into a channel, weight = its length;
 * trainers take ``get_batch(--batch-weight)`` in turn, compute policy gradients, average
-  them on trainer 0 (P2P ``send``/``recv``), which steps Adam and pushes the new,
-  versioned weights to every rollout worker and trainer (P2P ``send``); rollouts swap
-  them in between episodes without ever waiting for them;
+  them on trainer 0 (P2P ``send``/``recv``), which steps Adam and publishes the new,
+  versioned weights once (:mod:`aiorl.weights`: written once into shared memory on its
+  node, relayed once to every other node); the other trainers pull each version before
+  their next step, and rollouts pull the newest one in between episodes without ever
+  waiting for it;
 * the driver shows live progress and prints a summary, then closes the groups and the
   cluster, also on errors, Ctrl-C and SIGTERM.
 
@@ -33,9 +35,9 @@ __all__ = ["add_parser", "main", "run"]
 
 _DESCRIPTION = (
     "Run a small distributed RL job (CartPole, REINFORCE) on aiorl: rollout workers feed "
-    "trajectories through a channel to trainers, trainer 0 pushes new weights back over "
-    "point-to-point messages. Shows live progress and a summary. Starts an embedded "
-    "cluster unless --registry is given."
+    "trajectories through a channel to trainers, trainer 0 publishes each new weight "
+    "version once (aiorl.weights) and every worker pulls the newest. Shows live progress "
+    "and a summary. Starts an embedded cluster unless --registry is given."
 )
 
 ROLLOUT_GROUP = "rollout"

@@ -51,7 +51,7 @@ from aiorl.util.cuda_device import selected_device
 if TYPE_CHECKING:
     from aiorl.collective.plan import BroadcastPlan
 
-__all__ = ["CudaBroadcast"]
+__all__ = ["CudaBroadcast", "NcclCommunicator"]
 
 log = logging.getLogger("aiorl.collective")
 
@@ -168,6 +168,11 @@ class _Communicator:
         self.lane.close()
         abort_in_background(self.pg, self.key)
         self.pg = None
+
+
+#: The communicator with its lane, for the layers above that run NCCL broadcasts of their own
+#: (``aiorl.weights.nccl``: a publisher's version rounds).
+NcclCommunicator = _Communicator
 
 
 class CudaBroadcast:

@@ -47,6 +47,9 @@ SPAWN_TIMEOUT_S = 60.0
 #: How often a pending spawn checks that its node is still in the cluster: an agent killed
 #: after it got the request never answers, and its node leaving the list is how we learn it.
 NODE_CHECK_S = 0.25
+#: How long a node must stay out of the list to count as gone: after a registry restart the
+#: live agents take a heartbeat or two to join again.
+NODE_GONE_S = 2.0
 
 
 class _Rank:
@@ -333,10 +336,16 @@ class GroupCore:
         (its agent died) before it answers, instead of waiting for the timeout."""
         reply = self.runtime.endpoint.request(node["endpoint"], AgentOp.SPAWN, request.to_wire(),
                                               [self._payload], timeout=SPAWN_TIMEOUT_S)
+        missing_since: float | None = None
         while not reply.done():
             await asyncio.wait((reply,), timeout=NODE_CHECK_S)
-            if not reply.done() and all(n.get("node_id") != node.get("node_id")
-                                        for n in self.session._node_list()):
+            if reply.done():
+                break
+            if any(n.get("node_id") == node.get("node_id") for n in self.session._node_list()):
+                missing_since = None
+            elif missing_since is None:
+                missing_since = time.monotonic()
+            elif time.monotonic() - missing_since > NODE_GONE_S:
                 reply.cancel()
                 raise PeerLostError(f"node {node['node_rank']} left the cluster before its "
                                     f"agent answered the spawn of {self.name}")
@@ -357,6 +366,11 @@ class GroupCore:
             return  # an earlier process of this rank (already replaced), or a removed rank
         st.incarnation = incarnation  # an attached view learns of restarts by the owner
         if state == "ready":
+            if st.address is not None and st.address != info["endpoint"]:
+                # A newer process of this rank, and we never heard the old one die (it died
+                # while the registry was down): its pending calls fail instead of waiting.
+                self.runtime.endpoint.mark_peer_lost(
+                    st.address, f"worker {name} was replaced by incarnation {incarnation}")
             st.address = info["endpoint"]
             st.error = None
             if st.restarting:

@@ -65,6 +65,8 @@ __all__ = ["DEFAULT_TIMEOUT", "INCARNATION_VARIABLE", "RegistryClient", "WorkerE
 log = logging.getLogger("aiorl.registry")
 
 DEFAULT_TIMEOUT = 10.0
+#: How long a worker keeps trying to renew its watches after a registry restart.
+RESUBSCRIBE_PATIENCE_S = 120.0
 
 #: The launch environment's record of which process of its name a worker is (0, 1, ...).
 INCARNATION_VARIABLE = "AIORL_INCARNATION"
@@ -267,6 +269,25 @@ class RegistryClient:
             await self._snapshot(name, functools.partial(self._deliver, callbacks=callbacks))
         if self._node_callbacks:
             await self._snapshot(NODES_PATTERN, self._deliver_nodes)
+
+    async def resubscribe_patiently(self, patience: float = RESUBSCRIBE_PATIENCE_S) -> None:
+        """:meth:`resubscribe`, tried again every half second while the registry does not
+        answer (it may have died again while coming back), for up to ``patience`` seconds.
+
+        For a worker told by its node agent that the registry restarted: nothing else would
+        retry, and a worker without its watches never hears of a peer's death, so an
+        operation on a dead peer would wait for ever. (A driver or agent re-subscribes from
+        its heartbeat loop instead, which retries on the next beat.)"""
+        deadline = self.endpoint.loop.time() + patience
+        while True:
+            try:
+                await self.resubscribe()
+                return
+            except RegistryUnavailable as exc:
+                if self.endpoint.loop.time() >= deadline:
+                    log.error("could not renew this process's watches: %s", exc)
+                    return
+                await asyncio.sleep(0.5)
 
     def _deliver_nodes(self, snapshot: WatchSnapshot) -> None:
         nodes = [n.to_wire() for n in snapshot.nodes]

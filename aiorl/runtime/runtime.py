@@ -151,6 +151,13 @@ class Runtime:
     def _on_peer_event(self, name: str, state: str, info: dict[str, Any], detail: dict[str, Any]) -> None:
         fut = self._peer_watch.get(name)
         if state == "ready":
+            previous = self._peer_address.get(name)
+            if previous is not None and previous != info["endpoint"]:
+                # A new process holds the name (a restart whose predecessor's death we did
+                # not hear, e.g. it died while the registry was down): nothing more will come
+                # from the old address, so what waits on it must fail, not wait for ever.
+                self.endpoint.mark_peer_lost(previous, f"worker {name} was replaced by a new "
+                                                       "process (its predecessor is gone)")
             self._peer_address[name] = info["endpoint"]
             if fut is not None and not fut.done():
                 fut.set_result(info)

@@ -81,6 +81,12 @@ class NodeView:
     shard's layout, ``relay_jobs`` what this subscriber should fetch as its node's relay,
     ``lost`` why a publisher is gone (None while all are alive), ``generation`` the
     directory state this answers (pass it back to wait for a change).
+
+    For a subscriber that pulls into a GPU other than a GPU publisher's
+    (:meth:`WeightDirectory.gpu_subscribe`): ``gpu_sources`` holds, per shard, the copy of
+    that shard on the subscriber's GPU (its representative's, :mod:`aiorl.weights.nccl`;
+    None where there is none, or none needed), and ``gpu_jobs`` the publishers (their
+    sources) of the shards for which the subscriber itself is its GPU's representative.
     """
 
     version: int | None
@@ -89,6 +95,8 @@ class NodeView:
     relay_jobs: tuple[RelayJob, ...]
     lost: str | None
     generation: int
+    gpu_sources: tuple[ShardSource | None, ...] = ()
+    gpu_jobs: tuple[ShardSource, ...] = ()
 
 
 @dataclass
@@ -112,6 +120,10 @@ class WeightDirectory:
         self._relays: dict[tuple[str, int], ShardSource] = {}  # (node, shard) -> relay copy
         self._relay_workers: dict[tuple[str, int], str] = {}  # (node, shard) -> elected relay
         self._lost: dict[int, str] = {}  # shard -> why its publisher is gone
+        # GPU representatives (aiorl.weights.nccl), by (node, GPU UUID, shard).
+        self._gpu_of: dict[str, str] = {}  # subscriber -> the UUID of the GPU it pulls into
+        self._gpu_reps: dict[tuple[str, str, int], str] = {}  # -> elected representative
+        self._gpu_copies: dict[tuple[str, str, int], ShardSource] = {}  # -> its GPU slots
         self._by_endpoint: dict[str, str] = {}  # endpoint address -> worker name
         self._watches: dict[str, asyncio.Task[None]] = {}  # worker name -> its death watch
         self._generation = 0
@@ -145,6 +157,9 @@ class WeightDirectory:
         # Relays of the previous publisher hold its layout: start them afresh.
         for key in [k for k in self._relays if k[1] == source.shard]:
             del self._relays[key]
+        for gpu_key in [k for k in self._gpu_reps if k[2] == source.shard]:
+            del self._gpu_reps[gpu_key]
+            self._gpu_copies.pop(gpu_key, None)
         self._watch(source.worker)
         self._bump()
 
@@ -164,6 +179,30 @@ class WeightDirectory:
             if relay is None or relay.ref != ref:
                 relay = self._relays[(node_id, shard)] = ShardSource(shard, worker, "", ref)
             source = relay
+        self._hold(source, version, slot)
+
+    async def gpu_subscribe(self, worker: str, node_id: str, uuid: str) -> None:
+        """Subscriber ``worker`` pulls into GPU ``uuid`` of ``node_id``: for each shard a GPU
+        publisher publishes on another GPU, one subscriber of that GPU (the first to ask)
+        becomes its representative and receives the versions by NCCL."""
+        if self._gpu_of.get(worker) != uuid:
+            self._gpu_of[worker] = uuid
+            self._bump()
+
+    async def announce_gpu(self, worker: str, node_id: str, uuid: str, shard: int,
+                           version: int, slot: int, ref: SegmentRef, export: CudaExport) -> None:
+        """Representative ``worker`` of GPU ``uuid`` holds ``version`` of ``shard`` complete
+        in its GPU slot ``slot`` (``ref``: its seqlock header; ``export``: the slots)."""
+        key = (node_id, uuid, shard)
+        if self._gpu_reps.get(key) != worker:
+            return  # a representative that was replaced meanwhile
+        copy = self._gpu_copies.get(key)
+        if copy is None or copy.ref != ref:
+            copy = self._gpu_copies[key] = ShardSource(shard, worker, "", ref, cuda=export)
+        self._hold(copy, version, slot)
+
+    def _hold(self, source: ShardSource, version: int, slot: int) -> None:
+        """``source`` holds ``version`` in ``slot`` now (and no longer what it held there)."""
         for held, held_slot in list(source.slots.items()):
             if held_slot == slot:
                 del source.slots[held]
@@ -207,8 +246,33 @@ class WeightDirectory:
             sources.append(copy or ShardSource(shard, relay, "", pub.source.ref))
         version = self._newest(dict(enumerate(sources)))
         layouts = tuple(self._publishers[s].layout for s in range(n))
+        gpu_sources, gpu_jobs = self._gpu_view(worker, node_id, n)
         return NodeView(version, tuple(sources), layouts, tuple(jobs), self._lost_reason(),
-                        self._generation)
+                        self._generation, gpu_sources, gpu_jobs)
+
+    def _gpu_view(self, worker: str, node_id: str, n: int
+                  ) -> tuple[tuple[ShardSource | None, ...], tuple[ShardSource, ...]]:
+        """The copies on ``worker``'s GPU of shards published from other GPUs, and the shards
+        it represents its GPU for (electing it if the GPU has no representative yet)."""
+        uuid = self._gpu_of.get(worker)
+        if uuid is None:
+            return (), ()
+        copies: list[ShardSource | None] = []
+        jobs: list[ShardSource] = []
+        for shard in range(n):
+            export = self._publishers[shard].source.cuda
+            if export is None or export.device_uuid == uuid or shard in self._lost:
+                copies.append(None)  # no GPU source, the publisher's own GPU, or gone
+                continue
+            key = (node_id, uuid, shard)
+            rep = self._gpu_reps.get(key)
+            if rep is None:
+                rep = self._gpu_reps[key] = worker
+                self._watch(worker)
+            if rep == worker:
+                jobs.append(self._publishers[shard].source)
+            copies.append(self._gpu_copies.get(key))
+        return tuple(copies), tuple(jobs)
 
     @staticmethod
     def _newest(sources: dict[int, ShardSource]) -> int | None:
@@ -254,6 +318,11 @@ class WeightDirectory:
             if relay == worker:
                 del self._relay_workers[key]
                 self._relays.pop(key, None)
+        self._gpu_of.pop(worker, None)
+        for gpu_key, rep in list(self._gpu_reps.items()):
+            if rep == worker:
+                del self._gpu_reps[gpu_key]
+                self._gpu_copies.pop(gpu_key, None)
         self._bump()
 
     def _bump(self) -> None:

@@ -16,6 +16,7 @@ from aiorl.weights._layout import Layout, tensor_bytes
 from aiorl.weights._segment import SLOTS, VersionedSegment
 from aiorl.weights._service import WeightsService
 from aiorl.weights.cuda import CudaSlots, cuda_device_of
+from aiorl.weights.nccl import GpuFanout
 
 __all__ = ["WeightPublisher", "write_tensors"]
 
@@ -41,6 +42,7 @@ class WeightPublisher:
         self._layout: Layout | None = None
         self._segment: VersionedSegment | None = None
         self._gpu: CudaSlots | None = None  # GPU copies of the slots, for a CUDA state dict
+        self._fanout: GpuFanout | None = None  # NCCL rounds to other GPUs (aiorl.weights.nccl)
         self._version: int | None = None
         self._lock: asyncio.Lock | None = None
 
@@ -86,6 +88,8 @@ class WeightPublisher:
             finally:
                 segment.end_write(slot, complete)
             self._version = version
+            if self._fanout is not None:  # runs beside us: never waited for
+                self._fanout.offer(version, slot)
             await self.service.call_directory(self.name, "announce", self.service.worker,
                                               self.shard, version, slot)
             return version
@@ -101,14 +105,19 @@ class WeightPublisher:
         service = self.service
         source = ShardSource(self.shard, service.worker, service.info.endpoint, segment.ref,
                              cuda=None if gpu is None else gpu.export)
+        # Before the directory lists us: a representative may ask to join at once.
+        fanout = None if gpu is None else GpuFanout(service, self.name, self.shard, layout, gpu,
+                                                    segment)
         try:
             await service.call_directory(self.name, "register_publisher", source,
                                          self.num_shards, service.node_id, layout)
         except BaseException:
+            if fanout is not None:
+                fanout.close()
             segment.close()
             raise
         service.segments[(self.name, self.shard)] = segment
-        self._segment, self._layout, self._gpu = segment, layout, gpu
+        self._segment, self._layout, self._gpu, self._fanout = segment, layout, gpu, fanout
         return segment, layout
 
 

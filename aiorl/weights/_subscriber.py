@@ -25,10 +25,11 @@ from aiorl.runtime import AsyncWork
 from aiorl.runtime.promise import trace_until_settled
 from aiorl.trace import recorder as _trace
 from aiorl.weights import cuda
-from aiorl.weights._directory import NodeView, RelayJob
+from aiorl.weights._directory import NodeView, RelayJob, ShardSource
 from aiorl.weights._layout import Layout, tensor_bytes
 from aiorl.weights._segment import SegmentReader, SegmentRef, VersionedSegment
 from aiorl.weights._service import OP_FETCH, POLL_S, WeightsService
+from aiorl.weights.nccl import GpuRelay
 
 __all__ = ["SubscriberStatistics", "WeightSubscriber", "read_tensors"]
 
@@ -41,8 +42,10 @@ FETCH_DEPTH = 2
 @dataclass(frozen=True)
 class SubscriberStatistics:
     """What one subscriber did: pulls, bytes copied into the caller's tensors, pulls
-    retried after a torn copy, versions skipped between pulls, and, as its node's relay,
-    versions and bytes it received from publishers on other nodes."""
+    retried after a torn copy, versions skipped between pulls, as its node's relay,
+    versions and bytes it received from publishers on other nodes, and as its GPU's
+    representative, versions and bytes it received by NCCL from a publisher's GPU
+    (:mod:`aiorl.weights.nccl`)."""
 
     pulls: int
     bytes_copied: int
@@ -50,6 +53,8 @@ class SubscriberStatistics:
     versions_skipped: int
     relayed_versions: int
     relayed_bytes: int
+    gpu_versions: int = 0
+    gpu_bytes: int = 0
 
 
 class WeightSubscriber:
@@ -65,9 +70,14 @@ class WeightSubscriber:
         self._readers: dict[SegmentRef, SegmentReader] = {}
         self._gpu_slots: dict[SegmentRef, list[Any]] = {}  # a GPU publisher's slots, opened
         self._relay_segments: dict[int, VersionedSegment] = {}
+        # As its GPU's representative (aiorl.weights.nccl): shard -> relay, and the GPU
+        # (index, UUID) the subscriber told the directory it pulls into.
+        self._gpu_relays: dict[int, GpuRelay] = {}
+        self._gpu: tuple[int, str] | None = None
         self._pulled: int | None = None
         self._stats = {"pulls": 0, "bytes_copied": 0, "torn_retries": 0, "versions_skipped": 0,
-                       "relayed_versions": 0, "relayed_bytes": 0}
+                       "relayed_versions": 0, "relayed_bytes": 0, "gpu_versions": 0,
+                       "gpu_bytes": 0}
         self._task: asyncio.Task[None] | None = None
         service.runtime.submit(self._start)
 
@@ -157,6 +167,8 @@ class WeightSubscriber:
             if view.version is not None and (self._latest is None or view.version > self._latest):
                 self._latest = view.version
             self._notify()
+            for publisher in view.gpu_jobs:
+                self._represent(publisher, view.layouts[publisher.shard])
             for job in view.relay_jobs:
                 await self._relay(job, view.layouts[job.shard])
 
@@ -174,6 +186,7 @@ class WeightSubscriber:
 
     # ------------------------------------------------------------------ pull and wait
     async def _pull(self, into: Mapping[str, Any]) -> int:
+        await self._subscribe_gpu(into)
         tried: int | None = None  # generation of a view whose copy came out torn
         while True:
             view = self._view
@@ -189,21 +202,39 @@ class WeightSubscriber:
             tried = view.generation
 
     def _copy(self, view: NodeView, into: Mapping[str, Any]) -> bool:
-        assert view.version is not None
+        version = view.version
+        assert version is not None
         check_into(view.layouts, into)
-        for source, layout in zip(view.sources, view.layouts, strict=True):
-            reader = self._reader(source.ref)
-            slot = source.slots[view.version]
+        for shard, (source, layout) in enumerate(zip(view.sources, view.layouts, strict=True)):
+            on_gpu = view.gpu_sources[shard] if view.gpu_sources else None
             if source.cuda is not None and cuda.same_device(source.cuda, into):
-                gpu = self._gpu_slots.get(source.ref)
-                if gpu is None:
-                    gpu = self._gpu_slots[source.ref] = cuda.open_slots(source.cuda)
-                copy = _from_gpu(layout, gpu[slot], into)
-            else:
-                copy = _from_host(layout, into)
-            if not reader.read(slot, view.version, copy):
+                copied = self._read_gpu(source, version, layout, into)
+            elif on_gpu is not None and version in on_gpu.slots \
+                    and cuda.same_device(on_gpu.cuda, into):
+                # The version reached our GPU's representative by NCCL: device to device.
+                copied = self._read_gpu(on_gpu, version, layout, into)
+            else:  # from the host slot (also while a GPU round is still in flight)
+                copied = self._reader(source.ref).read(source.slots[version], version,
+                                                       _from_host(layout, into))
+            if not copied:
                 return False
         return True
+
+    def _read_gpu(self, source: ShardSource, version: int, layout: Layout,
+                  into: Mapping[str, Any]) -> bool:
+        """Copy ``version`` out of ``source``'s GPU slots (same GPU as ``into``), under the
+        seqlock of its host header."""
+        assert source.cuda is not None
+        gpu = self._gpu_slots.get(source.ref)
+        if gpu is None:
+            # Our own slots as our GPU's representative are read directly (a process
+            # cannot open its own IPC handles); anyone else's are opened once.
+            own = [relay.gpu.slots for relay in list(self._gpu_relays.values())
+                   if relay.gpu is not None and relay.segment is not None
+                   and relay.segment.ref == source.ref]
+            gpu = self._gpu_slots[source.ref] = own[0] if own else cuda.open_slots(source.cuda)
+        slot = source.slots[version]
+        return self._reader(source.ref).read(slot, version, _from_gpu(layout, gpu[slot], into))
 
     def _account(self, view: NodeView, into: Mapping[str, Any]) -> None:
         assert view.version is not None
@@ -214,7 +245,8 @@ class WeightSubscriber:
             stats["versions_skipped"] += view.version - self._pulled - 1
         self._pulled = view.version
         # Mappings of segments no longer in the view (a restarted publisher) are dropped.
-        live = {source.ref for source in view.sources}
+        live = {source.ref for source in (*view.sources, *view.gpu_sources) if source}
+        live.update(relay.segment.ref for relay in self._gpu_relays.values() if relay.segment)
         for ref in [r for r in self._readers if r not in live]:
             del self._readers[ref]
             self._gpu_slots.pop(ref, None)
@@ -243,6 +275,49 @@ class WeightSubscriber:
         except TimeoutError:
             raise WaitTimeout(f"no version >= {min_version} of weights {self.name!r} within "
                               f"{timeout:g} s (latest: {self._latest})") from None
+
+    # ------------------------------------------------------------------ GPU representative
+    async def _subscribe_gpu(self, into: Mapping[str, Any]) -> None:
+        """Tell the directory, once, which GPU this subscriber pulls into: if a publisher
+        is on another GPU, it elects a representative of this GPU to receive by NCCL."""
+        if self._gpu is not None:
+            return
+        gpu = cuda.device_uuid_of(into)
+        if gpu is None:
+            return
+        service = self.service
+        try:
+            await service.call_directory(self.name, "gpu_subscribe", service.worker,
+                                         service.node_id, gpu[1])
+        except Exception as exc:  # the host path needs no GPU registration: asked again
+            log.debug("weights %r: GPU not registered: %r", self.name, exc)
+            return
+        self._gpu = gpu
+
+    def _represent(self, publisher: ShardSource, layout: Layout) -> None:
+        """Be this GPU's representative for ``publisher``'s shard: receive its versions by
+        NCCL from the publisher's GPU."""
+        shard = publisher.shard
+        relay = self._gpu_relays.get(shard)
+        if relay is not None and relay.publisher.ref == publisher.ref:
+            return  # (one that failed to start is not retried: pulls use the host slots)
+        if relay is not None:
+            relay.close()
+        assert self._gpu is not None  # only a subscriber that named its GPU is elected
+        index, uuid = self._gpu
+        service = self.service
+        relay = self._gpu_relays[shard] = GpuRelay(service, self.name, publisher, layout, index,
+                                                   uuid, self._stats)
+
+        async def start() -> None:
+            try:
+                await relay.start()
+            except Exception as exc:  # pulls keep using the host slots
+                log.warning("%s: cannot represent its GPU for weights %r shard %d: %r",
+                            service.worker, self.name, shard, exc)
+                relay.close()
+
+        service.loop.create_task(start())
 
     # ------------------------------------------------------------------ relaying
     async def _relay(self, job: RelayJob, layout: Layout) -> None:
@@ -292,6 +367,9 @@ class WeightSubscriber:
     def _close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        for relay in self._gpu_relays.values():
+            relay.close()
+        self._gpu_relays.clear()
         for segment in self._relay_segments.values():
             segment.close()
         self._relay_segments.clear()

@@ -20,10 +20,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from aiorl.p2p.gpu import device_uuid
 from aiorl.weights._layout import Layout
 
-__all__ = ["CudaExport", "CudaSlots", "cuda_device_of", "open_slots", "read_tensors_cuda",
-           "same_device"]
+__all__ = ["CudaExport", "CudaSlots", "cuda_device_of", "device_uuid_of", "open_slots",
+           "read_tensors_cuda", "same_device"]
 
 
 @dataclass(frozen=True)
@@ -45,13 +46,9 @@ def cuda_device_of(state_dict: Mapping[str, Any]) -> int | None:
 
 
 def _device_uuid(index: int) -> str:
-    import torch
-
-    props = torch.cuda.get_device_properties(index)
-    uuid = getattr(props, "uuid", None)
-    if uuid is not None:
-        return str(uuid)
-    return f"pci:{getattr(props, 'pci_bus_id', '?')}:{getattr(props, 'pci_device_id', '?')}"
+    """The GPU's node-unique name, as the GPU machinery names it (so a weights export and a
+    subscriber's device compare the same way the P2P and broadcast paths do)."""
+    return device_uuid(index)
 
 
 class CudaSlots:
@@ -80,6 +77,12 @@ class CudaSlots:
                     dst[spec.offset : spec.offset + spec.nbytes].view(src.dtype).view(
                         src.shape).copy_(src)
             torch.cuda.current_stream().synchronize()
+
+
+def device_uuid_of(into: Mapping[str, Any]) -> tuple[int, str] | None:
+    """The one CUDA device of every tensor of ``into`` (index, UUID), or None."""
+    index = cuda_device_of(into)
+    return None if index is None else (index, _device_uuid(index))
 
 
 def same_device(export: CudaExport | None, into: Mapping[str, Any]) -> bool:
