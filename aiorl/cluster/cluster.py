@@ -102,6 +102,7 @@ class Cluster:
     ) -> None:
         self._cfg = _cluster_section(cluster_cfg)
         self._closed = False
+        self._stop_tracing_on_close = False
         self._embedded: EmbeddedProcesses | None = None
         self._session: DriverSession | None = None
         address = registry or os.environ.get("AIORL_REGISTRY") or self._cfg.get("registry")
@@ -126,7 +127,9 @@ class Cluster:
                 wanted, timeout, self._embedded.check_alive if self._embedded else None)
             _trace.set_process_name("driver")
             if trace:
-                _trace.enable()
+                if not _trace.ON:  # this Cluster turns it on, so its close turns it off
+                    self._stop_tracing_on_close = True
+                    _trace.enable()
             else:
                 _trace.enable_from_environment()  # AIORL_TRACE=1
             serve_inspection(self._session.runtime)  # aiorl doctor / trace from anywhere
@@ -253,6 +256,8 @@ class Cluster:
             return
         self._closed = True
         _live_clusters.discard(self)
+        if self._stop_tracing_on_close:
+            _trace.disable()
         if self._session is not None:
             self._session.close(close_owned_groups=not self.embedded)
         if self._embedded is not None:
