@@ -37,8 +37,8 @@ set fail at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import mmap
 import os
 import threading
 from collections.abc import Coroutine, Sequence
@@ -132,39 +132,6 @@ class _MemberSet:
         if rnd is None:
             rnd = self.rounds[seq] = _Round(seq)
         return rnd
-
-
-class _PrivateLease:
-    """A reader's copy-on-write mapping of one segment, given back when its last view goes."""
-
-    __slots__ = ("mm", "owner", "seg_id", "engine", "count", "lock")
-
-    def __init__(self, engine: Broadcaster, mm: mmap.mmap, owner: str, seg_id: int) -> None:
-        self.engine = engine
-        self.mm: mmap.mmap | None = mm
-        self.owner = owner
-        self.seg_id = seg_id
-        self.count = 1
-        self.lock = threading.Lock()
-
-    def view(self, nbytes: int, offset: int) -> Any:
-        import numpy as np
-
-        assert self.mm is not None, "a broadcast segment was read after it was given back"
-        return np.frombuffer(self.mm, dtype=np.uint8, count=nbytes, offset=offset)
-
-    def hold(self) -> None:
-        with self.lock:
-            self.count += 1
-
-    def release(self) -> None:
-        """One holder fewer (any thread: finalizers of received arrays call this)."""
-        with self.lock:
-            self.count -= 1
-            last = self.count == 0
-        if last:
-            self.mm = None  # unmapped when the last array viewing it is gone
-            self.engine.give_back(self.owner, self.seg_id)
 
 
 def _chunks(bufs: Sequence[memoryview]) -> tuple[list[Any], list[Any]]:
@@ -550,7 +517,7 @@ class Broadcaster:
         except _shm.ShmUnavailable as exc:
             self.give_back(owner, seg_id)
             raise ProtocolError(f"cannot read the broadcast's shared memory: {exc}") from exc
-        inc.lease = _PrivateLease(self, mm, owner, seg_id)
+        inc.lease = _shm.Lease(mm, functools.partial(self.give_back, owner, seg_id))
         inc.sources = list(zip(sizes, offsets, strict=True))
 
     async def _relay(self, meta: list[Any], inc: InMessage, frames: list[Any],

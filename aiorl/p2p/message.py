@@ -6,7 +6,7 @@ errors are raised synchronously) into an :class:`OutMessage`: the pickle stream,
 raw CPU buffers a payload path must carry, and the CUDA tensors to transfer. The
 receiver keeps an :class:`InMessage` until a receive takes it; its CPU bytes are either
 chunks (ZMQ frames, or a private array a pull filled) or offsets in a shared segment
-held through a lease (:class:`aiorl.p2p.paths.shm.SegmentLease`).
+held through a lease (:class:`aiorl.transport._shm.Lease`).
 """
 
 from __future__ import annotations

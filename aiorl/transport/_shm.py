@@ -29,6 +29,8 @@ import ctypes
 import errno
 import mmap
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,6 +196,39 @@ class SegmentPool:
         self.segments.clear()
         self._free.clear()
         self.total_bytes = 0
+
+
+class Lease:
+    """A mapping of a segment that received arrays view; ``on_free`` runs once, when the last
+    holder lets go (any thread: finalizers of received arrays release their hold)."""
+
+    __slots__ = ("mm", "count", "lock", "_on_free")
+
+    def __init__(self, mm: Any, on_free: Callable[[], None]) -> None:
+        self.mm: Any = mm  # None once freed
+        self.count = 1  # holders
+        self.lock = threading.Lock()
+        self._on_free = on_free
+
+    def view(self, nbytes: int, offset: int) -> Any:
+        """``nbytes`` of the segment from ``offset`` as a flat uint8 numpy array (no copy)."""
+        import numpy as np
+
+        assert self.mm is not None, "a segment was read after its last holder let go"
+        return np.frombuffer(self.mm, dtype=np.uint8, count=nbytes, offset=offset)
+
+    def hold(self) -> None:
+        with self.lock:
+            self.count += 1
+
+    def release(self) -> None:
+        """One holder fewer; the last one unmaps the segment and runs ``on_free``."""
+        with self.lock:
+            self.count -= 1
+            last = self.count == 0
+        if last:
+            self.mm = None  # unmapped when the last array viewing it is gone
+            self._on_free()
 
 
 def open_segment(

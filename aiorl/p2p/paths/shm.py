@@ -11,9 +11,9 @@ than growing. Set-up: one probe per pair (can the receiver open our memfds?).
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -134,38 +134,6 @@ class ShmSend:
         return PathStatistics(self.ok, pool.busy, len(pool.segments), pool.total_bytes)
 
 
-class SegmentLease:
-    """The segment a received message's bytes lie in; given back once, by its last holder."""
-
-    __slots__ = ("path", "mm", "seg_id", "count", "lock")
-
-    def __init__(self, path: ShmRecv, mm: Any, seg_id: int) -> None:
-        self.path = path
-        self.mm: Any = mm  # None once given back
-        self.seg_id = seg_id
-        self.count = 1  # holders; the segment goes back to the sender when it drops to 0
-        self.lock = threading.Lock()
-
-    def view(self, nbytes: int, offset: int) -> Any:
-        """``nbytes`` of the segment from ``offset`` as a flat uint8 numpy array (no copy)."""
-        import numpy as np
-
-        return np.frombuffer(self.mm, dtype=np.uint8, count=nbytes, offset=offset)
-
-    def hold(self) -> None:
-        with self.lock:
-            self.count += 1
-
-    def release(self) -> None:
-        """Drop one holder (any thread: finalizers of received arrays call this)."""
-        with self.lock:
-            self.count -= 1
-            last = self.count == 0
-        if last:
-            self.mm = None
-            self.path.give_back(self.seg_id)
-
-
 class ShmRecv:
     """One source's segments as this receiver mapped them."""
 
@@ -213,7 +181,7 @@ class ShmRecv:
                 raise ProtocolError(
                     f"p2p message from {self.source} names unknown segment {seg_id}"
                 )
-        msg.lease = SegmentLease(self, mm, seg_id)
+        msg.lease = _shm.Lease(mm, functools.partial(self.give_back, seg_id))
         msg.sources = list(zip(sizes, offsets, strict=True))
 
     def give_back(self, seg_id: int) -> None:
