@@ -41,6 +41,7 @@ from aiorl.p2p.gpu import (
     flat_u8,
     gpu_done,
     new_nccl_group,
+    settle_future,
     wait_events,
 )
 from aiorl.p2p.message import InMessage, OutMessage, dtype_name, dtype_of
@@ -269,7 +270,7 @@ class CudaBroadcast:
             error = f.exception() if not f.cancelled() else PeerLostError("abandoned")
             if error is None and mine:
                 self._serve(set_id, seq, mine, [t for t in inc.cuda if t.numel()], None)
-            _settle(fut, error)
+            settle_future(fut, error)
 
         gpu.add_done_callback(finished)
         return fut
@@ -326,7 +327,7 @@ class CudaBroadcast:
             gpu = after_lane(
                 host, lane.run(_ipc_copy, lane, bytes(handles), inc, specs, device),
                 lambda issued: gpu_done(host, issued[0], keep=issued[1]))
-            gpu.add_done_callback(lambda f: _settle(
+            gpu.add_done_callback(lambda f: settle_future(
                 fut, f.exception() if not f.cancelled() else PeerLostError("closed")))
 
         handles = self._ipc.pop(key, None)
@@ -389,11 +390,3 @@ def _ipc_copy(lane: CudaLane, handles: bytes, inc: InMessage, specs: list[Any],
         done.record(stream)
     return done, [sources, targets]
 
-
-def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(error)

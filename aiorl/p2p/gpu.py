@@ -56,6 +56,7 @@ __all__ = [
     "new_nccl_group",
     "record_events",
     "reinterpret",
+    "settle_future",
     "untyped",
     "wait_events",
 ]
@@ -342,7 +343,7 @@ def gpu_done(
         return bool(event.query())
 
     def report(error: BaseException | None) -> None:  # waiter thread
-        host.call_soon_threadsafe(_settle, fut, error, keep)
+        host.call_soon_threadsafe(settle_future, fut, error, keep)
 
     host.waiter.watch(Job(ready, report))
     return fut
@@ -361,16 +362,16 @@ def after_lane(
         if fut.done():
             return
         if cf.cancelled():
-            _settle(fut, PeerLostError("the CUDA transfer was abandoned"), None)
+            settle_future(fut, PeerLostError("the CUDA transfer was abandoned"), None)
             return
         exc = cf.exception()
         if exc is not None:
-            _settle(fut, exc, None)
+            settle_future(fut, exc, None)
             return
         try:
             inner = then(cf.result())
         except BaseException as exc:  # noqa: BLE001 - the transfer fails, not the loop
-            _settle(fut, exc, None)
+            settle_future(fut, exc, None)
             return
         inner.add_done_callback(lambda f: _chain(f, fut))
 
@@ -389,8 +390,10 @@ def _chain(src: asyncio.Future[None], dst: asyncio.Future[None]) -> None:
         dst.set_result(None)
 
 
-def _settle(fut: asyncio.Future[None], error: BaseException | None, keep: object) -> None:
-    """Complete ``fut`` (``keep`` was referenced until now)."""
+def settle_future(fut: asyncio.Future[None], error: BaseException | None,
+                  keep: object = None) -> None:
+    """Complete ``fut`` unless it is done (``keep``, e.g. the tensors a transfer reads, stays
+    referenced until then)."""
     if fut.done():
         return
     if error is None:
