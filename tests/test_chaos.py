@@ -112,8 +112,10 @@ class Supervisor:
     def kill_one(self, rng: random.Random) -> None:
         with self._lock:
             roll = rng.random()
-            workers = self.workers()
-            if roll < 0.7 and workers:
+            if roll < 0.7:
+                workers = self.workers()
+                if not workers:
+                    return  # all are being restarted: a worker kill this time, so none
                 victim, what = rng.choice(workers), "worker"
             elif roll < 0.85:
                 victim, what = rng.choice(self.agents).pid, "node agent"
@@ -198,7 +200,8 @@ def _run_step(producers, consumers, channel, ids: list[list[int]],
             states = {g.worker_group_name: [
                 (st.incarnation, st.restarting, st.address is not None, repr(st.error)[:80])
                 for st in g._core.ranks] for g in (producers, consumers)}
-            raise AssertionError(f"{what} hung under chaos; ranks: {states}") from None
+            raise AssertionError(f"{what} hung under chaos; ranks (incarnation, restarting, "
+                                 f"has address, error): {states}") from None
         except (aiorl.AiorlError, LookupError) as exc:
             error = error or f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     return received, error

@@ -1,4 +1,4 @@
-"""Supervision (docs/failures.md, invariants 23-28): restart policies, incarnations, fate
+"""Supervision (docs/failures.md, invariants 23-35): restart policies, incarnations, fate
 sharing, the event stream, fencing of a node cut off from the registry, name reuse.
 Real processes; every wait is bounded."""
 
@@ -317,3 +317,22 @@ def test_large_constructor_arguments_reach_every_rank_and_the_node_keeps_spawnin
     finally:
         big.close()
         after.close()
+
+
+def test_a_worker_lost_with_its_agent_while_the_registry_is_down_is_reported(processes):
+    """Nobody is left to report such a worker, and the restarted registry never knew it: the
+    driver restores its groups with the workers it believes alive, and the registry declares
+    dead those no agent reports again within 2 x expiry (4 s here)."""
+    with aiorl.Cluster(registry=processes.address, num_nodes=1,
+                       key_file=processes.key_file) as c:
+        group = Member.create_group().launch(c, num_workers=1, name="unreported")
+        (pid,) = group.pid().wait(60)
+        pending = group.hang()
+        processes.registry.kill()
+        processes.registry.wait()
+        processes.agents[0].kill()  # and its worker with it: nobody can report that
+        processes.agents[0].wait()
+        assert _gone([pid], within=5)
+        processes.registry = processes._start_registry()
+        with pytest.raises(aiorl.PeerLostError, match="lost while the registry was down"):
+            pending.wait(30)

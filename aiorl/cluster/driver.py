@@ -22,7 +22,7 @@ from typing import Any
 from aiorl.errors import RegistryUnavailable
 from aiorl.placement import ClusterSpec
 from aiorl.protocol.ops import DriverOp
-from aiorl.protocol.registry import DriverInfo, GroupSpec
+from aiorl.protocol.registry import DriverInfo, GroupSpec, root_of
 from aiorl.runtime import Runtime, set_current_runtime, spec_from_nodes
 from aiorl.transport import security
 
@@ -66,11 +66,18 @@ class DriverSession:
         await reg.watch_nodes(self._on_nodes)
 
     async def _reregister(self) -> None:
-        """The registry restarted: register again, restore our groups, renew our watches."""
+        """The registry restarted: register again, restore our groups, renew our watches.
+
+        Each group is restored with the workers we believe alive: the registry keeps them
+        until their agents report them again and declares dead those no agent reports (they
+        died with their agent while the registry was down), so that news reaches us and
+        their callers instead of nobody (docs/failures.md, invariant 35)."""
         reg = self.runtime.registry
         await reg.register_driver(self._driver_info())
         for spec in list(self.groups.values()):
-            await reg.create_group(dataclasses.replace(spec, restore=True))
+            alive = tuple(record for name, record in reg.known.items()
+                          if root_of(name) == spec.group and not record.state.is_final)
+            await reg.create_group(dataclasses.replace(spec, restore=True, workers=alive))
         await reg.resubscribe()
         log.warning("re-registered with the restarted registry at %s", self.registry_address)
 

@@ -332,8 +332,9 @@ class GroupCore:
             await self._request_spawn(node, request)
 
     async def _request_spawn(self, node: dict[str, Any], request: SpawnRequest) -> None:
-        """Send ``request`` to ``node``'s agent; fail at once if the node leaves the cluster
-        (its agent died) before it answers, instead of waiting for the timeout."""
+        """Send ``request`` to ``node``'s agent; fail once the node has been out of the
+        cluster for ``NODE_GONE_S`` (its agent died) before it answered, instead of waiting
+        for the timeout."""
         reply = self.runtime.endpoint.request(node["endpoint"], AgentOp.SPAWN, request.to_wire(),
                                               [self._payload], timeout=SPAWN_TIMEOUT_S)
         missing_since: float | None = None

@@ -167,6 +167,9 @@ class GroupSpec:
     ``restore`` re-creates a group this owner already had (after a registry restart);
     node agents send the groups of the workers they host in their registration, so a
     group survives a restart even when its driver does not (and then expires).
+    ``workers``, in an owner's restore, are the records of the workers it believes alive:
+    the registry keeps each until that worker's node agent reports it again, and declares
+    it dead if none does (it died, with its agent, while the registry was down).
     """
 
     group: str
@@ -174,10 +177,12 @@ class GroupSpec:
     owner: str
     worker_class: str = ""
     restore: bool = False
+    workers: tuple[WorkerRecord, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         return {"group": self.group, "world_size": self.world_size, "owner": self.owner,
-                "worker_class": self.worker_class, "restore": self.restore}
+                "worker_class": self.worker_class, "restore": self.restore,
+                "workers": [w.to_wire() for w in self.workers]}
 
     @classmethod
     def from_wire(cls, meta: Any) -> Self:
@@ -191,6 +196,7 @@ class GroupSpec:
             owner=f.ident("owner"),
             worker_class=f.text("worker_class", ""),
             restore=f.flag("restore", False),
+            workers=tuple(f.each("workers", WorkerRecord.read, ())),
         )
 
 

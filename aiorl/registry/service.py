@@ -166,6 +166,9 @@ class _Worker:
     record: WorkerRecord
     since: float  # when it entered its current state (monotonic)
     orphan_since: float | None = None  # when its group was first found missing
+    #: Restored from its owner's view after a registry restart, and not yet reported again
+    #: by its node agent: dead if no report comes within ``orphan_grace``.
+    unconfirmed: bool = False
 
 
 class RegistryService:
@@ -258,7 +261,7 @@ class RegistryService:
         the group down."""
         existing = self.groups.get(spec.group)
         if existing is None:
-            self.groups[spec.group] = _Group(replace(spec, restore=False))
+            self.groups[spec.group] = _Group(replace(spec, restore=False, workers=()))
         elif existing.spec.owner != spec.owner:
             self._warn.warning("restore conflict", f"{by} hosts workers of group {spec.group!r} "
                                f"owned by {spec.owner}, but the group now belongs to "
@@ -377,7 +380,11 @@ class RegistryService:
 
     def _sweep_workers(self, now: float) -> None:
         for name, w in list(self.workers.items()):
-            if root_of(name) in self.groups:
+            if w.unconfirmed and now - w.since > self.orphan_grace:
+                self._set_state(name, WorkerState.DEAD, {"reason": (
+                    f"worker {name} was lost while the registry was down: no node agent "
+                    f"reported it within {self.orphan_grace:.1f} s of the restart")})
+            elif root_of(name) in self.groups:
                 w.orphan_since = None
             elif w.record.state.is_final:
                 if now - w.since > self.grace:
@@ -399,7 +406,13 @@ class RegistryService:
         existing = self.groups.get(req.group)
         if existing is not None and (existing.spec.owner != req.owner or not req.restore):
             raise GroupExistsError.from_message(f"a worker group named {req.group!r} already exists")
-        self.groups[req.group] = _Group(replace(req, restore=False))
+        self.groups[req.group] = _Group(replace(req, restore=False, workers=()))
+        now = time.monotonic()
+        for record in req.workers:  # the owner's view, after a registry restart
+            known = self.workers.get(record.name)
+            if (root_of(record.name) == req.group and not record.state.is_final
+                    and (known is None or known.record.incarnation < record.incarnation)):
+                self.workers[record.name] = _Worker(record, now, unconfirmed=True)
         if not req.restore:
             # Leftovers of a closed group of the same name. (A restore after a registry
             # restart keeps them: a tombstone may be the news its owner has not heard yet.)
