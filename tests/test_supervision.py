@@ -39,6 +39,12 @@ class Member(aiorl.Worker):
     def notes(self) -> list[str]:
         return self.log
 
+    def send_to(self, obj: object, rank: int) -> None:
+        self.send(obj, self.worker_group_name, rank).wait(20)
+
+    def recv_from(self, rank: int) -> object:
+        return self.recv(self.worker_group_name, rank).wait(20)
+
 
 class Configured(Member):
     """Names ``configure`` as replayed after a restart (as PollingWorker does)."""
@@ -97,6 +103,29 @@ def test_restart_on_failure_keeps_name_and_rank_with_a_new_incarnation(cluster):
         # Another worker calling it by name reaches the new incarnation too.
         assert cluster.runtime.run_sync(
             cluster.runtime.call_worker("phoenix:1", "pid"), 10) == new_pids[1]
+    finally:
+        group.close()
+
+
+def test_p2p_reaches_the_restarted_rank(cluster):
+    """Sends pending on the old incarnation fail; later sends and receives resolve the name
+    again and reach the new incarnation (p2p forgets a lost peer's name)."""
+    group = Member.create_group().launch(cluster, num_workers=2, name="relink",
+                                         restart="on_failure", backoff=0.05)
+    try:
+        events = group.events()
+        pids = group.pid().wait(60)
+        first = group.execute_on(1).recv_from(0)
+        group.execute_on(0).send_to("before", 1).wait(30)
+        assert first.wait(30) == ["before"]
+        os.kill(pids[1], signal.SIGKILL)
+        _until(events, EventKind.RESTARTED, 1)
+        received = group.execute_on(1).recv_from(0)
+        group.execute_on(0).send_to("after", 1).wait(30)
+        assert received.wait(30) == ["after"]
+        back = group.execute_on(0).recv_from(1)
+        group.execute_on(1).send_to("reply", 0).wait(30)
+        assert back.wait(30) == ["reply"]
     finally:
         group.close()
 

@@ -246,13 +246,13 @@ class P2PEngine:
     async def _resolve_sender(self, s: Sender) -> None:
         info = await self._resolve(s.name)
         if not isinstance(info, dict):
-            s.lost(info)
+            self._sender_lost(s, info)
             return
         address: str = info["endpoint"]
         peer_node = info.get("node_id") or None
         self._sender_by_address[address] = s
         if self.endpoint.is_lost(address):
-            s.lost(PeerLostError(f"worker {s.name} is gone"))
+            self._sender_lost(s, PeerLostError(f"worker {s.name} is gone"))
             return
         s.on_resolved(address, peer_node is not None and peer_node == self.node_id)
 
@@ -260,22 +260,35 @@ class P2PEngine:
         """Resolve the sender through the registry so that its death fails our receives."""
         info = await self._resolve(ib.name)
         if not isinstance(info, dict):
-            ib.lost(info)
+            self._inbox_lost(ib, info)
             return
         address: str = info["endpoint"]
         ib.address = address
         self._inbox_by_address[address] = ib
         if self.endpoint.is_lost(address):
-            ib.lost(PeerLostError(f"worker {ib.name} is gone"))
+            self._inbox_lost(ib, PeerLostError(f"worker {ib.name} is gone"))
 
     def _on_peer_lost(self, address: str, exc: BaseException) -> None:
+        """A peer process is gone: what is pending toward it or from it fails, and its name's
+        Sender and Inbox are forgotten, so that a later send or recv resolves the name again:
+        a restarted rank (a new incarnation at a new address) is reached, a dead one fails."""
         lost = exc if isinstance(exc, (PeerLostError, LookupError)) else PeerLostError(str(exc))
-        s = self._sender_by_address.get(address)
+        s = self._sender_by_address.pop(address, None)
         if s is not None:
-            s.lost(lost)
-        ib = self._inbox_by_address.get(address)
+            self._sender_lost(s, lost)
+        ib = self._inbox_by_address.pop(address, None)
         if ib is not None:
-            ib.lost(lost)
+            self._inbox_lost(ib, lost)
+
+    def _sender_lost(self, s: Sender, exc: PeerLostError | LookupError) -> None:
+        s.lost(exc)
+        if self._senders.get(s.name) is s:
+            del self._senders[s.name]
+
+    def _inbox_lost(self, ib: Inbox, exc: PeerLostError | LookupError) -> None:
+        ib.lost(exc)
+        if self._inboxes.get(ib.name) is ib:
+            del self._inboxes[ib.name]
 
     # ------------------------------------------------------------------ op handlers
     def _on_data(self, msg: Incoming) -> None:
