@@ -25,6 +25,7 @@ import pytest
 
 import aiorl
 from aiorl.transport.security import ClusterKeys
+from tests.test_failures import free_port, stop_processes
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800)]
 
@@ -67,9 +68,8 @@ class Supervisor:
     def __init__(self, tmp_path) -> None:
         self.key_file = str(tmp_path / "cluster.key")
         ClusterKeys.generate().save(self.key_file)
-        from tests.test_failures import _free_port
 
-        self.address = f"tcp://127.0.0.1:{_free_port()}"
+        self.address = f"tcp://127.0.0.1:{free_port()}"
         self.port = self.address.rsplit(":", 1)[1]
         self.registry = self._registry()
         self.agents = [self._agent(r) for r in range(2)]
@@ -157,15 +157,7 @@ class Supervisor:
         for t in self._threads:
             if t.is_alive():
                 t.join(5)
-        for p in [*self.agents, self.registry]:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in [*self.agents, self.registry]:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes([*self.agents, self.registry])
 
 
 @pytest.fixture

@@ -52,10 +52,23 @@ class Node(aiorl.Worker):
         return await self._runtime.call_worker(peer, "wait_long")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_processes(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each, then wait up to 10 s each, SIGKILL what is left (no process left behind)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 class ClusterProcesses:
@@ -64,7 +77,7 @@ class ClusterProcesses:
     def __init__(self, tmp_path, nodes: int = 2) -> None:
         self.key_file = str(tmp_path / "cluster.key")
         ClusterKeys.generate().save(self.key_file)
-        self.port = _free_port()
+        self.port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.registry = self._start_registry()
         self.agents = [
@@ -85,15 +98,7 @@ class ClusterProcesses:
         self.registry = self._start_registry()
 
     def close(self) -> None:
-        for p in [*self.agents, self.registry]:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in [*self.agents, self.registry]:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes([*self.agents, self.registry])
 
 
 @pytest.fixture
