@@ -155,15 +155,17 @@ def test_registry_restart_workers_keep_talking_and_lookups_return(processes):
             except (aiorl.RegistryUnavailable, aiorl.RemoteError, TimeoutError):
                 time.sleep(0.1)
         assert lookup is not None and lookup["state"] == "ready", "lookup did not return within 5 s"
-        # The driver restores its groups on its next heartbeat (every 0.5 s).
+        # The driver restores its groups and each agent its node on their next heartbeat
+        # (every 0.5 s); the two are independent, so wait for both.
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             status = c.runtime.run_sync(c.runtime.registry.request("status"), timeout=5)
-            if any(g["name"] == "survivors" for g in status["groups"]):
+            restored = any(g["name"] == "survivors" for g in status["groups"])
+            if restored and len(status["nodes"]) == 2:
                 break
             time.sleep(0.1)
-        assert len(status["nodes"]) == 2
-        assert any(g["name"] == "survivors" for g in status["groups"]), "group not restored in 5 s"
+        assert len(status["nodes"]) == 2, "a node agent did not re-register in 5 s"
+        assert restored, "group not restored in 5 s"
         # New work can be launched on the restarted registry.
         more = Node.create_group().launch(c, aiorl.placement.NodePlacementStrategy([0, 1]),
                                           name="after_restart")
