@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import aiorl
-from aiorl.placement import FlexiblePlacementStrategy
+from aiorl.placement import FlexiblePlacementStrategy, NodePlacementStrategy
 from tests._gpu_workers import G
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -44,20 +44,28 @@ def cluster() -> Iterator[aiorl.Cluster]:
 def _launch(
     cluster: aiorl.Cluster,
     name: str,
-    gpus: list[list[int]],
+    gpus: list[list[int]] | str,
     device: int,
     env: dict[str, str] | None = None,
 ) -> Any:
-    group = G.create_group(device).launch(
-        cluster, FlexiblePlacementStrategy(gpus), name=name, env=env or {}
-    )
+    """``gpus``: each worker's accelerators, or ``"shared"``: two workers that each see every
+    GPU of node 0 (``isolate_gpu=False``), so both select ``device`` and share it (the IPC
+    layouts: a flexible placement refuses one GPU listed for two workers)."""
+    if gpus == "shared":
+        group = G.create_group(device).launch(
+            cluster, NodePlacementStrategy([0, 0]), name=name, env=env or {}, isolate_gpu=False
+        )
+    else:
+        group = G.create_group(device).launch(
+            cluster, FlexiblePlacementStrategy(gpus), name=name, env=env or {}
+        )
     group.info().wait(120)
     return group
 
 
 # (label, accelerators of worker 0 and 1, device each selects, environment)
 LAYOUTS = [
-    ("ipc-1gpu", [[0], [0]], 0, None),
+    ("ipc-1gpu", "shared", 0, None),
     ("nccl-1gpu", [[0], [1]], 0, None),
     ("nccl-sockets-1gpu", [[0], [1]], 0, SOCKETS),
 ]
@@ -65,7 +73,7 @@ if GPUS >= 4:
     LAYOUTS += [
         ("nccl-2gpu", [[0, 1], [2, 3]], 1, None),
         ("nccl-sockets-2gpu", [[0, 1], [2, 3]], 1, SOCKETS),
-        ("ipc-2gpu", [[0, 1], [0, 1]], 1, None),
+        ("ipc-2gpu", "shared", 1, None),
     ]
 
 
@@ -74,7 +82,7 @@ if GPUS >= 4:
 def test_matrix(
     cluster: aiorl.Cluster,
     label: str,
-    gpus: list[list[int]],
+    gpus: list[list[int]] | str,
     device: int,
     env: dict[str, str] | None,
     posted_first: bool,
