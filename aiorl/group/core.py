@@ -44,6 +44,8 @@ REPLAY_ATTRIBUTE = "_aiorl_replay_on_restart"
 #: How long a node agent may take to answer a spawn request (a fork once its zygote is warm;
 #: a cold zygote imports torch first, which takes seconds on a loaded machine).
 SPAWN_TIMEOUT_S = 60.0
+#: How long a launch waits for a node of its placement to (re)appear in the driver's node list.
+NODE_WAIT_S = 10.0
 #: How often a pending spawn checks that its node is still in the cluster: an agent killed
 #: after it got the request never answers, and its node leaving the list is how we learn it.
 NODE_CHECK_S = 0.25
@@ -250,6 +252,7 @@ class GroupCore:
         self._payload, self._extra_env = payload, extra_env
         try:
             await self.watch()
+            await self._wait_for_nodes({p.node_rank for p in placements})
             await self._plan(placements, len(placements))
             await self._spawn([p.rank for p in placements])
         except Exception as exc:  # noqa: BLE001 - every rank learns why
@@ -272,6 +275,22 @@ class GroupCore:
 
     def _nodes(self) -> dict[int, dict[str, Any]]:
         return {n["node_rank"]: n for n in self.session._node_list()}
+
+    async def _wait_for_nodes(self, node_ranks: set[int]) -> None:
+        """Wait (bounded) until the driver's node list holds every node a launch was planned on.
+
+        Right after a registry restart the list is rebuilt as agents register again, so a
+        node the plan saw may be missing for a moment; one gone for longer fails the launch
+        with a clear error instead of a lookup failure deep in the spawn.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + NODE_WAIT_S
+        while missing := node_ranks - self._nodes().keys():
+            if loop.time() >= deadline:
+                raise RuntimeError(
+                    f"node(s) {sorted(missing)} of this launch's placement are not in the cluster "
+                    f"(waited {NODE_WAIT_S:g} s for their agents)")
+            await asyncio.sleep(0.05)
 
     async def _plan(self, placements: list[Placement], world_size: int) -> None:
         """Build and keep each placement's launch (environment, devices): what
