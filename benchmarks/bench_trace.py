@@ -27,16 +27,13 @@ import aiorl
 from aiorl.cluster import doctor
 from aiorl.trace import recorder
 
-SEQ_CALLS = 2000
-IN_FLIGHT = 1000
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_calls as calls  # noqa: E402 - the sibling script, importable once on the path
 
+SEQ_CALLS, IN_FLIGHT = calls.SEQ_CALLS, calls.IN_FLIGHT
 
-class Bench(aiorl.Worker):
-    def noop(self) -> None:
-        return None
-
-    async def anoop(self) -> None:
-        return None
+class Bench(calls.Bench):
+    """The call benchmark's worker, plus a method that does some work."""
 
     def work(self) -> None:
         """A call that does something: ~200 µs of CPU (a small policy step, a reward)."""

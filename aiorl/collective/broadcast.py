@@ -40,7 +40,6 @@ import asyncio
 import functools
 import logging
 import os
-import threading
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -704,7 +703,6 @@ def _take_frames(inc: InMessage, desc: Sequence[Any], frames: Sequence[Any], sta
         i += count
 
 
-_create_lock = threading.Lock()
 
 
 def get_broadcaster(runtime: Runtime, node_id: str | None = None) -> Broadcaster:
@@ -713,11 +711,4 @@ def get_broadcaster(runtime: Runtime, node_id: str | None = None) -> Broadcaster
     Worker processes create it when they start (with their node id), so a broadcast message
     that arrives before this worker calls ``broadcast`` is kept, not refused.
     """
-    engine = runtime.services.get(Broadcaster)
-    if engine is None:
-        with _create_lock:
-            engine = runtime.services.get(Broadcaster)
-            if engine is None:
-                engine = runtime.services[Broadcaster] = Broadcaster(runtime, node_id)
-    assert isinstance(engine, Broadcaster)
-    return engine
+    return runtime.service(Broadcaster, lambda: Broadcaster(runtime, node_id))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -354,7 +353,6 @@ class P2PEngine:
             task.cancel()
 
 
-_create_lock = threading.Lock()
 
 
 def get_p2p(runtime: Runtime, node_id: str | None = None) -> P2PEngine:
@@ -363,11 +361,4 @@ def get_p2p(runtime: Runtime, node_id: str | None = None) -> P2PEngine:
     Worker processes create it when they start (with their node id), so a worker that
     never calls a p2p method still accepts messages sent to it.
     """
-    engine = runtime.services.get(P2PEngine)
-    if engine is None:
-        with _create_lock:
-            engine = runtime.services.get(P2PEngine)
-            if engine is None:
-                engine = runtime.services[P2PEngine] = P2PEngine(runtime, node_id)
-    assert isinstance(engine, P2PEngine)
-    return engine
+    return runtime.service(P2PEngine, lambda: P2PEngine(runtime, node_id))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -35,6 +36,7 @@ __all__ = ["Runtime", "current_runtime", "set_current_runtime"]
 
 log = logging.getLogger("aiorl.runtime")
 T = TypeVar("T")
+_S = TypeVar("_S")
 
 _current: Runtime | None = None
 
@@ -63,13 +65,26 @@ class Runtime:
         self._peer_address: dict[str, str] = {}
         self._closers: list[Callable[[], None]] = []
         #: One instance per service class built on this runtime (the P2P engine, ...), made
-        #: by that service's accessor; services close through ``on_close``.
+        #: through :meth:`service`; services close through ``on_close``.
         self.services: dict[type, object] = {}
+        self._services_lock = threading.Lock()
         #: The waiter thread for completions only polling can observe (started on first use).
         self.waiter = BlockingWaiter(f"aiorl-waiter-{name}")
         # Bound once: these are on every call's path.
         self.on_loop_thread = loop_thread.on_loop
         self.submit = loop_thread.submit
+
+    def service(self, kind: type[_S], make: Callable[[], _S]) -> _S:
+        """This runtime's one ``kind`` service (P2P engine, broadcaster, weights), made by
+        ``make()`` on first use; safe from any thread (two first callers get one service)."""
+        svc = self.services.get(kind)
+        if svc is None:
+            with self._services_lock:
+                svc = self.services.get(kind)
+                if svc is None:
+                    svc = self.services[kind] = make()
+        assert isinstance(svc, kind)
+        return svc
 
     # ------------------------------------------------------------------ construction
     @classmethod

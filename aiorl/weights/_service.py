@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -170,16 +169,8 @@ def settle_on_done(work: AsyncWork[T], task: asyncio.Future[T]) -> None:
     task.add_done_callback(lambda t: settle_from(work, t))
 
 
-_create_lock = threading.Lock()
 
 
 def weights_service(runtime: Runtime, info: WorkerInfo) -> WeightsService:
     """The weights service of this worker's runtime, created once."""
-    service = runtime.services.get(WeightsService)
-    if service is None:
-        with _create_lock:
-            service = runtime.services.get(WeightsService)
-            if service is None:
-                service = runtime.services[WeightsService] = WeightsService(runtime, info)
-    assert isinstance(service, WeightsService)
-    return service
+    return runtime.service(WeightsService, lambda: WeightsService(runtime, info))
