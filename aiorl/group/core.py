@@ -341,10 +341,11 @@ class GroupCore:
             by_node.setdefault(node_rank, []).append(launch)
         output_to = self.runtime.endpoint.address if getattr(self.session, "log_to_driver",
                                                              False) else None
+        if not by_node.keys() <= nodes.keys():
+            await self._wait_for_nodes(set(by_node))
+            nodes = self._nodes()
         for node_rank, launches in by_node.items():
-            node = nodes.get(node_rank)
-            if node is None:
-                raise RuntimeError(f"node {node_rank} is not part of the cluster any more")
+            node = nodes[node_rank]
             request = SpawnRequest(self.name, self.session.driver_id, self.world_size,
                                    tuple(launches), f"{self.cls.__module__}.{self.cls.__qualname__}",
                                    output_to)
