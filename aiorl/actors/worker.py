@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.p2p import P2PEngine, get_p2p
@@ -168,21 +168,46 @@ class Worker:
     # Implemented in aiorl.p2p; see API.md section 4 and docs/ordering.md.
     # ``async_op`` is RLinf's switch: True (aiorl's default) returns the AsyncWork;
     # False waits for it and returns its result (RLinf's default; not on the event loop).
+    # Typed both ways: an AsyncWork by default, the plain result with RLinf's async_op=False.
+    @overload
+    def send(self, obj: Any, dst_group_name: str, dst_rank: int | Sequence[int],
+             async_op: Literal[True] = ...) -> AsyncWork[None]: ...
+    @overload
+    def send(self, obj: Any, dst_group_name: str, dst_rank: int | Sequence[int],
+             async_op: Literal[False]) -> None: ...
     def send(self, obj: Any, dst_group_name: str, dst_rank: int | Sequence[int],
              async_op: bool = True) -> Any:
         """Send ``obj`` (any picklable object, tensors, containers of tensors) to a worker."""
         return _sync_unless(async_op, self._p2p().send(obj, dst_group_name, dst_rank))
 
+    @overload
+    def recv(self, src_group_name: str, src_rank: int | Sequence[int],
+             async_op: Literal[True] = ...) -> AsyncWork[Any]: ...
+    @overload
+    def recv(self, src_group_name: str, src_rank: int | Sequence[int],
+             async_op: Literal[False]) -> Any: ...
     def recv(self, src_group_name: str, src_rank: int | Sequence[int],
              async_op: bool = True) -> Any:
         """Receive the next object sent to this worker by ``src_group_name:src_rank``."""
         return _sync_unless(async_op, self._p2p().recv(src_group_name, src_rank))
 
+    @overload
+    def send_tensor(self, tensor: Any, dst_group_name: str, dst_rank: int | Sequence[int],
+                    async_op: Literal[True] = ...) -> AsyncWork[None]: ...
+    @overload
+    def send_tensor(self, tensor: Any, dst_group_name: str, dst_rank: int | Sequence[int],
+                    async_op: Literal[False]) -> None: ...
     def send_tensor(self, tensor: Any, dst_group_name: str, dst_rank: int | Sequence[int],
                     async_op: bool = True) -> Any:
         """Send one tensor into a receiver's preallocated buffer, with no metadata exchange."""
         return _sync_unless(async_op, self._p2p().send_tensor(tensor, dst_group_name, dst_rank))
 
+    @overload
+    def recv_tensor(self, tensor: Any, src_group_name: str, src_rank: int | Sequence[int],
+                    async_op: Literal[True] = ...) -> AsyncWork[Any]: ...
+    @overload
+    def recv_tensor(self, tensor: Any, src_group_name: str, src_rank: int | Sequence[int],
+                    async_op: Literal[False]) -> Any: ...
     def recv_tensor(self, tensor: Any, src_group_name: str, src_rank: int | Sequence[int],
                     async_op: bool = True) -> Any:
         """Fill the preallocated ``tensor`` with the next ``send_tensor`` from the source."""
