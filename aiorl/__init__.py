@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from aiorl.actors.polling import PollingWorker, PollResult
     from aiorl.channels import Channel
     from aiorl.cluster import Cluster
+    from aiorl.group.supervision import EventKind, GroupEvent
 
 # The runtime's names are imported on first use (PEP 562), not with the package: the registry
 # and node agent processes import ``aiorl.registry``/``aiorl.node``, which runs this file, and
@@ -72,6 +73,8 @@ _LAZY = {
     "PollResult": ("aiorl.actors.polling", "PollResult"),
     "Channel": ("aiorl.channels", "Channel"),
     "Cluster": ("aiorl.cluster", "Cluster"),
+    "EventKind": ("aiorl.group.supervision", "EventKind"),
+    "GroupEvent": ("aiorl.group.supervision", "GroupEvent"),
 }
 
 
@@ -100,6 +103,8 @@ __all__ = [
     "Channel",
     "Cluster",
     "ConflictError",
+    "EventKind",
+    "GroupEvent",
     "GroupExistsError",
     "GroupNotFoundError",
     "MappingThread",

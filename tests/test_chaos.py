@@ -1,16 +1,24 @@
-"""Chaos: a producer group -> channel -> consumer group pipeline runs its steps while a
-killer SIGKILLs random workers, node agents and the registry (docs/failures.md, 30).
+"""Chaos: a producer group -> channel -> consumer group -> weight publication pipeline runs
+its steps while a killer SIGKILLs random workers, the weights' directory, node agents and
+the registry (docs/failures.md, 32 and 37).
+
+Each step the consumer's rank 0 (the trainer) publishes a new weight version through
+``aiorl.weights`` and each producer (a rollout) waits for at least the last version
+published, pulls the newest, and says which version it got and whether every tensor holds
+that version's number.
 
 Asserts: no hang (every operation ends within its bound), no orphan process, every
 item delivered at most once and every missing item explained by an error of the step
-that made it or a later one, and the job reaches its step count with
-``restart="on_failure"``. The short version (the normal suite) runs ~30 s;
+that made it or a later one, every pulled version complete and never older than one the
+same subscriber pulled before, and the job reaches its step count with
+``restart="on_failure"``. The short version (the normal suite) runs ~15 s;
 ``make chaos`` runs the long one (``AIORL_CHAOS_KILLS=200``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import signal
@@ -18,13 +26,17 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
+from collections.abc import Callable
 
 import psutil
 import pytest
+import torch
 
 import aiorl
 from aiorl.transport.security import ClusterKeys
+from aiorl.weights import host_directory
 from tests.test_failures import free_port, stop_processes
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800)]
@@ -39,18 +51,48 @@ EXPIRY_S = 3.0  # the default: shorter ones declare loaded (not dead) drivers de
 #: its rank's restart, and a restart whose node agent is killed meanwhile fails after the
 #: spawn timeout (10 s) and is tried again; a few of those in a row fit.
 OPERATION_BOUND_S = 90.0
+#: The weights the trainer publishes each step and the rollouts pull.
+WEIGHTS = "chaos_policy"
+#: How long a rollout waits for the version it needs (the trainer or the directory may be
+#: restarting); bounded well inside OPERATION_BOUND_S.
+WEIGHT_WAIT_S = 30.0
+
+
+def policy(version: int) -> dict[str, torch.Tensor]:
+    """A small state dict whose every element is ``version``: a torn or mixed copy shows."""
+    return {"w": torch.full((4096,), float(version)),
+            "b": torch.full((1000,), version, dtype=torch.int64)}
 
 
 class Producer(aiorl.Worker):
-    async def produce(self, channel: aiorl.Channel, ids: list[int]) -> list[int]:
+    """A rollout: pulls the newest weights, then puts its items."""
+
+    def __init__(self) -> None:
+        self.process = uuid.uuid4().hex  # which process of the rank pulled (a restart is another)
+        self.weights = policy(-1)
+
+    async def produce(self, channel: aiorl.Channel, ids: list[int], min_version: int
+                      ) -> tuple[list[int], str, int, bool]:
+        """Pull a version >= ``min_version``, put ``ids``; returns the ids put, this
+        process, the version pulled and whether every pulled tensor holds it."""
+        sub = self.weight_subscriber(WEIGHTS)
+        await sub.wait_for(min_version, timeout=WEIGHT_WAIT_S)
+        for t in self.weights.values():
+            t.fill_(-1)
+        version = await asyncio.wait_for(sub.pull(into=self.weights), WEIGHT_WAIT_S)
+        intact = all(bool((t == version).all()) for t in self.weights.values())
         put = []
         for i in ids:
             await channel.put(i)
             put.append(i)
-        return put
+        return put, self.process, version, intact
 
 
 class Consumer(aiorl.Worker):
+    async def publish(self, version: int) -> int:
+        """Rank 0 is the trainer: publish ``version`` of the weights."""
+        return await self.weight_publisher(WEIGHTS).publish(policy(version), version)
+
     async def consume(self, channel: aiorl.Channel, n: int, wait_s: float) -> list[int]:
         got: list[int] = []
         while len(got) < n:
@@ -74,6 +116,8 @@ class Supervisor:
         self.registry = self._registry()
         self.agents = [self._agent(r) for r in range(2)]
         self.kills: Counter[str] = Counter()
+        #: The weights directory's pid now (None while it is unknown): killed on purpose too.
+        self.directory_pid: Callable[[], int | None] = lambda: None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._restart_forever, daemon=True)]
@@ -110,9 +154,12 @@ class Supervisor:
         return pids
 
     def kill_one(self, rng: random.Random) -> None:
+        roll = rng.random()
+        directory = self.directory_pid() if roll < 0.15 else None
         with self._lock:
-            roll = rng.random()
-            if roll < 0.7:
+            if directory is not None:
+                victim, what = directory, "weights directory"
+            elif roll < 0.7:
                 workers = self.workers()
                 if not workers:
                     return  # all are being restarted: a worker kill this time, so none
@@ -174,70 +221,137 @@ def chaos(tmp_path):
             time.sleep(0.1)
 
 
-def _run_step(producers, consumers, channel, ids: list[list[int]],
-              wait_s: float = 3.0) -> tuple[list[int], str]:
-    """One step: each producer rank puts its ids while each consumer rank takes as many.
-    Returns the ids received and the error that ended the step early ('' if none)."""
-    produce = [producers.execute_on(r).produce(channel, ids[r]) for r in range(len(ids))]
+@dataclasses.dataclass
+class Step:
+    """What one step did: the items received, the pulls of the producers that finished
+    (rank, process, version pulled, intact) and the error that ended it early ('' if none)."""
+
+    received: list[int]
+    pulls: list[tuple[int, str, int, bool]]
+    error: str
+
+
+def _run_step(producers, consumers, channel, ids: list[list[int]], min_version: int,
+              wait_s: float = 3.0) -> Step:
+    """One step: each producer rank pulls a weight version >= ``min_version`` and puts its
+    ids while each consumer rank takes as many."""
+    produce = [producers.execute_on(r).produce(channel, ids[r], min_version)
+               for r in range(len(ids))]
     consume = consumers.consume(channel, ITEMS_PER_RANK, wait_s)
-    received: list[int] = []
-    error = ""
+    step = Step([], [], "")
     for what, work in [*((f"produce on rank {r}", w) for r, w in enumerate(produce)),
                        ("consume", consume)]:
         try:
-            result = work.wait(OPERATION_BOUND_S)
+            result = _bounded(what, work, producers, consumers)
             if work is consume:
-                received = [i for per_rank in result for i in per_rank]
-        except aiorl.WaitTimeout:
-            states = {g.worker_group_name: [
-                (st.incarnation, st.restarting, st.address is not None, repr(st.error)[:80])
-                for st in g._core.ranks] for g in (producers, consumers)}
-            raise AssertionError(f"{what} hung under chaos; ranks (incarnation, restarting, "
-                                 f"has address, error): {states}") from None
+                step.received = [i for per_rank in result for i in per_rank]
+            else:
+                _, process, version, intact = result[0]
+                step.pulls.append((produce.index(work), process, version, intact))
         except (aiorl.AiorlError, LookupError) as exc:
-            error = error or f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-    return received, error
+            step.error = step.error or _describe(exc)
+    return step
+
+
+def _bounded(what: str, work, *groups):
+    """``work``'s result, or an AssertionError naming the hang and the ranks' states."""
+    try:
+        return work.wait(OPERATION_BOUND_S)
+    except aiorl.WaitTimeout:
+        states = {g.worker_group_name: [
+            (st.incarnation, st.restarting, st.address is not None, repr(st.error)[:80])
+            for st in g._core.ranks] for g in groups}
+        raise AssertionError(f"{what} hung under chaos; ranks (incarnation, restarting, "
+                             f"has address, error): {states}") from None
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+
+
+def _directory_pid(cluster: aiorl.Cluster) -> int | None:
+    """The weights directory's pid, if the registry answers now (the killer's thread)."""
+    runtime = cluster.runtime
+    try:
+        record = runtime.run_sync(runtime.registry.lookup(f"weights.{WEIGHTS}:0", timeout=2),
+                                  timeout=3)
+    except (aiorl.AiorlError, LookupError, TimeoutError):
+        return None
+    return int(record.info.pid) or None if record.state == "ready" else None
+
+
+def _count_restarts(events) -> int:
+    """How many ``restarted`` events a group's stream holds so far (its history)."""
+    count = 0
+    while True:
+        try:
+            count += events.get(timeout=0).kind == "restarted"
+        except aiorl.WaitTimeout:
+            return count
 
 
 def test_pipeline_reaches_its_steps_while_processes_are_killed(chaos):
     with aiorl.Cluster(registry=chaos.address, num_nodes=2, key_file=chaos.key_file,
                        log_to_driver=False, timeout=60) as cluster:
-        policy = {"restart": "on_failure", "max_restarts": 10_000, "backoff": 0.05}
+        policy_ = {"restart": "on_failure", "max_restarts": 10_000, "backoff": 0.05}
         channel = aiorl.Channel.create(cluster, "chaos_items", maxsize=0,
                                        restart="on_failure")
+        # Hosted by the driver, so that it is restarted however often its users die.
+        directory = host_directory(cluster, WEIGHTS, node_rank=0)
         producers = Producer.create_group().launch(
-            cluster, aiorl.placement.NodePlacementStrategy([0, 1]), name="producer", **policy)
+            cluster, aiorl.placement.NodePlacementStrategy([0, 1]), name="producer", **policy_)
         consumers = Consumer.create_group().launch(
-            cluster, aiorl.placement.NodePlacementStrategy([1, 0]), name="consumer", **policy)
+            cluster, aiorl.placement.NodePlacementStrategy([1, 0]), name="consumer", **policy_)
         producers.wait_ready(60)
         consumers.wait_ready(60)
+        trainer = consumers.execute_on(0)
+        published = trainer.publish(1).wait(60)[0]  # the version every step waits for at least
+        chaos.directory_pid = lambda: _directory_pid(cluster)
         killer = chaos.start_killing(seed=int(os.environ.get("AIORL_CHAOS_SEED", "16")))
         next_id = 0
         made_in: dict[int, int] = {}  # item id -> the step that made it
         errors_at: list[int] = []  # steps that ended with an error
         received: Counter[int] = Counter()
+        pulled: dict[tuple[int, str], list[int]] = {}  # (rank, process) -> versions pulled
+        publishes_failed = 0
         done = attempt = 0
         deadline = time.monotonic() + max(KILL_WINDOW_S * 3, 120)
         while done < STEPS or killer.is_alive():
             assert time.monotonic() < deadline, f"only {done} of {STEPS} steps in time"
+            version = attempt + 2  # versions only grow, whichever trainer process publishes
+            t0 = time.monotonic()
+            try:
+                published = _bounded("publish", trainer.publish(version), consumers)[0]
+                publish_error = ""
+            except (aiorl.AiorlError, LookupError) as exc:
+                publish_error = _describe(exc)
+                publishes_failed += 1
             ids = [list(range(next_id + r * ITEMS_PER_RANK, next_id + (r + 1) * ITEMS_PER_RANK))
                    for r in range(2)]
             next_id += 2 * ITEMS_PER_RANK
             for batch in ids:
                 made_in.update(dict.fromkeys(batch, attempt))
-            got, error = _run_step(producers, consumers, channel, ids)
-            received.update(got)
-            if error:
+            t1 = time.monotonic()
+            step = _run_step(producers, consumers, channel, ids, published)
+            sys.stderr.write(f"DBG {attempt} pub {t1-t0:.2f} step {time.monotonic()-t1:.2f} killer {killer.is_alive()} kills {dict(chaos.kills)} {step.error} {publish_error}\n")
+            received.update(step.received)
+            for rank, process, got, intact in step.pulls:
+                assert intact, f"rank {rank} pulled version {got} torn or mixed"
+                assert published <= got <= version, (
+                    f"rank {rank} pulled version {got}, not in {published}..{version}")
+                pulled.setdefault((rank, process), []).append(got)
+            if step.error:
                 errors_at.append(attempt)
+            if step.error or publish_error:
                 time.sleep(0.2)
             else:
                 done += 1
             attempt += 1
         # Drain what is still queued (the channel may have items of earlier steps).
         for _ in range(10):
-            got, error = _run_step(producers, consumers, channel, [[], []], wait_s=0.5)
-            received.update(got)
-            if not got and not error:
+            step = _run_step(producers, consumers, channel, [[], []], published, wait_s=0.5)
+            received.update(step.received)
+            if not step.received and not step.error:
                 break
         twice = [i for i, n in received.items() if n > 1]
         assert not twice, f"items delivered more than once: {twice[:10]}"
@@ -245,10 +359,18 @@ def test_pipeline_reaches_its_steps_while_processes_are_killed(chaos):
         missing = [i for i in made_in if i not in received]
         unexplained = [i for i in missing if not any(s >= made_in[i] for s in errors_at)]
         assert not unexplained, f"items lost without an error: {unexplained[:10]}"
+        backwards = {who: vs for who, vs in pulled.items() if vs != sorted(vs)}
+        assert not backwards, f"a subscriber's versions went backwards: {backwards}"
+        restarts = _count_restarts(directory.events())
         kills = sum(chaos.kills.values())
+        seen = {v for vs in pulled.values() for v in vs}
         report = (f"chaos: {kills} kills survived ({dict(chaos.kills)}), {done} steps done in "
                   f"{attempt} attempts, {len(made_in)} items, {len(missing)} lost and reported "
-                  f"by errors in {len(errors_at)} steps")
+                  f"by errors in {len(errors_at)} steps; weights: {attempt - publishes_failed} "
+                  f"versions published ({publishes_failed} publishes failed), "
+                  f"{len(seen)} distinct versions pulled in {sum(map(len, pulled.values()))} "
+                  f"pulls by {len(pulled)} subscriber processes, none torn or going back, "
+                  f"directory restarted {restarts} times")
         print(report)
         sys.stderr.write(report + "\n")
         assert done >= STEPS and kills >= min(KILLS, 3)

@@ -12,8 +12,8 @@ pytestmark = pytest.mark.timeout(60)
 
 TOP_LEVEL = [
     "AiorlError", "AsyncChannelWork", "AsyncCollWork", "AsyncFuncWork", "AsyncWork",
-    "AuthenticationError", "Channel", "Cluster", "ConflictError", "GroupExistsError",
-    "GroupNotFoundError", "MappingThread", "NodeRankTakenError", "NotFoundError", "PeerLostError",
+    "AuthenticationError", "Channel", "Cluster", "ConflictError", "EventKind", "GroupEvent",
+    "GroupExistsError", "GroupNotFoundError", "MappingThread", "NodeRankTakenError", "NotFoundError", "PeerLostError",
     "PlacementError", "PollResult", "PollingWorker", "ProtocolError", "QueueEmpty", "QueueFull",
     "RegistryError", "RegistryUnavailable", "RemoteError", "WaitTimeout", "Worker",
     "WorkerAddress", "WorkerGroup", "WorkerInfo", "WorkerInitError", "WorkerNotFoundError",

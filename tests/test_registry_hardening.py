@@ -24,7 +24,7 @@ import zmq
 import aiorl
 from aiorl.transport import security
 from aiorl.transport.security import ClusterKeys
-from aiorl.transport.wire import Kind, decode_header, encode_header, split_batch
+from aiorl.transport.wire import Kind, decode_header, encode_header, split_batch, unpack
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -101,6 +101,9 @@ class RawClient:
                 break
             frames = self.sock.recv_multipart()
             header = decode_header(frames[0])
+            if header.kind == Kind.PACKED:  # many small frames travel as one
+                frames = unpack(header.meta, frames[1:])
+                header = decode_header(frames[0])
             # The registry batches the answers of one loop turn into one BATCH message.
             parts = (split_batch(header.meta, frames[1:]) if header.kind == Kind.BATCH
                      else [frames])

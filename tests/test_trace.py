@@ -195,3 +195,25 @@ def test_trace_of_a_pipeline(traced_cluster, tmp_path):
     user = [e for e in events if e.get("name") == "produce.item" and e["ph"] in "bX"]
     assert len(user) == 2 * ITEMS
     assert any(e.get("cat") == "channel" for e in events)
+
+
+class Marker(aiorl.Worker):
+    def mark_many(self, n: int) -> int:
+        for i in range(n):
+            aiorl.mark("bulk", i=i, note="x" * 20)
+        return n
+
+
+def test_a_trace_larger_than_a_message_header_is_pulled(traced_cluster, tmp_path):
+    """A worker's buffer of tens of thousands of spans is far beyond the 1 MiB a header may
+    hold: the pull carries it as a payload frame (it was once dropped as malformed)."""
+    marks = 40_000
+    marker = Marker.create_group().launch(traced_cluster, num_workers=1, name="marker")
+    try:
+        assert marker.mark_many(marks).wait(60) == [marks]
+        path = tmp_path / "big.json"
+        traced_cluster.trace_dump(str(path))
+        trace = json.loads(path.read_text())
+    finally:
+        marker.close()
+    assert sum(1 for e in trace["traceEvents"] if e.get("name") == "bulk") == marks

@@ -38,6 +38,7 @@ from aiorl.channels._protocol import GET, GET_BATCH, PUT
 from aiorl.channels._server import ChannelHost
 from aiorl.names import WorkerInfo
 from aiorl.p2p import P2PEngine
+from aiorl.protocol.inspect import encode_answer
 from aiorl.protocol.ops import WorkerOp
 from aiorl.runtime import Runtime
 from aiorl.trace import recorder as _trace
@@ -61,22 +62,25 @@ def caller_name(identity: bytes) -> str:
 _callers: dict[bytes, tuple[str, str]] = {}
 
 
-def traced_execution(fn: Callable[..., Any], is_async: bool, method: str, identity: bytes,
+def traced_execution(fn: Callable[..., Any], is_async: bool, msg: Incoming,
                      me: WorkerInfo) -> Callable[..., Any]:
     """Record a call's execution, the end of its flow from the caller.
 
+    The flow is named by the caller's name and the request id in the call's header (the
+    caller names its end the same way), so nothing is counted per call here.
     A plain method is wrapped: its run on the method thread becomes a nested slice of that
     thread. An ``async def`` method is not wrapped (a wrapper coroutine per call measured
     ~10 % of in-flight throughput on no-op calls): its start is recorded as an instant
     with the flow arrow; its duration is the caller's call span (or the user's own
     ``aiorl.span`` inside it).
     """
-    known = _callers.get(identity)
+    known = _callers.get(msg.identity)
     if known is None:
-        caller = caller_name(identity)
-        known = _callers[identity] = (caller, f"{caller}>{me.name}/call")
+        caller = caller_name(msg.identity)
+        known = _callers[msg.identity] = (caller, f"{caller}>{me.name}/call")
     caller, pair = known
-    flow = _trace.flow_seq(pair)
+    flow = (pair, msg.request_id)
+    method: str = msg.meta
     record = _trace.record
 
     if is_async:
@@ -107,25 +111,26 @@ def serve_inspection(runtime: Runtime, calls: Mapping[asyncio.Task[Any], Incomin
 
     sampler = _CounterSampler(runtime, instance)
 
-    def on_inspect(msg: Incoming) -> None:
-        meta = msg.meta or {}
+    def answer(meta: dict[str, Any]) -> Any:
         action = meta.get("action")
         if action == "snapshot":
-            msg.reply(snapshot(runtime, calls, instance() if instance else None))
-        elif action == "metrics":
-            msg.reply(metrics(runtime, instance() if instance else None,
-                              float(meta.get("window", 10.0))))
-        elif action == "trace_pull":
-            msg.reply(_trace.drain())
-        elif action == "trace_start":
+            return snapshot(runtime, calls, instance() if instance else None)
+        if action == "metrics":
+            return metrics(runtime, instance() if instance else None,
+                           float(meta.get("window", 10.0)))
+        if action == "trace_pull":
+            return _trace.drain()
+        if action == "trace_start":
             _trace.enable()
             sampler.start()
-            msg.reply({"on": True})
-        elif action == "trace_stop":
+            return {"on": True}
+        if action == "trace_stop":
             _trace.disable()
-            msg.reply({"on": False})
-        else:
-            raise ValueError(f"unknown inspect action {action!r}")
+            return {"on": False}
+        raise ValueError(f"unknown inspect action {action!r}")
+
+    def on_inspect(msg: Incoming) -> None:
+        msg.reply(None, encode_answer(answer(msg.meta or {})))
 
     def install() -> None:
         runtime.endpoint.handle(WorkerOp.INSPECT, on_inspect)

@@ -81,7 +81,7 @@ class WorkerServer:
             self._reply_error(msg, exc)
             return
         if _trace.ON:
-            fn = traced_execution(fn, is_async, msg.meta, msg.identity, self.info)
+            fn = traced_execution(fn, is_async, msg, self.info)
         if is_async:
             self._start_async(msg, fn(*args, **kwargs))
         else:

@@ -167,7 +167,9 @@ class _Op(asyncio.Future):  # type: ignore[type-arg]
         self.frames = frames
         self.token = 0
         self.address: str | None = None  # set once it is handed to an outbox
-        self.stream = stream  # the stream a GET/PREFETCH sent on behalf of users feeds
+        #: the stream a GET/PREFETCH sent on behalf of users feeds; for a cancelled
+        #: get_batch, the stream whose gets wait for its answer (``settling``)
+        self.stream = stream
 
     def cancel(self, msg: Any = None) -> bool:
         if not super().cancel(msg=msg):
@@ -200,15 +202,31 @@ class _GetStream:
     User gets wait in ``waiting``; the channel worker sees *slots* instead:
     ``PREFETCH`` requests for up to ``depth`` items already queued while the
     user's gets follow each other closely (streaming), and a parkable ``GET`` for
-    each waiting user get that no prefetch in flight can serve. Answers arrive in the order the slots were sent, whatever
-    their kind, and each item goes to the oldest waiting user get or, if none
-    waits, to ``ready`` for the next one; so the items reach the user gets in
-    queue order, as if each get had been sent alone. ``depth`` doubles while user
-    gets still have to wait and halves when a prefetch finds the queue empty.
-    Prefetched items go back to the queue (``UNGET``, at their places) after
+    each waiting user get that no prefetch in flight can serve. ``depth`` doubles
+    while user gets still have to wait and halves when a prefetch finds the queue
+    empty. Prefetched items go back to the queue (``UNGET``, at their places) after
     :data:`~aiorl.channels._protocol.PREFETCH_IDLE` seconds without a get, and
     before any other operation on the queue that must see them (``get_batch``,
     ``get_nowait``, ``qsize``, ``statistics``).
+
+    Ordering: the channel worker handles the slots in the order they were sent, each
+    taking from the head of the queue (a ``GET`` parks only while the queue is
+    empty, and a ``PREFETCH`` behind it then takes nothing), so **items arrive in
+    queue order**, and each goes to the oldest waiting user get or, if none waits,
+    to ``ready`` for the next one: the user gets receive the items in queue order, as
+    if each get had been sent alone. Sending items *back* is what can break this:
+    an item returned while a slot sent earlier is still out lets that slot's newer
+    items reach a user get first, and a slot sent after a returned item was taken
+    but before it is back in the queue takes the items behind it. Three rules
+    prevent both:
+
+    * ``ready`` goes back only when no ``PREFETCH`` is out (:meth:`_ClientCore._idle`
+      waits for it), or while ``held`` keeps every later operation back and the
+      prefetch's items follow them back (:meth:`_ClientCore._prefetch_returned`);
+    * only ``GET`` slots newer than every ``PREFETCH`` out are withdrawn, so an item
+      a withdrawn slot gives back is newer than every item still to arrive;
+    * while a withdrawn request (a slot, or a cancelled ``get_batch``) may still give
+      items back (``settling``), no new slot is sent (:meth:`_ClientCore._top_up`).
     """
 
     __slots__ = ("state", "queue", "waiting", "ready", "demand", "requested", "requested_total",
@@ -222,7 +240,9 @@ class _GetStream:
         self.demand: collections.deque[_Op] = collections.deque()  # GET slots not answered
         self.requested: dict[_Op, int] = {}  # PREFETCH slots not answered -> items asked for
         self.requested_total = 0
-        self.settling = 0  # slots withdrawn (CANCEL sent) whose answer has not arrived
+        #: withdrawn requests (CANCEL sent: GET slots, cancelled get_batches) whose answer
+        #: (CANCELLED, or items that go back) has not arrived
+        self.settling = 0
         self.depth = 0
         self.last_get = -1e9  # when a user get was last issued or served
         #: Operations on this queue held back until withdrawn and in-flight slots are
@@ -657,6 +677,11 @@ class _ClientCore:
         cancel = _Op(self, op.state, P.CANCEL, op.queue, 0, 0, ())
         cancel.token = op.token
         self._enqueue(op.address, cancel)
+        if op.kind == P.GET_BATCH:
+            # Items it may have taken come back with its answer; until then this
+            # process's gets on the queue must not take the items behind them.
+            op.stream = self._stream(op.state, op.queue)
+            op.stream.settling += 1
 
     def _on_done(self, peer: str, meta: Any, frames: list[Any]) -> None:
         pos = 0
@@ -814,7 +839,13 @@ class _ClientCore:
         own. A GET is sent only when no prefetch can serve the get, so no GET stays
         parked at the channel worker for a get already served (it would take an item
         that a getter of another process may be waiting for).
+
+        Nothing is sent while withdrawn requests are ``settling``: an item one of them
+        took goes back to the queue when its answer arrives, and a slot sent before
+        that would take the items behind it (``_slot_withdrawn`` tops up then).
         """
+        if stream.settling:
+            return
         for _ in range(len(stream.waiting) - len(stream.demand) - stream.requested_total):
             slot = _Op(self, stream.state, P.GET, stream.queue, 0, 0, (), stream)
             stream.demand.append(slot)
@@ -882,7 +913,10 @@ class _ClientCore:
         self._settled(stream)
 
     def _slot_withdrawn(self, stream: _GetStream) -> None:
+        """A withdrawn request was answered (its items, if any, are on their way back)."""
         stream.settling -= 1
+        if not stream.settling and stream.held is None and stream.waiting:
+            self._top_up(stream)  # the slots held back while it settled (see _top_up)
         self._settled(stream)
 
     def _withdraw_get(self, op: _Op) -> None:
@@ -899,15 +933,27 @@ class _ClientCore:
                 self._withdraw_slots(stream)
 
     def _withdraw_slots(self, stream: _GetStream) -> None:
-        """Cancel the newest GET slots beyond what the waiting user gets need."""
-        while stream.demand and len(stream.demand) + stream.requested_total > len(stream.waiting):
+        """Cancel the newest GET slots beyond what the waiting user gets need.
+
+        Only GET slots sent after every prefetch still out: a withdrawn slot's item goes
+        back to the queue, so it must be newer than the items those prefetches bring,
+        which may go to waiting user gets (an older GET stays, and its item is used or
+        returned like a prefetched one).
+        """
+        newest_prefetch = next(reversed(stream.requested)).token if stream.requested else 0
+        while (stream.demand and stream.demand[-1].token > newest_prefetch
+               and len(stream.demand) + stream.requested_total > len(stream.waiting)):
             slot = stream.demand.pop()
             if slot.address is not None:
                 stream.settling += 1  # its answer (CANCELLED or the item) is still to come
             slot.cancel()
 
     def _return_prefetch(self, stream: _GetStream) -> None:
-        """Stop prefetching; prefetched items go back to their places in the queue."""
+        """Stop prefetching; prefetched items go back to their places in the queue.
+
+        Only when no prefetch is out, or with ``held`` set: a prefetch still out brings
+        items newer than these, which must not reach a user get before them.
+        """
         stream.depth = 0
         self._withdraw_slots(stream)
         if stream.ready:
@@ -939,6 +985,9 @@ class _ClientCore:
             return
         held, stream.held = stream.held, None
         self._return_prefetch(stream)  # what arrived meanwhile goes back first
+        # User gets still waiting were made before the held operations: their slots go
+        # first (a prefetch that was to serve them may have come back short).
+        self._top_up(stream)
         for op in held:
             self._accept(op)
 
@@ -951,6 +1000,13 @@ class _ClientCore:
             if stream.depth or stream.ready:
                 stream.timer = self.loop.call_later(
                     max(P.PREFETCH_IDLE - idle_for, 0.001), self._idle, stream)
+            return
+        if stream.requested:
+            # A prefetch is still out with items newer than ``ready``'s: returning these
+            # now would let those reach the next gets first. Stop prefetching, keep serving
+            # gets from what is here, and return everything once the prefetch is answered.
+            stream.depth = 0
+            stream.timer = self.loop.call_later(P.PREFETCH_IDLE, self._idle, stream)
             return
         self._return_prefetch(stream)
 

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from aiorl.protocol.inspect import decode_answer
 from aiorl.protocol.ops import WorkerOp, WorkerState
 from aiorl.protocol.registry import StatusReport
 from aiorl.registry.client import RegistryClient
@@ -86,9 +87,9 @@ async def collect(endpoint: Endpoint, registry: RegistryClient, action: str,
     async def ask(p: Probe) -> None:
         p.sent_ns = _trace._now()
         try:
-            reply, _ = await endpoint.request(p.endpoint, WorkerOp.INSPECT, {"action": action},
-                                              timeout=timeout)
-            p.reply = reply
+            _, frames = await endpoint.request(p.endpoint, WorkerOp.INSPECT, {"action": action},
+                                               timeout=timeout)
+            p.reply = decode_answer(frames)
         except TimeoutError:
             p.error = (f"did not answer within {timeout:g} s (its event loop is blocked: see "
                        "`aiorl doctor stack` or py-spy)")

@@ -102,23 +102,36 @@ class _GroupCall:
 
 
 class _TracedGroupCall(_GroupCall):
-    """A group call that records a span per rank as each answers (only while tracing is on)."""
+    """A group call that records a span per rank as each answers (only while tracing is on).
 
-    __slots__ = ("method", "peers", "flows", "t0", "nbytes")
+    Kept to a few stores and one buffer record per rank (issue 15: tracing a no-op call
+    must cost a few percent of it). The flow from the call to its execution is named by
+    the request's id, which the worker reads from the message header: neither end counts
+    messages for it.
+    """
 
-    def __init__(self, work: AsyncWork[list[Any]], method: str, peers: list[str],
-                 flows: list[tuple[str, int]], frames: list[Any]) -> None:
-        super().__init__(work, len(peers))
-        self.method, self.peers, self.flows = method, peers, flows
-        self.nbytes = _trace.payload_bytes(frames)
+    __slots__ = ("method", "pairs", "rids", "t0", "nbytes")
+
+    def __init__(self, work: AsyncWork[list[Any]], method: str,
+                 pairs: list[tuple[str, str]], nbytes: int) -> None:
+        n = len(pairs)
+        self.work, self.results, self.remaining = work, [None] * n, n
+        self.method = method
+        self.pairs = pairs  # per rank: (worker name, flow pair name)
+        self.rids = [0] * n  # per rank: the request id, once sent
+        self.nbytes = nbytes
         self.t0 = _trace.now()
 
     def settle(self, i: int, error: BaseException | None, reply: Any) -> None:
-        _trace.record("call", self.method, self.t0, self.peers[i],
-                      self.nbytes + (_trace.payload_bytes(reply[1]) if reply else 0),
-                      error is None, None if error is None else _trace.error_text(error),
-                      self.flows[i], None, True)
-        super().settle(i, error, reply)
+        peer, pair = self.pairs[i]
+        rid = self.rids[i]
+        nbytes = self.nbytes
+        if reply is not None and reply[1]:
+            nbytes += _trace.payload_bytes(reply[1])
+        _trace.record("call", self.method, self.t0, peer, nbytes, error is None,
+                      None if error is None else _trace.error_text(error),
+                      (pair, rid) if rid else None, None, True)
+        _GroupCall.settle(self, i, error, reply)
 
 
 class GroupCore:
@@ -167,6 +180,8 @@ class GroupCore:
         self._history: collections.deque[GroupEvent] = collections.deque(maxlen=HISTORY)
         self._subscribers: list[GroupEvents] = []
         self._tasks: set[asyncio.Task[None]] = set()  # pending restarts (strong references)
+        #: Tracing: rank list -> per rank (worker name, flow pair) (see _trace_pairs).
+        self._traced_pairs: dict[tuple[int, ...], list[tuple[str, str]]] = {}
 
     def dispatch(self, work: AsyncWork[list[Any]], method: str, ranks: Sequence[int],
                   frames: list[Any], off_loop: bool) -> None:
@@ -178,15 +193,19 @@ class GroupCore:
         if not ranks:
             resolve(work, [])
             return
-        call = _GroupCall(work, len(ranks)) if not _trace.ON else _TracedGroupCall(
-            work, method, *self._call_flows(ranks), frames)
+        if _trace.ON:
+            call: _GroupCall = _TracedGroupCall(
+                work, method, self._trace_pairs(ranks),
+                _trace.payload_bytes(frames) if frames else 0)
+            send: Callable[..., None] = self._send_traced_call
+        else:
+            call, send = _GroupCall(work, len(ranks)), self._send_call
         for i, r in enumerate(ranks):
             state = self.ranks[r]
             if state.error is not None or state.address is not None:
-                self._send_call(call, i, state, method, frames)
+                send(call, i, state, method, frames)
             else:
-                state.queued.append(
-                    functools.partial(self._send_call, call, i, state, method, frames))
+                state.queued.append(functools.partial(send, call, i, state, method, frames))
 
     def dispatch_remembered(self, work: AsyncWork[list[Any]], method: str, ranks: Sequence[int],
                             frames: list[Any], off_loop: bool) -> None:
@@ -196,18 +215,16 @@ class GroupCore:
             self._last_calls.setdefault(r, {})[method] = frames
         self.dispatch(work, method, ranks, frames, off_loop)
 
-    def _call_flows(self, ranks: Sequence[int]) -> tuple[list[str], list[tuple[str, int]]]:
-        """Tracing: each rank's name and the flow from this call to its execution there."""
-        names: dict[int, tuple[str, str]] = self.__dict__.setdefault("_trace_names", {})
-        peers, flows = [], []
-        for r in ranks:
-            known = names.get(r)
-            if known is None:
-                peer = f"{self.name}:{r}"
-                known = names[r] = (peer, f"{self.runtime.name}>{peer}/call")
-            peers.append(known[0])
-            flows.append(_trace.flow_seq(known[1]))
-        return peers, flows
+    def _trace_pairs(self, ranks: Sequence[int]) -> list[tuple[str, str]]:
+        """Tracing: per rank, its worker name and the flow pair of our calls to it (cached
+        per rank list: one look-up per call)."""
+        key = tuple(ranks)
+        pairs = self._traced_pairs.get(key)
+        if pairs is None:
+            me = self.runtime.name
+            pairs = self._traced_pairs[key] = [
+                (f"{self.name}:{r}", f"{me}>{self.name}:{r}/call") for r in ranks]
+        return pairs
 
     def _send_call(self, call: _GroupCall, i: int, state: _Rank, method: str,
                    frames: list[Any]) -> None:
@@ -216,6 +233,16 @@ class GroupCore:
             return
         assert state.address is not None
         self.runtime.endpoint.request_then(
+            state.address, WorkerOp.CALL, method, frames, functools.partial(call.settle, i))
+
+    def _send_traced_call(self, call: _TracedGroupCall, i: int, state: _Rank, method: str,
+                          frames: list[Any]) -> None:
+        """:meth:`_send_call`, keeping the request id: the worker names the flow by it."""
+        if state.error is not None:
+            call.settle(i, _fresh(state.error), None)
+            return
+        assert state.address is not None
+        call.rids[i] = self.runtime.endpoint.request_then(
             state.address, WorkerOp.CALL, method, frames, functools.partial(call.settle, i))
 
     def ready(self, ranks: Sequence[int]) -> AsyncWork[None]:

@@ -30,7 +30,13 @@ MAX_BACKOFF_S = 30.0
 
 
 class EventKind(str, enum.Enum):
-    """What happened to a group (the ``kind`` of a :class:`GroupEvent`)."""
+    """What happened to a group (the ``kind`` of a :class:`GroupEvent`).
+
+    Example::
+
+        if event.kind is aiorl.EventKind.GAVE_UP:
+            print(f"rank {event.rank} will not come back: {event.reason}")
+    """
 
     DIED = "died"  #: a rank's process ended (or its node was declared dead)
     RESTARTING = "restarting"  #: a replacement for the rank is being started
@@ -52,6 +58,11 @@ class GroupEvent:
     ``incarnation`` is the rank's process count: 0 for its first process, one more
     for each restart (the registry's worker record carries the same number).
     ``epoch`` is the group's membership epoch after the event.
+
+    Example::
+
+        for event in group.events():   # an aiorl.GroupEvent each; ends when the group closes
+            print(event)               # "rollout:2 died (incarnation 0, epoch 0): ..."
     """
 
     kind: EventKind

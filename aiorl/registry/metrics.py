@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from aiorl.protocol.inspect import decode_answer
 from aiorl.protocol.ops import WorkerOp
 from aiorl.protocol.registry import WorkerRecord
 from aiorl.transport.endpoint import Endpoint
@@ -98,9 +99,10 @@ async def scrape(endpoint: Endpoint, workers: Iterable[WorkerRecord]
 
     async def ask(record: WorkerRecord) -> tuple[WorkerRecord, dict[str, Any] | None]:
         try:
-            reply, _ = await endpoint.request(
+            _, frames = await endpoint.request(
                 record.info.endpoint, WorkerOp.INSPECT,
                 {"action": "metrics", "window": RATE_WINDOW}, timeout=SCRAPE_TIMEOUT)
+            reply = decode_answer(frames)
         except Exception as exc:  # noqa: BLE001 - a worker that cannot answer is "down"
             log.debug("metrics of %s: %s", record.name, exc)
             return record, None

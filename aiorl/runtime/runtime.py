@@ -206,10 +206,10 @@ class Runtime:
 
         info = await self.resolve_worker(name)
         frames = serialization.dumps((args, kwargs)) if args or kwargs else []
-        fut = self.endpoint.request(info["endpoint"], WorkerOp.CALL, method, frames)
-        if _trace.ON:  # counted as the worker counts the calls it executes (the flow's ends)
+        rid, fut = self.endpoint.request_numbered(info["endpoint"], WorkerOp.CALL, method, frames)
+        if _trace.ON and rid:  # the flow is named by the request id, which the worker sees
             span = _trace.begin("call", method, name)
-            span.flow_out = _trace.flow_seq(f"{self.name}>{name}/call")
+            span.flow_out = (f"{self.name}>{name}/call", rid)
             fut.add_done_callback(span.settled)
         _, payload = await fut
         return serialization.loads(payload) if payload else None

@@ -8,9 +8,11 @@ the ring buffer when it ends. Nothing is sent per span: the buffer is pulled in 
 (:func:`drain`) by ``aiorl trace dump`` / ``cluster.trace_dump``.
 
 Flows (the arrows from a send to its receive, from a call to its execution) need no extra
-message either: both ends count the messages of an ordered pair of processes, and the k-th
-send from A to B is the k-th receive of B from A (each pair's messages are delivered in
-order, docs/ordering.md), so each end names the flow ``(pair, k)`` on its own.
+message either. A call's flow is named by its request id, which both ends know (the caller
+chose it, the worker reads it in the header). Point-to-point messages have no request id:
+both ends count the messages of an ordered pair of processes, and the k-th send from A to B
+is the k-th receive of B from A (each pair's messages are delivered in order,
+docs/ordering.md), so each end names the flow ``(pair, k)`` on its own.
 
 Times are ``time.perf_counter_ns()`` (CLOCK_MONOTONIC: shared by the processes of one
 machine); the merger corrects other machines' clocks (:mod:`aiorl.trace.chrome`).

@@ -86,7 +86,16 @@ from aiorl.transport.sockets import (
     make_socket,
     monitor_handshakes,
 )
-from aiorl.transport.wire import Kind, decode_header, encode_batch, encode_header, split_batch
+from aiorl.transport.wire import (
+    PACK_MIN_FRAMES,
+    Kind,
+    decode_header,
+    encode_batch,
+    encode_header,
+    pack,
+    split_batch,
+    unpack,
+)
 from aiorl.util.batching import TurnBatcher
 
 __all__ = ["Endpoint", "Incoming", "Reply"]
@@ -94,9 +103,9 @@ __all__ = ["Endpoint", "Incoming", "Reply"]
 log = logging.getLogger("aiorl.transport")
 
 # Plain ints on the hot path: comparing IntEnum members costs more than the send itself.
-_REQUEST, _REPLY, _ERROR, _ONEWAY, _EVENT, _BATCH = (
+_REQUEST, _REPLY, _ERROR, _ONEWAY, _EVENT, _BATCH, _PACKED = (
     int(Kind.REQUEST), int(Kind.REPLY), int(Kind.ERROR), int(Kind.ONEWAY), int(Kind.EVENT),
-    int(Kind.BATCH),
+    int(Kind.BATCH), int(Kind.PACKED),
 )
 
 # The Cython socket methods, called directly: pyzmq's Python "sugar" layer (enum flags,
@@ -316,11 +325,22 @@ class _Watched:
             if self.closed:
                 raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
             try:
-                send_parts(self.sock, parts)
+                send_parts(self.sock, self._packed(parts))
             finally:
                 pending = _raw_get(self.sock, _EVENTS) & _POLLIN
         if pending:
             self.schedule_drain()
+
+    def _packed(self, parts: Sequence[Any]) -> Sequence[Any]:
+        """``parts`` as one PACKED frame when they are many and small (see wire.py): the
+        receiver then reads one frame instead of hundreds."""
+        if len(parts) < PACK_MIN_FRAMES + self.routed:
+            return parts
+        if self.routed:  # the routing id stays its own frame: ZMQ routes by it
+            body = pack(parts[1:])
+            return parts if body is None else [parts[0], *body]
+        body = pack(parts)
+        return parts if body is None else body
 
     def send_from_thread(self, parts: Sequence[Any]) -> None:
         """Send from a thread other than the loop's. If the send consumed the edge of
@@ -329,7 +349,7 @@ class _Watched:
             if self.closed:
                 return
             try:
-                send_parts(self.sock, parts)
+                send_parts(self.sock, self._packed(parts))
             finally:
                 pending = _raw_get(self.sock, _EVENTS) & _POLLIN
         if pending:
@@ -460,7 +480,8 @@ class Endpoint:
         """Push an event to the client whose routing id is ``identity``; False if it is gone."""
         return self._send_router(identity, _EVENT, 0, op, meta, frames)
 
-    def _on_router_message(self, frames: list[Any], nested: bool = False) -> None:
+    def _on_router_message(self, frames: list[Any], nested: bool = False,
+                           unpacked: bool = False) -> None:
         if len(frames) < 2:
             self._dropped("a message with %d frames (need identity and header)", len(frames))
             return
@@ -469,6 +490,14 @@ class Endpoint:
             header = decode_header(frames[1])
         except ProtocolError as exc:
             self._dropped("a malformed message: %s", exc)
+            return
+        if header.kind == _PACKED and not (nested or unpacked):
+            try:
+                inner = unpack(header.meta, frames[2:])
+            except ProtocolError as exc:
+                self._dropped("a malformed packed message: %s", exc)
+                return
+            self._on_router_message([identity, *inner], unpacked=True)
             return
         if header.kind == _BATCH and not nested:
             try:
@@ -528,10 +557,22 @@ class Endpoint:
         request is forgotten locally when it expires and the future raises
         :class:`TimeoutError`; a late reply is dropped.
         """
+        return self.request_numbered(peer, op, meta, frames, timeout)[1]
+
+    def request_numbered(
+        self,
+        peer: str,
+        op: str,
+        meta: Any = None,
+        frames: Sequence[Any] = (),
+        timeout: float | None = None,
+    ) -> tuple[int, asyncio.Future[Reply]]:
+        """:meth:`request`, also returning the request id (0 when it failed at once), which
+        the peer sees as :attr:`Incoming.request_id` (tracing names a call's flow by it)."""
         fut: asyncio.Future[Reply] = self.loop.create_future()
-        self.request_then(peer, op, meta, frames, functools.partial(self._settle_future, fut),
-                          timeout)
-        return fut
+        rid = self.request_then(peer, op, meta, frames,
+                                functools.partial(self._settle_future, fut), timeout)
+        return rid, fut
 
     def _settle_future(self, fut: asyncio.Future[Reply], error: BaseException | None,
                        reply: Reply | None) -> None:
@@ -553,23 +594,25 @@ class Endpoint:
         frames: Sequence[Any],
         settle: Settle,
         timeout: float | None = None,
-    ) -> None:
+    ) -> int:
         """:meth:`request` for the hot path: ``settle(error, reply)`` runs when it ends.
 
         No future and no extra loop callback per request: the reply (or the failure: a lost
         peer, a refused handshake, the timeout, close) calls ``settle`` directly, once, on
-        the loop, in the order replies arrive. ``settle`` must not raise.
+        the loop, in the order replies arrive. ``settle`` must not raise. Returns the
+        request id, or 0 when the request failed at once (``settle`` already ran).
         """
         p = self._peer(peer)
         if p.lost is not None or p.refused is not None:
             settle(_copy_failure(p), None)
-            return
+            return 0
         rid = next(self._request_ids)
         if timeout is not None:
             handle = self.loop.call_later(timeout, _expire, p, rid, op, timeout)
             settle = functools.partial(_cancel_then, handle, settle)
         p.pending[rid] = settle
         self._send_dealer(p, _REQUEST, rid, op, meta, frames)
+        return rid
 
     def send_oneway(self, peer: str, op: str, meta: Any = None, frames: Sequence[Any] = ()) -> None:
         """Send a message that expects no reply. Raises PeerLostError for a lost peer and
@@ -667,11 +710,20 @@ class Endpoint:
         if self._peers.get(p.address) is p and not self.closed:
             self._connect(p)
 
-    def _on_dealer_message(self, p: _Peer, frames: list[Any], nested: bool = False) -> None:
+    def _on_dealer_message(self, p: _Peer, frames: list[Any], nested: bool = False,
+                           unpacked: bool = False) -> None:
         try:
             header = decode_header(frames[0])
         except (ProtocolError, IndexError) as exc:
             self._dropped("a malformed message from %s: %s", p.address, exc)
+            return
+        if header.kind == _PACKED and not (nested or unpacked):
+            try:
+                inner = unpack(header.meta, frames[1:])
+            except ProtocolError as exc:
+                self._dropped("a malformed packed message from %s: %s", p.address, exc)
+                return
+            self._on_dealer_message(p, inner, unpacked=True)
             return
         if header.kind == _BATCH and not nested:
             try:

@@ -4,6 +4,8 @@
 on the trainer; ``sub = self.weight_subscriber("policy"); v = await sub.pull(into=sd)`` on
 the rollouts. A pull copies one complete version (never a mix) straight out of shared
 memory that the publisher wrote once per node; docs/weights.md has the design.
+``host_directory(cluster, name)`` launches a weight name's directory from the driver, so
+that it is restarted for the whole job (docs/failures.md).
 
 Sits above ``collective`` and ``channels`` and below ``actors``.
 """
@@ -14,7 +16,7 @@ from aiorl.names import WorkerInfo
 from aiorl.runtime import Runtime
 from aiorl.weights._layout import DEFAULT_BUCKET_BYTES
 from aiorl.weights._publisher import WeightPublisher
-from aiorl.weights._service import weights_service
+from aiorl.weights._service import host_directory, weights_service
 from aiorl.weights._subscriber import SubscriberStatistics, WeightSubscriber
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "SubscriberStatistics",
     "WeightPublisher",
     "WeightSubscriber",
+    "host_directory",
     "weight_publisher",
     "weight_subscriber",
 ]

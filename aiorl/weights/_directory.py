@@ -17,12 +17,19 @@ The directory watches every publisher and relay through the registry. A dead pub
 marks its shard *lost* (``wait_for`` beyond the last complete version then raises
 ``PeerLostError``) until a new incarnation registers; a dead relay is replaced by the next
 subscriber of its node that polls.
+
+The directory itself is *soft state*: its group restarts it when it dies
+(``restart="on_failure"``), empty, and every publisher and relay tells the new incarnation
+again what it holds (``register_publisher`` and ``announce`` of its complete slots,
+``restore_relay``) before anything else it sends; a subscriber's poll names the
+incarnation it last heard (``NodeView.directory``), so a new one answers it at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from dataclasses import dataclass, field
 
 from aiorl.errors import PeerLostError
@@ -80,7 +87,8 @@ class NodeView:
     (None if there is none), ``sources`` the node's source of each shard, ``layouts`` each
     shard's layout, ``relay_jobs`` what this subscriber should fetch as its node's relay,
     ``lost`` why a publisher is gone (None while all are alive), ``generation`` the
-    directory state this answers (pass it back to wait for a change).
+    directory state this answers and ``directory`` the directory incarnation that answers
+    (pass both back to wait for a change).
 
     For a subscriber that pulls into a GPU other than a GPU publisher's
     (:meth:`WeightDirectory.gpu_subscribe`): ``gpu_sources`` holds, per shard, the copy of
@@ -95,6 +103,7 @@ class NodeView:
     relay_jobs: tuple[RelayJob, ...]
     lost: str | None
     generation: int
+    directory: str = ""
     gpu_sources: tuple[ShardSource | None, ...] = ()
     gpu_jobs: tuple[ShardSource, ...] = ()
 
@@ -115,10 +124,14 @@ class WeightDirectory:
             raise RuntimeError("a WeightDirectory runs inside an aiorl worker process")
         self.name = name
         self.runtime: Runtime = runtime
+        #: Which incarnation this is: subscribers that knew another one are answered at once.
+        self.incarnation = uuid.uuid4().hex
         self.num_shards: int | None = None
         self._publishers: dict[int, _Publisher] = {}
         self._relays: dict[tuple[str, int], ShardSource] = {}  # (node, shard) -> relay copy
         self._relay_workers: dict[tuple[str, int], str] = {}  # (node, shard) -> elected relay
+        # (node, shard) -> the publisher segment the relay's copy came from.
+        self._relay_origins: dict[tuple[str, int], SegmentRef] = {}
         self._lost: dict[int, str] = {}  # shard -> why its publisher is gone
         # GPU representatives (aiorl.weights.nccl), by (node, GPU UUID, shard).
         self._gpu_of: dict[str, str] = {}  # subscriber -> the UUID of the GPU it pulls into
@@ -152,11 +165,15 @@ class WeightDirectory:
                 and source.shard not in self._lost:
             raise ValueError(f"shard {source.shard} of weights {self.name!r} is already "
                              f"published by {old.source.worker}")
+        if old is not None and old.source.ref == source.ref:
+            return  # registered again (its restore after our restart raced its first call)
         self._publishers[source.shard] = _Publisher(source, node_id, layout)
         self._lost.pop(source.shard, None)
-        # Relays of the previous publisher hold its layout: start them afresh.
-        for key in [k for k in self._relays if k[1] == source.shard]:
+        # Relays of another publisher's segment hold its layout: start them afresh.
+        for key in [k for k in self._relays if k[1] == source.shard
+                    and self._relay_origins.get(k) != source.ref]:
             del self._relays[key]
+            self._relay_origins.pop(key, None)
         for gpu_key in [k for k in self._gpu_reps if k[2] == source.shard]:
             del self._gpu_reps[gpu_key]
             self._gpu_copies.pop(gpu_key, None)
@@ -178,8 +195,27 @@ class WeightDirectory:
             relay = self._relays.get((node_id, shard))
             if relay is None or relay.ref != ref:
                 relay = self._relays[(node_id, shard)] = ShardSource(shard, worker, "", ref)
+            self._relay_origins[(node_id, shard)] = pub.source.ref
             source = relay
         self._hold(source, version, slot)
+
+    async def restore_relay(self, worker: str, node_id: str, shard: int, ref: SegmentRef,
+                            slots: dict[int, int], origin: SegmentRef) -> None:
+        """``worker`` was ``node_id``'s relay of ``shard`` before this directory restarted,
+        and holds ``slots`` (version -> slot) copied from the publisher segment ``origin``:
+        it stays the relay unless another was elected meanwhile. A copy of a publisher
+        segment that is no longer the shard's is dropped when that publisher registers."""
+        key = (node_id, shard)
+        if self._relay_workers.get(key, worker) != worker:
+            return
+        pub = self._publishers.get(shard)
+        if pub is not None and pub.source.ref != origin:
+            return  # a copy of an older publisher: the relay fetches the new one's versions
+        self._relay_workers[key] = worker
+        self._watch(worker)
+        self._relays[key] = ShardSource(shard, worker, "", ref, dict(slots))
+        self._relay_origins[key] = origin
+        self._bump()
 
     async def gpu_subscribe(self, worker: str, node_id: str, uuid: str) -> None:
         """Subscriber ``worker`` pulls into GPU ``uuid`` of ``node_id``: for each shard a GPU
@@ -210,10 +246,12 @@ class WeightDirectory:
         self._bump()
 
     # ------------------------------------------------------------------ subscribers
-    async def poll(self, worker: str, node_id: str, generation: int, wait_s: float) -> NodeView:
+    async def poll(self, worker: str, node_id: str, generation: int, wait_s: float,
+                   directory: str = "") -> NodeView:
         """The state for subscriber ``worker`` on ``node_id`` once it is newer than
-        ``generation`` (or after ``wait_s`` seconds, whichever comes first)."""
-        if generation >= self._generation:
+        ``generation`` of incarnation ``directory`` (or after ``wait_s`` seconds, whichever
+        comes first); at once for a subscriber that knew another incarnation."""
+        if directory == self.incarnation and generation >= self._generation:
             if self._changed is None:
                 self._changed = asyncio.Event()
             try:
@@ -225,7 +263,8 @@ class WeightDirectory:
     def _view(self, worker: str, node_id: str) -> NodeView:
         n = self.num_shards
         if n is None or len(self._publishers) < n:
-            return NodeView(None, (), (), (), self._lost_reason(), self._generation)
+            return NodeView(None, (), (), (), self._lost_reason(), self._generation,
+                            self.incarnation)
         sources: list[ShardSource] = []
         jobs: list[RelayJob] = []
         newest = self._newest({s: p.source for s, p in self._publishers.items()})
@@ -248,7 +287,7 @@ class WeightDirectory:
         layouts = tuple(self._publishers[s].layout for s in range(n))
         gpu_sources, gpu_jobs = self._gpu_view(worker, node_id, n)
         return NodeView(version, tuple(sources), layouts, tuple(jobs), self._lost_reason(),
-                        self._generation, gpu_sources, gpu_jobs)
+                        self._generation, self.incarnation, gpu_sources, gpu_jobs)
 
     def _gpu_view(self, worker: str, node_id: str, n: int
                   ) -> tuple[tuple[ShardSource | None, ...], tuple[ShardSource, ...]]:
@@ -318,6 +357,7 @@ class WeightDirectory:
             if relay == worker:
                 del self._relay_workers[key]
                 self._relays.pop(key, None)
+                self._relay_origins.pop(key, None)
         self._gpu_of.pop(worker, None)
         for gpu_key, rep in list(self._gpu_reps.items()):
             if rep == worker:

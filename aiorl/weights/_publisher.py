@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import logging
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import numpy as np
 
+from aiorl.errors import PeerLostError
 from aiorl.runtime import AsyncWork
 from aiorl.runtime.promise import trace_until_settled
 from aiorl.trace import recorder as _trace
@@ -20,6 +22,12 @@ from aiorl.weights.nccl import GpuFanout
 
 __all__ = ["WeightPublisher", "write_tensors"]
 
+log = logging.getLogger("aiorl.weights")
+
+#: How long a publish waits for the directory to hear of its version before it returns
+#: anyway (a directory that is down or hung hears it when it is back: the restore).
+ANNOUNCE_WAIT_S = 2.0
+
 
 class WeightPublisher:
     """Publishes versions of one shard of the weights ``name`` (see docs/weights.md).
@@ -28,6 +36,8 @@ class WeightPublisher:
     segment (the slot not holding the newest version), then tells the directory that the
     version is complete. It never waits for a subscriber: readers of the slot being
     overwritten lose their copy (the seqlock says so) and retry with the newest version.
+    Nor for a directory that is down: the directory is restarted, and told this
+    publisher's source and complete slots again before anything else (:meth:`_restore`).
     """
 
     def __init__(self, service: WeightsService, name: str, shard: int, num_shards: int,
@@ -43,8 +53,11 @@ class WeightPublisher:
         self._segment: VersionedSegment | None = None
         self._gpu: CudaSlots | None = None  # GPU copies of the slots, for a CUDA state dict
         self._fanout: GpuFanout | None = None  # NCCL rounds to other GPUs (aiorl.weights.nccl)
+        self._source: ShardSource | None = None
         self._version: int | None = None
         self._lock: asyncio.Lock | None = None
+        self._announce_lock: asyncio.Lock | None = None
+        self._announcing: asyncio.Task[None] | None = None
 
     @property
     def version(self) -> int | None:
@@ -56,7 +69,10 @@ class WeightPublisher:
 
         Versions must increase (ValueError otherwise); the tensors must keep the names,
         dtypes and shapes of the first publish. The work completes with ``version`` once
-        the version is readable by subscribers; the tensors may be changed right after.
+        the version is readable by subscribers (or, while the directory is down, once it
+        is written: the restarted directory hears of it); the tensors may be changed right
+        after. The first publish registers the publisher and waits (bounded) for a
+        directory that is restarting.
         """
         if type(version) is not int:
             raise TypeError(f"a version must be an int, got {type(version).__name__}")
@@ -90,9 +106,39 @@ class WeightPublisher:
             self._version = version
             if self._fanout is not None:  # runs beside us: never waited for
                 self._fanout.offer(version, slot)
-            await self.service.call_directory(self.name, "announce", self.service.worker,
-                                              self.shard, version, slot)
+            announcing = self._announcing = self.service.loop.create_task(
+                self._announce(version, slot))
+            await asyncio.wait({announcing}, timeout=ANNOUNCE_WAIT_S)
             return version
+
+    async def _announce(self, version: int, slot: int) -> None:
+        """Tell the directory ``version`` is complete in ``slot``, after the announces of
+        earlier versions (they may still be waiting for a hung directory); a directory
+        that is down is not waited for: its restore lists the slot."""
+        if self._announce_lock is None:
+            self._announce_lock = asyncio.Lock()
+        service = self.service
+        async with self._announce_lock:
+            try:
+                await service.call_directory(self.name, "announce", service.worker, self.shard,
+                                             version, slot, patience=0.0)
+            except PeerLostError as exc:
+                log.info("%s: weights %r version %d: the directory is down (%s); it hears of "
+                         "the version when it is back", service.worker, self.name, version, exc)
+            except Exception as exc:  # nobody awaits this task: say it here
+                log.warning("%s: weights %r version %d not announced: %r", service.worker,
+                            self.name, version, exc)
+
+    async def _restore(self, call: Callable[..., Awaitable[Any]]) -> None:
+        """Tell a restarted directory this publisher's source, then each complete slot
+        (oldest first, as they were announced)."""
+        segment, layout, source = self._segment, self._layout, self._source
+        if segment is None or layout is None or source is None:
+            return
+        await call("register_publisher", source, self.num_shards, self.service.node_id, layout)
+        for version, slot in sorted((segment.version(s), s) for s in range(SLOTS)):
+            if version >= 0:
+                await call("announce", self.service.worker, self.shard, version, slot)
 
     async def _segment_for(self, state_dict: Mapping[str, Any]) -> tuple[VersionedSegment, Layout]:
         if self._segment is not None and self._layout is not None:
@@ -118,6 +164,8 @@ class WeightPublisher:
             raise
         service.segments[(self.name, self.shard)] = segment
         self._segment, self._layout, self._gpu, self._fanout = segment, layout, gpu, fanout
+        self._source = source
+        await service.on_directory_restart(self.name, self._restore)
         return segment, layout
 
 

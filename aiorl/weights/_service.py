@@ -18,24 +18,29 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Callable, Coroutine
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 
-from aiorl.errors import GroupExistsError, GroupNotFoundError
-from aiorl.group import WorkerGroupBuilder
+from aiorl.errors import GroupExistsError, GroupNotFoundError, PeerLostError, WaitTimeout
+from aiorl.group import WorkerGroup, WorkerGroupBuilder
 from aiorl.names import WorkerInfo
 from aiorl.placement import NodePlacementStrategy
-from aiorl.runtime import AsyncWork, Runtime, WorkerSession
+from aiorl.runtime import AsyncWork, Runtime, Session, WorkerSession
 from aiorl.runtime.promise import link_threads, prepare_threads, settle_from
 from aiorl.transport.endpoint import Incoming
 from aiorl.weights._directory import WeightDirectory, directory_group
 from aiorl.weights._segment import VersionedSegment, read_slot
 
-__all__ = ["CHUNK", "OP_FETCH", "WeightsService", "weights_service"]
+__all__ = ["CHUNK", "OP_FETCH", "DirectoryLink", "WeightsService", "host_directory",
+           "launch_directory", "weights_service"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("aiorl.weights")
 
 #: A relay's request for one bucket of one version of a shard.
 OP_FETCH = "weights.fetch"
@@ -45,6 +50,60 @@ CHUNK = 1 << 20
 POLL_S = 10.0
 #: How long to wait for a launched directory to be ready.
 CONNECT_TIMEOUT_S = 60.0
+#: How long a directory call waits for a dead directory to be restarted before it fails.
+DIRECTORY_RESTART_S = 60.0
+#: Pause between two tries of a directory call while the directory restarts.
+RETRY_S = 0.1
+#: Restarts of one directory before its supervisor gives up (it is soft state: a restart
+#: costs its clients a few messages, so only a directory that cannot start stops it).
+DIRECTORY_MAX_RESTARTS = 10_000
+#: Seconds before a directory's restart (doubling while restarts fail in a row).
+DIRECTORY_BACKOFF_S = 0.1
+
+#: ``restore(call)``: tells a new directory incarnation what this process holds.
+Restorer = Callable[[Callable[..., Awaitable[Any]]], Awaitable[None]]
+
+
+@dataclass(eq=False)
+class DirectoryLink:
+    """What this process knows of one weight name's directory: its worker name, the
+    endpoint of the incarnation that has this process's state (None before the first
+    call), the restorers that tell a new one, and the restore under way."""
+
+    name: str
+    worker: str
+    endpoint: str | None = None
+    restorers: list[Restorer] = field(default_factory=list)
+    restoring: tuple[str, asyncio.Task[None]] | None = None
+
+
+#: The supervision of every directory: a killed directory comes back under the same name,
+#: empty, and its clients restore it (:meth:`WeightsService.on_directory_restart`).
+DIRECTORY_SUPERVISION: dict[str, Any] = {
+    "restart": "on_failure", "max_restarts": DIRECTORY_MAX_RESTARTS,
+    "backoff": DIRECTORY_BACKOFF_S}
+
+
+def host_directory(session: Session, name: str, node_rank: int = 0) -> WorkerGroup[Any]:
+    """Launch weight ``name``'s directory from the driver, before any publisher or
+    subscriber would launch it on demand (blocking; the driver's thread).
+
+    The process that launches a directory supervises it: one launched on demand by a
+    worker is no longer restarted once that worker is gone. Launched by the driver, it is
+    restarted for as long as the job runs. Returns its one-rank group (``events()`` shows
+    its restarts). Raises :class:`~aiorl.GroupExistsError` if the directory exists.
+    """
+    return WorkerGroupBuilder(WeightDirectory, (name,), {}).launch(
+        session, NodePlacementStrategy([node_rank]), directory_group(name),
+        **DIRECTORY_SUPERVISION)
+
+
+async def launch_directory(session: Session, name: str, node_rank: int) -> WorkerGroup[Any]:
+    """:func:`host_directory` for code on the runtime loop (a first publisher or
+    subscriber): the directory is supervised by this process."""
+    return await WorkerGroupBuilder(WeightDirectory, (name,), {}).launch_async(
+        session, NodePlacementStrategy([node_rank]), directory_group(name),
+        **DIRECTORY_SUPERVISION)
 
 
 class WeightsService:
@@ -61,7 +120,7 @@ class WeightsService:
         self.segments: dict[tuple[str, int], VersionedSegment] = {}
         #: The publishers and subscribers made here, by key (the factories' cache).
         self.handles: dict[Any, Any] = {}
-        self._directories: dict[str, asyncio.Future[str]] = {}
+        self._directories: dict[str, asyncio.Future[DirectoryLink]] = {}
         self._closers: list[Callable[[], None]] = []
         runtime.submit(runtime.endpoint.handle, OP_FETCH, self._on_fetch)
         runtime.on_close(self.close)
@@ -90,8 +149,8 @@ class WeightsService:
         self._closers.append(closer)
 
     # ------------------------------------------------------------------ directory
-    async def directory(self, name: str) -> str:
-        """The worker name of weight ``name``'s directory, launched here if none exists."""
+    async def directory(self, name: str) -> DirectoryLink:
+        """This process's link to weight ``name``'s directory, launched here if none exists."""
         fut = self._directories.get(name)
         if fut is None:
             fut = self._directories[name] = self.loop.create_future()
@@ -104,25 +163,111 @@ class WeightsService:
                 raise
         return await asyncio.shield(fut)
 
-    async def _connect(self, name: str) -> str:
+    async def _connect(self, name: str) -> DirectoryLink:
         group = directory_group(name)
         try:
             await self.runtime.registry.lookup_group(group)
         except GroupNotFoundError:
             session = WorkerSession.current()
             await session.refresh()
-            builder = WorkerGroupBuilder(WeightDirectory, (name,), {})
             try:
-                await builder.launch_async(
-                    session, NodePlacementStrategy([int(self.info.node_rank)]), group)
+                await launch_directory(session, name, int(self.info.node_rank))
             except GroupExistsError:
                 pass  # another process of the cluster launched it first
-        worker = f"{group}:0"
-        await self.runtime.resolve_worker(worker, CONNECT_TIMEOUT_S, wait_for_group=True)
-        return worker
+        link = DirectoryLink(name, f"{group}:0")
+        await self.runtime.resolve_worker(link.worker, CONNECT_TIMEOUT_S, wait_for_group=True)
+        # Hear of a new incarnation even while this process has nothing to tell it, so that
+        # what it publishes or relays is listed again without waiting for its next publish.
+        await self.runtime.registry.watch(
+            link.worker, lambda _name, state, info, _detail: self._on_directory_event(
+                link, state, info))
+        return link
 
-    async def call_directory(self, name: str, method: str, *args: Any) -> Any:
-        return await self.runtime.call_worker(await self.directory(name), method, *args)
+    async def on_directory_restart(self, name: str, restore: Restorer) -> None:
+        """Run ``restore(call)`` whenever weight ``name``'s directory has a new incarnation,
+        before anything else of this process reaches it: the directory is soft state, and
+        ``restore`` tells it again what this process holds (``call(method, *args)`` calls
+        the directory)."""
+        (await self.directory(name)).restorers.append(restore)
+
+    async def call_directory(self, name: str, method: str, *args: Any,
+                             patience: float | None = None) -> Any:
+        """Call ``method`` of weight ``name``'s directory.
+
+        A directory that restarted gets this process's state back first (the restorers).
+        While it is down (dead, or restarting under its ``restart="on_failure"`` policy)
+        the call is tried again for up to ``patience`` seconds (default
+        :data:`DIRECTORY_RESTART_S`), then fails with
+        :class:`~aiorl.PeerLostError`. Every directory method can be sent again safely:
+        each states a fact (a source, a slot) or asks a question.
+        """
+        link = await self.directory(name)
+        deadline = self.loop.time() + CONNECT_TIMEOUT_S  # until a first failure
+        failing_since: float | None = None
+        while True:
+            try:
+                await self._restored(link, deadline)
+                return await self.runtime.call_worker(link.worker, method, *args)
+            except (PeerLostError, WaitTimeout) as exc:
+                now = self.loop.time()
+                if failing_since is None:  # patience counts from the directory's death
+                    failing_since = now
+                    deadline = now + (DIRECTORY_RESTART_S if patience is None else patience)
+                if now >= deadline:
+                    raise PeerLostError(
+                        f"the directory of weights {name!r} ({link.worker}) is gone and did "
+                        f"not come back within {now - failing_since:.3g} s: {exc}") from exc
+                await asyncio.sleep(RETRY_S)
+
+    async def _restored(self, link: DirectoryLink, deadline: float) -> None:
+        """Wait (until ``deadline``) for the directory to be ready; if it is an incarnation
+        this process's state has not reached, run the restorers first (once, shared by
+        concurrent callers)."""
+        info = await self.runtime.resolve_worker(link.worker, max(deadline - self.loop.time(),
+                                                                  RETRY_S))
+        endpoint = str(info["endpoint"])
+        if endpoint == link.endpoint:
+            return
+        if link.restoring is None or link.restoring[0] != endpoint:
+            task = self.loop.create_task(self._restore(link, endpoint))
+            link.restoring = (endpoint, task)
+        await asyncio.shield(link.restoring[1])
+
+    async def _restore(self, link: DirectoryLink, endpoint: str) -> None:
+        try:
+            if link.endpoint is not None:
+                log.info("%s: the directory of weights %r restarted; telling it what this "
+                         "process holds", self.worker, link.name)
+
+            async def call(method: str, *args: Any) -> Any:
+                return await self.runtime.call_worker(link.worker, method, *args)
+
+            for restore in list(link.restorers):
+                try:
+                    await restore(call)
+                except (PeerLostError, WaitTimeout):
+                    raise  # gone again: the next call restores the next incarnation
+                except Exception as exc:  # e.g. another publisher took the shard meanwhile
+                    log.warning("%s: weights %r: could not restore the directory: %r",
+                                self.worker, link.name, exc)
+            link.endpoint = endpoint
+        finally:
+            if link.restoring is not None and link.restoring[0] == endpoint:
+                link.restoring = None
+
+    def _on_directory_event(self, link: DirectoryLink, state: str, info: dict[str, Any]) -> None:
+        endpoint = info.get("endpoint")
+        if state != "ready" or not endpoint or endpoint == link.endpoint or not link.restorers:
+            return
+
+        async def restore_now() -> None:
+            try:
+                await self._restored(link, self.loop.time() + DIRECTORY_RESTART_S)
+            except Exception as exc:  # the next directory call tries again
+                log.info("%s: weights %r not restored to the new directory yet: %r",
+                         self.worker, link.name, exc)
+
+        self.loop.create_task(restore_now())
 
     # ------------------------------------------------------------------ serving relays
     def _on_fetch(self, msg: Incoming) -> None:

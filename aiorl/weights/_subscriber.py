@@ -14,7 +14,7 @@ import asyncio
 import functools
 import logging
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from aiorl.trace import recorder as _trace
 from aiorl.weights import cuda
 from aiorl.weights._directory import NodeView, RelayJob, ShardSource
 from aiorl.weights._layout import Layout, tensor_bytes
-from aiorl.weights._segment import SegmentReader, SegmentRef, VersionedSegment
+from aiorl.weights._segment import SLOTS, SegmentReader, SegmentRef, VersionedSegment
 from aiorl.weights._service import OP_FETCH, POLL_S, WeightsService
 from aiorl.weights.nccl import GpuRelay
 
@@ -70,6 +70,7 @@ class WeightSubscriber:
         self._readers: dict[SegmentRef, SegmentReader] = {}
         self._gpu_slots: dict[SegmentRef, list[Any]] = {}  # a GPU publisher's slots, opened
         self._relay_segments: dict[int, VersionedSegment] = {}
+        self._relay_origins: dict[int, SegmentRef] = {}  # shard -> publisher segment relayed
         # As its GPU's representative (aiorl.weights.nccl): shard -> relay, and the GPU
         # (index, UUID) the subscriber told the directory it pulls into.
         self._gpu_relays: dict[int, GpuRelay] = {}
@@ -112,8 +113,9 @@ class WeightSubscriber:
     def wait_for(self, min_version: int, timeout: float | None = None) -> AsyncWork[int]:
         """Wait until a version >= ``min_version`` is complete on this node; return it.
 
-        Raises :class:`~aiorl.PeerLostError` when a publisher (or the directory) is gone
-        before that version exists, and :class:`~aiorl.WaitTimeout` after ``timeout`` s.
+        Raises :class:`~aiorl.PeerLostError` when a publisher is gone before that version
+        exists, or the directory is gone and not restarted within its bound (a directory
+        being restarted is waited for), and :class:`~aiorl.WaitTimeout` after ``timeout`` s.
         """
         return self.service.run(self._wait_for(min_version, timeout))
 
@@ -129,6 +131,7 @@ class WeightSubscriber:
         service = self.service
         view: NodeView = await service.call_directory(
             self.name, "poll", service.worker, service.node_id, -1, 0.0)
+        self._take(view)
         if view.version is not None and (self._latest is None or view.version > self._latest):
             self._latest = view.version
         return self._latest
@@ -148,21 +151,30 @@ class WeightSubscriber:
             self._notify()  # waiters see that the task ended (and why, in _lost)
 
     async def _follow_directory(self) -> None:
+        """Long-poll the directory for ever. A directory that dies is waited for while its
+        group restarts it (the poll names the incarnation it last heard, so a new one
+        answers at once); one that stays away longer than the service's patience makes
+        ``wait_for`` raise, and is still polled for in case it comes back."""
         service = self.service
-        generation = -1
+        generation, incarnation = -1, ""
+        try:
+            await service.on_directory_restart(self.name, self._restore)
+        except Exception as exc:  # e.g. the directory could not be launched
+            self._lost = f"cannot follow the directory of weights {self.name!r}: {exc!r}"
+            log.warning("%s: %s", service.worker, self._lost)
+            return
         while True:
             try:
                 view: NodeView = await service.call_directory(
-                    self.name, "poll", service.worker, service.node_id, generation, POLL_S)
+                    self.name, "poll", service.worker, service.node_id, generation, POLL_S,
+                    incarnation)
             except PeerLostError as exc:
-                self._lost = f"the directory of weights {self.name!r} is gone: {exc}"
-                return
-            except Exception as exc:  # e.g. the directory could not be launched
-                self._lost = f"cannot follow the directory of weights {self.name!r}: {exc!r}"
-                log.warning("%s: %s", service.worker, self._lost)
-                return
-            generation = view.generation
-            self._view = view
+                self._lost = str(exc)
+                self._notify()
+                await asyncio.sleep(1.0)
+                continue
+            generation, incarnation = view.generation, view.directory
+            self._take(view)
             self._lost = view.lost
             if view.version is not None and (self._latest is None or view.version > self._latest):
                 self._latest = view.version
@@ -171,6 +183,32 @@ class WeightSubscriber:
                 self._represent(publisher, view.layouts[publisher.shard])
             for job in view.relay_jobs:
                 await self._relay(job, view.layouts[job.shard])
+
+    def _take(self, view: NodeView) -> None:
+        """Make ``view`` the one pulls copy from, unless it comes from a restarted directory
+        that has not yet heard every source again and offers an older version (or none)
+        than the view it replaces: across a directory restart a subscriber's versions
+        never go backwards (the older view's slots are still checked by the seqlock)."""
+        current = self._view
+        if current is not None and current.version is not None \
+                and view.directory != current.directory \
+                and (view.version is None or view.version < current.version):
+            return
+        self._view = view
+
+    async def _restore(self, call: Callable[..., Awaitable[Any]]) -> None:
+        """Tell a restarted directory what this subscriber holds: each shard it relays for
+        its node (its segment, complete slots and the publisher segment they came from)
+        and the GPU it pulls into."""
+        service = self.service
+        for shard, segment in list(self._relay_segments.items()):
+            origin = self._relay_origins.get(shard)
+            slots = {segment.version(s): s for s in range(SLOTS) if segment.version(s) >= 0}
+            if origin is not None and slots:
+                await call("restore_relay", service.worker, service.node_id, shard,
+                           segment.ref, slots, origin)
+        if self._gpu is not None:
+            await call("gpu_subscribe", service.worker, service.node_id, self._gpu[1])
 
     def _notify(self) -> None:
         if self._changed is not None:
@@ -187,10 +225,10 @@ class WeightSubscriber:
     # ------------------------------------------------------------------ pull and wait
     async def _pull(self, into: Mapping[str, Any]) -> int:
         await self._subscribe_gpu(into)
-        tried: int | None = None  # generation of a view whose copy came out torn
+        tried: NodeView | None = None  # a view whose copy came out torn
         while True:
             view = self._view
-            if view is None or view.version is None or view.generation == tried:
+            if view is None or view.version is None or view is tried:
                 if view is not None and view.version is None and self._lost is not None:
                     raise PeerLostError(self._lost)
                 await self._next_change()
@@ -199,7 +237,7 @@ class WeightSubscriber:
                 self._account(view, into)
                 return int(view.version)
             self._stats["torn_retries"] += 1
-            tried = view.generation
+            tried = view
 
     def _copy(self, view: NodeView, into: Mapping[str, Any]) -> bool:
         version = view.version
@@ -325,6 +363,7 @@ class WeightSubscriber:
         segment = self._relay_segments.get(job.shard)
         if segment is None:
             segment = self._relay_segments[job.shard] = VersionedSegment(layout.nbytes)
+        self._relay_origins[job.shard] = job.publisher.ref
         slot = segment.spare_slot()
         segment.begin_write(slot, job.version)
         complete = False
@@ -338,8 +377,13 @@ class WeightSubscriber:
             return  # the directory already has (or will soon have) a newer job or a loss
         self._stats["relayed_versions"] += 1
         service = self.service
-        await service.call_directory(self.name, "announce", service.worker, job.shard,
-                                     job.version, slot, segment.ref, service.node_id)
+        try:
+            await service.call_directory(self.name, "announce", service.worker, job.shard,
+                                         job.version, slot, segment.ref, service.node_id,
+                                         patience=0.0)
+        except PeerLostError as exc:  # our restore lists the slot once the directory is back
+            log.info("relay of weights %r shard %d: version %d not announced: %s", self.name,
+                     job.shard, job.version, exc)
 
     async def _fetch(self, job: RelayJob, layout: Layout, dst: Any) -> bool:
         """Every bucket of the version into ``dst``, :data:`FETCH_DEPTH` requests in flight."""
@@ -373,6 +417,7 @@ class WeightSubscriber:
         for segment in self._relay_segments.values():
             segment.close()
         self._relay_segments.clear()
+        self._relay_origins.clear()
         self._readers.clear()
         self._gpu_slots.clear()
 

@@ -15,14 +15,26 @@ message, its two halves); :data:`aiorl.p2p.paths.PATHS` lists them in order of
 preference. The Sender tries, for a message's CPU bytes and then for its CUDA
 tensors, the first path of the slot whose ``fits`` holds and whose ``place`` does not
 decline. Adding a path is adding a module and one line to that list.
+
+The two :class:`~typing.Protocol` classes stay the typed contract: the Sender and the Inbox
+are written against them alone, and anything with those members is a path (a test double
+need not inherit anything). Most paths need only some of the members, though: no set-up
+question, nothing acknowledged, nothing held per peer. :class:`SendPathBase` and
+:class:`RecvPathBase` implement the protocols with those defaults, so a path subclasses them
+and writes only what differs, at least ``place`` and ``accept``: those two are abstract in the
+protocols, so a subclass that forgets one fails at its first ``create``. Base
+classes with defaults rather than ABCs *instead of* the protocols, because the contract
+should not require inheritance; rather than defaults *in* the protocols, because a protocol's
+method bodies are not inherited by the classes that match it structurally.
 """
 
 from __future__ import annotations
 
 import asyncio
+from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, TypeVar
 
 from aiorl.errors import NotFoundError, PeerLostError, ProtocolError
 from aiorl.runtime.waiter import BlockingWaiter, Job
@@ -38,7 +50,9 @@ __all__ = [
     "PathStatistics",
     "Placed",
     "RecvPath",
+    "RecvPathBase",
     "SendPath",
+    "SendPathBase",
     "fail",
     "lost_error",
     "resolve",
@@ -123,6 +137,7 @@ class SendPath(Protocol):
         """Whether this path takes ``msg`` (O(1), no allocation)."""
         ...
 
+    @abstractmethod
     def place(self, msg: OutMessage, frames: list[Any]) -> Placed | None:
         """Put the payload where the receiver will find it; None declines (next path)."""
         ...
@@ -152,6 +167,7 @@ class RecvPath(Protocol):
         """Add this path's answers to a ``p2p.hello`` request to ``reply``."""
         ...
 
+    @abstractmethod
     def accept(
         self,
         msg: InMessage,
@@ -174,6 +190,91 @@ class RecvPath(Protocol):
     def close(self) -> None: ...
 
     def statistics(self) -> PathStatistics: ...
+
+
+_SendT = TypeVar("_SendT", bound="SendPathBase")
+_RecvT = TypeVar("_RecvT", bound="RecvPathBase")
+
+
+class SendPathBase(SendPath):
+    """A sending half with the defaults of a path that needs no set-up, takes every message
+    offered, has nothing acknowledged and holds nothing toward its destination.
+
+    A subclass writes ``place`` and what differs: ``create`` to decline destinations the
+    path cannot reach, ``wants``/``ask``/``on_hello`` (then ``settled = False``) for a
+    set-up question, ``fits``, ``acks`` and ``on_ack``, ``lost``/``close``/``statistics``.
+    """
+
+    acks: ClassVar[str | None] = None
+    settled = True
+
+    def __init__(self, host: PathHost, dest: Destination) -> None:
+        self.host = host
+        self.dest = dest
+
+    @classmethod
+    def create(cls: type[_SendT], host: PathHost, dest: Destination) -> _SendT | None:
+        """The half toward ``dest`` (the :class:`PathSpec` factory); None where it cannot apply."""
+        return cls(host, dest)
+
+    def wants(self, msg: OutMessage) -> bool:
+        return False
+
+    def ask(self, msg: OutMessage) -> dict[str, Any] | None:
+        return None
+
+    def on_hello(self, reply: Mapping[str, Any]) -> None:
+        """Nothing asked, nothing to learn."""
+
+    def fits(self, msg: OutMessage) -> bool:
+        return True
+
+    def on_ack(self, meta: Sequence[Any]) -> bool:
+        return False
+
+    def lost(self, exc: PeerLostError | LookupError) -> None:
+        """Nothing of its own to fail: the Sender fails the sends it still waits for."""
+
+    def close(self) -> None:
+        """Nothing held."""
+
+    def statistics(self) -> PathStatistics:
+        return PathStatistics(usable=True)
+
+
+class RecvPathBase(RecvPath):
+    """A receiving half with the defaults of a path that answers no set-up question, gets no
+    control message and keeps nothing from its source once a payload is accepted.
+
+    A subclass writes ``accept`` and what differs: ``answer``, ``control`` and
+    ``on_control``, ``lost``/``close``/``statistics``.
+    """
+
+    control: ClassVar[str | None] = None
+
+    def __init__(self, host: PathHost, source: str) -> None:
+        self.host = host
+        self.source = source
+
+    @classmethod
+    def create(cls: type[_RecvT], host: PathHost, source: str) -> _RecvT:
+        """The half for ``source`` (the :class:`PathSpec` factory)."""
+        return cls(host, source)
+
+    def answer(self, ask: Mapping[str, Any], reply: dict[str, Any]) -> None:
+        """No set-up question to answer."""
+
+    def on_control(self, meta: Sequence[Any]) -> None:
+        """No control message of its own."""
+
+    def lost(self, exc: PeerLostError | LookupError) -> None:
+        """Nothing outlives an accepted payload."""
+
+    def close(self) -> None:
+        """Nothing held."""
+
+    def statistics(self) -> PathStatistics:
+        return PathStatistics(usable=True)
 
 
 SendFactory = Callable[["PathHost", Destination], "SendPath | None"]

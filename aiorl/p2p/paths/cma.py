@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.p2p.message import InMessage, OutMessage, PostedRecv, nbytes_of
@@ -25,21 +25,21 @@ from aiorl.p2p.paths.base import (
     PathSpec,
     PathStatistics,
     Placed,
+    RecvPathBase,
+    SendPathBase,
 )
 from aiorl.p2p.proto import CMA, CMA_ENABLED, CMA_MIN, OP_DONE
 from aiorl.transport import _shm
 from aiorl.transport.serialization import byte_view
 
 
-class CmaSend:
+class CmaSend(SendPathBase):
     """Pulls by one same-node destination: the probe result and the sends it has yet to read."""
 
-    acks: ClassVar[str | None] = OP_DONE
+    acks = OP_DONE
 
-    def __init__(self, host: PathHost, name: str, next_token: Callable[[], int]) -> None:
-        self.host = host
-        self.name = name
-        self.next_token = next_token
+    def __init__(self, host: PathHost, dest: Destination) -> None:
+        super().__init__(host, dest)
         self.ok: bool | None = None if CMA_ENABLED else False
         self.settled = not CMA_ENABLED
         # The message whose memory is read stays alive until the receiver's ack.
@@ -48,7 +48,7 @@ class CmaSend:
 
     @classmethod
     def create(cls, host: PathHost, dest: Destination) -> CmaSend | None:
-        return cls(host, dest.name, dest.next_token) if dest.same_node else None
+        return cls(host, dest) if dest.same_node else None
 
     def wants(self, msg: OutMessage) -> bool:
         return self.ok is None and msg.raw and msg.nbytes >= CMA_MIN
@@ -65,7 +65,7 @@ class CmaSend:
         return self.ok is True and msg.raw and msg.nbytes >= CMA_MIN
 
     def place(self, msg: OutMessage, frames: list[Any]) -> Placed:
-        token = self.next_token()
+        token = self.dest.next_token()
         fut, undo = self.waiting.park(token, msg)
         view: Any = msg.bufs[0].obj  # the numpy view of the tensor (see byte_view)
         addr = view.ctypes.data
@@ -76,7 +76,7 @@ class CmaSend:
         return self.waiting.on_ack(meta)
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
-        self.waiting.fail_all(exc, self.name)
+        self.waiting.fail_all(exc, self.dest.name)
 
     def close(self) -> None:
         self.waiting.clear()
@@ -85,18 +85,8 @@ class CmaSend:
         return PathStatistics(self.ok, in_use=len(self.waiting))
 
 
-class CmaRecv:
-    """Pulls from one source, done at arrival."""
-
-    control: ClassVar[str | None] = None
-
-    def __init__(self, host: PathHost, source: str) -> None:
-        self.host = host
-        self.source = source
-
-    @classmethod
-    def create(cls, host: PathHost, source: str) -> CmaRecv:
-        return cls(host, source)
+class CmaRecv(RecvPathBase):
+    """Pulls from one source, done at arrival (nothing outlives it)."""
 
     def answer(self, ask: Mapping[str, Any], reply: dict[str, Any]) -> None:
         if "cma" in ask:
@@ -140,18 +130,6 @@ class CmaRecv:
                     f"worker {self.source} exited before its tensor was read"
                 ) from err
             raise ProtocolError(f"cannot read the tensor sent by {self.source}: {err}") from err
-
-    def on_control(self, meta: Sequence[Any]) -> None:
-        pass
-
-    def lost(self, exc: PeerLostError | LookupError) -> None:
-        pass  # nothing outlives its arrival
-
-    def close(self) -> None:
-        pass
-
-    def statistics(self) -> PathStatistics:
-        return PathStatistics(usable=True)
 
 
 PATH = PathSpec("cma", CMA, False, CmaSend.create, CmaRecv.create)

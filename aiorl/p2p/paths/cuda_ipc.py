@@ -26,7 +26,7 @@ import functools
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.p2p.gpu import (
@@ -50,6 +50,8 @@ from aiorl.p2p.paths.base import (
     PathSpec,
     PathStatistics,
     Placed,
+    RecvPathBase,
+    SendPathBase,
     fail,
     resolve,
 )
@@ -148,14 +150,17 @@ def _alive(ref: Any) -> bool:
     return ref is not None and not ref.expired()
 
 
-class IpcSend:
-    """IPC toward one destination on this machine: its GPUs, shares, events, pending sends."""
+class IpcSend(SendPathBase):
+    """IPC toward one destination on this machine: its GPUs, shares, events, pending sends.
 
-    acks: ClassVar[str | None] = OP_DONE
+    Created toward every destination, not only those of the same node agent: two agents on
+    one host share GPUs too. The set-up question tells (same machine, same device UUID).
+    """
+
+    acks = OP_DONE
 
     def __init__(self, host: PathHost, dest: Destination) -> None:
-        self.host = host
-        self.dest = dest
+        super().__init__(host, dest)
         self.settled = False
         self.peer_uuid: str | None = None  # the GPU the receiver uses, once asked
         self.waiting = AckedSends(host.loop)
@@ -163,12 +168,6 @@ class IpcSend:
         self.events: list[tuple[int, Any]] = []  # free (event id, event), exported already
         self._event_ids = 0
         self._streams: dict[int, Any] = {}
-
-    @classmethod
-    def create(cls, host: PathHost, dest: Destination) -> IpcSend:
-        # Not only toward the same node agent: two agents on one host share GPUs too. The
-        # set-up question tells (same machine, same device UUID).
-        return cls(host, dest)
 
     def wants(self, msg: OutMessage) -> bool:
         return not self.settled and bool(msg.cuda)
@@ -293,22 +292,17 @@ class IpcSend:
         )
 
 
-class IpcRecv:
+class IpcRecv(RecvPathBase):
     """IPC copies from one source: its mapped shares and events, window, lane."""
 
-    control: ClassVar[str | None] = OP_CUDA
+    control = OP_CUDA
 
     def __init__(self, host: PathHost, source: str) -> None:
-        self.host = host
-        self.source = source
+        super().__init__(host, source)
         self.lane: CudaLane | None = None
         self.shares: dict[int, Any] = {}  # share id -> the whole storage as a uint8 tensor
         self.events: dict[int, Any] = {}  # event id -> the sender's event, opened
         self.window = ByteWindow()
-
-    @classmethod
-    def create(cls, host: PathHost, source: str) -> IpcRecv:
-        return cls(host, source)
 
     def answer(self, ask: Mapping[str, Any], reply: dict[str, Any]) -> None:
         if ask.get("cuda"):

@@ -8,47 +8,25 @@ libzmq, hence the chunks: ``shared/PERF-NOTES.md``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import Any
 
-from aiorl.errors import PeerLostError, ProtocolError
+from aiorl.errors import ProtocolError
 from aiorl.p2p.message import InMessage, OutMessage, PostedRecv
 from aiorl.p2p.paths.base import (
-    Destination,
-    PathHost,
     PathSpec,
-    PathStatistics,
     Placed,
+    RecvPathBase,
+    SendPathBase,
     watch_completion,
 )
 from aiorl.p2p.proto import CHUNK, FRAMES, TRACK_MIN
 from aiorl.transport.zerocopy import Tracker, tracked_frame
 
 
-class FramesSend:
-    """Frames toward one destination (stateless: nothing to probe, pool or acknowledge)."""
-
-    acks: ClassVar[str | None] = None
-
-    def __init__(self, host: PathHost) -> None:
-        self.host = host
-        self.settled = True
-
-    @classmethod
-    def create(cls, host: PathHost, dest: Destination) -> FramesSend:
-        return cls(host)
-
-    def wants(self, msg: OutMessage) -> bool:
-        return False
-
-    def ask(self, msg: OutMessage) -> dict[str, Any] | None:
-        return None
-
-    def on_hello(self, reply: Mapping[str, Any]) -> None:
-        pass
-
-    def fits(self, msg: OutMessage) -> bool:
-        return True
+class FramesSend(SendPathBase):
+    """Frames toward one destination (stateless: nothing to probe, pool or acknowledge; the
+    Sender fails its pending sends on loss, and ZMQ lets go of the frames on close)."""
 
     def place(self, msg: OutMessage, frames: list[Any]) -> Placed:
         trackers: list[Tracker] = []
@@ -56,18 +34,6 @@ class FramesSend:
         if not trackers:
             return Placed(desc)
         return Placed(desc, watch_completion(self.host, lambda: all(t.done for t in trackers)))
-
-    def on_ack(self, meta: Sequence[Any]) -> bool:
-        return False
-
-    def lost(self, exc: PeerLostError | LookupError) -> None:
-        pass  # the Sender fails its pending sends; ZMQ lets go of the frames on close
-
-    def close(self) -> None:
-        pass
-
-    def statistics(self) -> PathStatistics:
-        return PathStatistics(usable=True)
 
 
 def place_frames(bufs: list[memoryview], frames: list[Any], trackers: list[Tracker]) -> list[Any]:
@@ -91,20 +57,8 @@ def place_frames(bufs: list[memoryview], frames: list[Any], trackers: list[Track
     return [FRAMES, sizes, counts]
 
 
-class FramesRecv:
+class FramesRecv(RecvPathBase):
     """Frames from one source: the message's data frames are its buffers' chunks."""
-
-    control: ClassVar[str | None] = None
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    @classmethod
-    def create(cls, host: PathHost, source: str) -> FramesRecv:
-        return cls(source)
-
-    def answer(self, ask: Mapping[str, Any], reply: dict[str, Any]) -> None:
-        pass
 
     def accept(
         self,
@@ -122,18 +76,6 @@ class FramesRecv:
                 raise ProtocolError(f"p2p message from {self.source} lost payload frames")
             sources.append((n, chunks))
             i += count
-
-    def on_control(self, meta: Sequence[Any]) -> None:
-        pass
-
-    def lost(self, exc: PeerLostError | LookupError) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def statistics(self) -> PathStatistics:
-        return PathStatistics(usable=True)
 
 
 PATH = PathSpec("frames", FRAMES, False, FramesSend.create, FramesRecv.create)

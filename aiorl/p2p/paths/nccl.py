@@ -23,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import uuid
 import weakref
+from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.p2p.gpu import (
@@ -42,11 +43,12 @@ from aiorl.p2p.gpu import (
 )
 from aiorl.p2p.message import InMessage, OutMessage, PostedRecv, cuda_specs, dtype_of, nbytes_of
 from aiorl.p2p.paths.base import (
-    Destination,
     PathHost,
     PathSpec,
     PathStatistics,
     Placed,
+    RecvPathBase,
+    SendPathBase,
     fail,
     lost_error,
     resolve,
@@ -448,36 +450,46 @@ class NcclPair:
         )
 
 
-class NcclSend:
+class _PairHalf:
+    """What both halves toward one peer share: its :class:`NcclPair` (both directions), whose
+    loss, close and statistics are theirs."""
+
+    host: PathHost
+
+    @property
+    @abstractmethod
+    def peer(self) -> str:
+        """The worker at the other end."""
+
+    def _existing_pair(self) -> NcclPair | None:
+        return _PAIRS.get(self.host, {}).get(self.peer)
+
+    def lost(self, exc: PeerLostError | LookupError) -> None:
+        pair = self._existing_pair()
+        if pair is not None:
+            pair.fail(exc)
+
+    def close(self) -> None:
+        self.lost(PeerLostError("the p2p engine is closed"))
+
+    def statistics(self) -> PathStatistics:
+        pair = self._existing_pair()
+        return PathStatistics(usable=True) if pair is None else pair.statistics()
+
+
+class NcclSend(_PairHalf, SendPathBase):
     """The sending half toward one destination: the pair's sends and their handshakes."""
 
-    acks: ClassVar[str | None] = OP_DONE
+    acks = OP_DONE
 
-    def __init__(self, host: PathHost, dest: Destination) -> None:
-        self.host = host
-        self.dest = dest
-        self.settled = True
-
-    @classmethod
-    def create(cls, host: PathHost, dest: Destination) -> NcclSend:
-        return cls(host, dest)
+    @property
+    def peer(self) -> str:
+        return self.dest.name
 
     def _pair(self) -> NcclPair:
-        pair = pair_for(self.host, self.dest.name)
+        pair = pair_for(self.host, self.peer)
         pair.peer_address = self.dest.address
         return pair
-
-    def wants(self, msg: OutMessage) -> bool:
-        return False
-
-    def ask(self, msg: OutMessage) -> dict[str, Any] | None:
-        return None
-
-    def on_hello(self, reply: Mapping[str, Any]) -> None:
-        pass
-
-    def fits(self, msg: OutMessage) -> bool:
-        return True
 
     def place(self, msg: OutMessage, frames: list[Any]) -> Placed:
         specs, live = cuda_specs(msg)
@@ -496,37 +508,18 @@ class NcclSend:
         _, token, reply = meta
         if not isinstance(reply, list) or not reply:
             return False
-        pair = _PAIRS.get(self.host, {}).get(self.dest.name)
+        pair = self._existing_pair()
         return pair is not None and pair.on_reply(token, reply)
 
-    def lost(self, exc: PeerLostError | LookupError) -> None:
-        pair = _PAIRS.get(self.host, {}).get(self.dest.name)
-        if pair is not None:
-            pair.fail(exc)
 
-    def close(self) -> None:
-        self.lost(PeerLostError("the p2p engine is closed"))
-
-    def statistics(self) -> PathStatistics:
-        pair = _PAIRS.get(self.host, {}).get(self.dest.name)
-        return PathStatistics(usable=True) if pair is None else pair.statistics()
-
-
-class NcclRecv:
+class NcclRecv(_PairHalf, RecvPathBase):
     """The receiving half from one source: allocation, window, handshakes."""
 
-    control: ClassVar[str | None] = OP_CUDA
+    control = OP_CUDA
 
-    def __init__(self, host: PathHost, source: str) -> None:
-        self.host = host
-        self.source = source
-
-    @classmethod
-    def create(cls, host: PathHost, source: str) -> NcclRecv:
-        return cls(host, source)
-
-    def answer(self, ask: Mapping[str, Any], reply: dict[str, Any]) -> None:
-        pass
+    @property
+    def peer(self) -> str:
+        return self.source
 
     def accept(
         self,
@@ -549,18 +542,6 @@ class NcclRecv:
         pair = pair_for(self.host, self.source, gid)
         pair.follow(store)
         pair._run(pair.order.on_go_recv(token), sending=False)
-
-    def lost(self, exc: PeerLostError | LookupError) -> None:
-        pair = _PAIRS.get(self.host, {}).get(self.source)
-        if pair is not None:
-            pair.fail(exc)
-
-    def close(self) -> None:
-        self.lost(PeerLostError("the p2p engine is closed"))
-
-    def statistics(self) -> PathStatistics:
-        pair = _PAIRS.get(self.host, {}).get(self.source)
-        return PathStatistics(usable=True) if pair is None else pair.statistics()
 
 
 PATH = PathSpec("nccl", NCCL, True, NcclSend.create, NcclRecv.create)

@@ -15,25 +15,32 @@ import functools
 import logging
 import mmap
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.p2p.message import InMessage, OutMessage, PostedRecv
-from aiorl.p2p.paths.base import Destination, PathHost, PathSpec, PathStatistics, Placed
+from aiorl.p2p.paths.base import (
+    Destination,
+    PathHost,
+    PathSpec,
+    PathStatistics,
+    Placed,
+    RecvPathBase,
+    SendPathBase,
+)
 from aiorl.p2p.proto import OP_ACK, OP_DROP, SHM, SHM_MIN
 from aiorl.transport import _shm
 
 log = logging.getLogger("aiorl.p2p")
 
 
-class ShmSend:
+class ShmSend(SendPathBase):
     """The segment pool toward one same-node destination."""
 
-    acks: ClassVar[str | None] = OP_ACK
+    acks = OP_ACK
 
-    def __init__(self, host: PathHost, name: str, address: str) -> None:
-        self.host = host
-        self.name = name
+    def __init__(self, host: PathHost, dest: Destination, address: str) -> None:
+        super().__init__(host, dest)
         self.address = address
         self.ok: bool | None = None  # may the receiver map our segments? None: not asked
         self.settled = False
@@ -44,7 +51,7 @@ class ShmSend:
     def create(cls, host: PathHost, dest: Destination) -> ShmSend | None:
         if not dest.same_node or dest.address is None:
             return None
-        return cls(host, dest.name, dest.address)
+        return cls(host, dest, dest.address)
 
     def wants(self, msg: OutMessage) -> bool:
         return self.ok is None and msg.nbytes >= SHM_MIN
@@ -69,7 +76,7 @@ class ShmSend:
             log.info(
                 "%s: %s cannot map our shared memory; bulk data goes through ZMQ",
                 self.host.name,
-                self.name,
+                self.dest.name,
             )
 
     def fits(self, msg: OutMessage) -> bool:
@@ -89,14 +96,16 @@ class ShmSend:
             seg, evicted = pool.acquire(total)
         except _shm.PoolFull as exc:
             # The receiver is behind (or keeps what it got): don't grow, use ZMQ this time.
-            log.debug("%s: shared memory toward %s is full (%s)", self.host.name, self.name, exc)
+            log.debug(
+                "%s: shared memory toward %s is full (%s)", self.host.name, self.dest.name, exc
+            )
             return None
         except _shm.ShmUnavailable as exc:
             log.warning(
                 "%s: shared memory for %d bytes to %s unavailable (%s); using ZMQ",
                 self.host.name,
                 total,
-                self.name,
+                self.dest.name,
                 exc,
             )
             return None
@@ -134,20 +143,15 @@ class ShmSend:
         return PathStatistics(self.ok, pool.busy, len(pool.segments), pool.total_bytes)
 
 
-class ShmRecv:
+class ShmRecv(RecvPathBase):
     """One source's segments as this receiver mapped them."""
 
-    control: ClassVar[str | None] = OP_DROP
+    control = OP_DROP
 
     def __init__(self, host: PathHost, source: str) -> None:
-        self.host = host
-        self.source = source
+        super().__init__(host, source)
         self.segs = _shm.SegmentMap()
         self.reply_address: str | None = None  # the sender's endpoint, as it told us
-
-    @classmethod
-    def create(cls, host: PathHost, source: str) -> ShmRecv:
-        return cls(host, source)
 
     def answer(self, ask: Mapping[str, Any], reply: dict[str, Any]) -> None:
         self.reply_address = ask["addr"]

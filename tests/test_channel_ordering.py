@@ -1,0 +1,159 @@
+"""Channels: one consumer sees one producer's items in queue order, prefetch included.
+
+Each test stops the channel worker (``SIGSTOP``) at the moment that matters, so the
+interleaving that heavy machine load produces by chance happens every time: answers
+the consumer's handle is waiting for arrive only after its own timers have fired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import aiorl
+from aiorl.channels import Channel
+from aiorl.channels import _protocol as P
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _channel_pid(c: aiorl.Cluster, name: str) -> int:
+    reply = c.runtime.run_sync(c.runtime.registry.request("lookup", {"name": f"channel.{name}:0"}))
+    return int(reply["info"]["pid"])
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+async def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait (bounded) until it is stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while not _stopped(pid):
+        assert time.monotonic() < deadline, f"channel worker {pid} did not stop"
+        await asyncio.sleep(0.001)
+
+
+@pytest.fixture
+def stoppable(cluster: aiorl.Cluster, request: pytest.FixtureRequest) -> Iterator[tuple[Channel, int]]:
+    """A fresh channel and its worker's pid; the worker is continued and destroyed after."""
+    name = request.node.name.replace("[", "-").replace("]", "")
+    ch = Channel.create(cluster, name)
+    pid = _channel_pid(cluster, name)
+    try:
+        yield ch, pid
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        ch.destroy().wait(10)
+
+
+def test_prefetch_in_flight_when_the_consumer_pauses_cannot_overtake_returned_items(
+        cluster: aiorl.Cluster, stoppable: tuple[Channel, int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reorder seen under load as ``[0, 1, 2, 4, 3]``.
+
+    A consumer served from prefetched items triggers a new prefetch, then pauses.
+    The idle timer used to send the prefetched items back to the queue at once,
+    while that prefetch was still on its way with *newer* items: those then went
+    to the consumer's next gets, before the older items now back in the queue.
+    """
+    # A pause is "idle" after this long (5 ms by default): long enough that the gets
+    # of one loop turn below count as streaming however loaded the machine is.
+    monkeypatch.setattr(P, "PREFETCH_IDLE", 0.25)
+    ch, pid = stoppable
+    n = 16
+    for i in range(n):
+        ch.put(i, weight=1)
+    ch.flush().wait(10)
+
+    async def consume() -> list[Any]:
+        burst = [ch.get() for _ in range(3)]  # gets in one turn: the handle prefetches
+        got = [await w for w in burst]
+        await _stop(pid)  # from now on, nothing the handle asks for is answered
+        stream = ch._bind()[1].streams["default"]
+        while not stream.requested:  # gets served from prefetched items, until one of
+            work = ch.get()          # them makes the handle prefetch more
+            assert work.done(), "not served from prefetched items"
+            got.append(await work)
+        assert stream.ready, "precondition: prefetched items left while a prefetch is out"
+        await asyncio.sleep(3 * P.PREFETCH_IDLE)  # the consumer pauses: the idle timer fires
+        os.kill(pid, signal.SIGCONT)
+        rest = [ch.get() for _ in range(n - len(got))]
+        got += [await asyncio.wait_for(w, 10) for w in rest]
+        return got
+
+    assert cluster.runtime.run_sync(consume(), 30) == list(range(n))
+
+
+def test_gets_waiting_keep_their_items_when_statistics_returns_prefetched_ones(
+        cluster: aiorl.Cluster, stoppable: tuple[Channel, int]) -> None:
+    """Two gets and then ``statistics()`` in one loop turn, on a queue that has items.
+
+    The second get prefetches (the gets follow each other closely); ``statistics``
+    must first see the prefetched items back in the queue. Withdrawing the gets' own
+    requests for that, while keeping the newer prefetch, gave the gets the prefetched
+    items and sent their own (older) items back: ``[2, 3]``, then 0 and 1.
+    """
+    ch, _ = stoppable
+    n = 10
+    for i in range(n):
+        ch.put(i, weight=1)
+    ch.flush().wait(10)
+
+    async def consume() -> tuple[list[Any], int]:
+        gets = [ch.get(), ch.get()]
+        stats = ch.statistics()
+        got = [await w for w in gets]
+        qsize = (await stats)["default"].qsize
+        got += [await asyncio.wait_for(ch.get(), 10) for _ in range(n - len(got))]
+        return got, qsize
+
+    assert cluster.runtime.run_sync(consume(), 30) == (list(range(n)), n - 2)
+
+
+def test_a_get_after_a_cancelled_one_takes_the_item_the_cancelled_one_gives_back(
+        cluster: aiorl.Cluster, stoppable: tuple[Channel, int]) -> None:
+    """Gets A and B wait; items 0, 1, 2 arrive and B is cancelled in the same turn, then
+    get C is issued. B's request had already taken item 1, which comes back refused: C
+    must get 1, not 2 (its request used to overtake the return of item 1)."""
+    ch, _ = stoppable
+
+    async def consume() -> list[Any]:
+        first = ch.get()
+        await asyncio.sleep(0.05)  # spaced out: these gets do not prefetch
+        cancelled = ch.get()
+        await asyncio.sleep(0.05)
+        for i in range(3):
+            ch.put(i, weight=1)  # reach the channel after both gets are parked there
+        cancelled.cancel()
+        later = ch.get()
+        got = [await asyncio.wait_for(w, 10) for w in (first, later)]
+        return got + [await asyncio.wait_for(ch.get(), 10)]
+
+    assert cluster.runtime.run_sync(consume(), 30) == [0, 1, 2]
+
+
+def test_a_get_after_a_cancelled_get_batch_takes_the_items_it_gives_back(
+        cluster: aiorl.Cluster, stoppable: tuple[Channel, int]) -> None:
+    """A waiting ``get_batch(2)`` is completed by items 0 and 1 and cancelled in the same
+    turn; a get issued next must get 0 once the batch's items are back, not item 2."""
+    ch, _ = stoppable
+
+    async def consume() -> list[Any]:
+        batch = ch.get_batch(2)
+        await asyncio.sleep(0.05)
+        for i in range(3):
+            ch.put(i, weight=1)
+        batch.cancel()
+        gets = [ch.get() for _ in range(3)]
+        return [await asyncio.wait_for(w, 10) for w in gets]
+
+    assert cluster.runtime.run_sync(consume(), 30) == [0, 1, 2]
