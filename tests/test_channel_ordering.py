@@ -157,3 +157,25 @@ def test_a_get_after_a_cancelled_get_batch_takes_the_items_it_gives_back(
         return [await asyncio.wait_for(w, 10) for w in gets]
 
     assert cluster.runtime.run_sync(consume(), 30) == [0, 1, 2]
+
+
+def test_gets_waiting_before_a_held_get_batch_are_served_before_it(
+        cluster: aiorl.Cluster, stoppable: tuple[Channel, int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streaming gets on an empty queue prefetch; a ``get_batch`` made then waits (held)
+    for the prefetches, which come back empty. The gets they were to serve must get
+    their own requests *before* the batch is sent: they used to get none until a later
+    get, and the batch (made after them) took the first items."""
+    monkeypatch.setattr(P, "PREFETCH_IDLE", 0.25)  # the gets below count as streaming
+    ch, _ = stoppable
+
+    async def consume() -> list[Any]:
+        gets = [ch.get() for _ in range(4)]
+        batch = ch.get_batch(1)
+        last = ch.get()
+        await asyncio.sleep(0.05)  # everything above reached the channel: nothing queued
+        for i in range(6):
+            ch.put(i, weight=1)
+        return [await asyncio.wait_for(w, 10) for w in [*gets, batch, last]]
+
+    assert cluster.runtime.run_sync(consume(), 30) == [0, 1, 2, 3, [4], 5]

@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -84,6 +85,55 @@ def test_endpoint_survives_garbage_and_serves_afterwards():
             await client.request(server.address, "missing", timeout=5)
         meta, _ = await client.request(server.address, "echo", {"ok": 1}, timeout=5)
         assert meta == {"ok": 1}
+        raw.close(0)
+        client.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_pack_round_trip_and_what_is_not_packed():
+    frames = [wire.encode_header(wire.Kind.REQUEST, 1, "echo", None), b"a" * 10,
+              memoryview(b"bc"), np.arange(4, dtype=np.float32), bytearray(b"")]
+    head, body = wire.pack(frames)
+    header = wire.decode_header(head)
+    assert header.kind == wire.Kind.PACKED
+    assert wire.unpack(header.meta, [body]) == [bytes(memoryview(f).cast("B")) for f in frames]
+    assert wire.pack([b"x", b"y" * wire.PACK_MAX_FRAME_BYTES, b"z"]) is None  # zero-copy frame
+    assert wire.pack([b"x" * 60_000] * 20) is None  # too many bytes to copy into one frame
+    assert wire.pack([b"x", np.zeros((4, 4))[:, 0], b"z"]) is None  # not contiguous
+    for lengths, payload in (([1, 2], [b"abcd"]), ([1, -1], [b""]), ("x", [b""]), ([1], [b"a", b"b"])):
+        with pytest.raises(aiorl.ProtocolError, match="PACKED"):
+            wire.unpack(lengths, payload)
+
+
+def test_endpoint_serves_packed_messages_and_drops_malformed_ones():
+    async def main():
+        server = Endpoint("server", keys=None)
+        server.handle("echo", lambda m: m.reply(m.meta, m.frames))
+        client = Endpoint("client", keys=None)
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.connect(server.address)
+        request = [wire.encode_header(wire.Kind.REQUEST, 5, "echo", "hi"), b"1", b"22", b"333"]
+        packed = wire.pack(request)
+        assert packed is not None
+        raw.send_multipart([wire.encode_header(wire.Kind.PACKED, 0, "", [1, 1]), b"abc"])
+        raw.send_multipart([wire.encode_header(wire.Kind.PACKED, 0, "", [len(packed[0]),
+                                                                         len(packed[1])]),
+                            packed[0] + packed[1]])  # PACKED inside PACKED: dropped
+        raw.send_multipart(packed)
+        assert await asyncio.get_running_loop().run_in_executor(None, raw.poll, 5000)
+        reply = raw.recv_multipart()
+        header = wire.decode_header(reply[0])
+        if header.kind == wire.Kind.PACKED:  # the answer has 4 frames: it comes back packed
+            reply = wire.unpack(header.meta, reply[1:])
+            header = wire.decode_header(reply[0])
+        assert (header.kind, header.request_id, header.meta) == (wire.Kind.REPLY, 5, "hi")
+        assert reply[1:] == [b"1", b"22", b"333"]
+        assert not raw.poll(200)  # the malformed ones got no answer
+        meta, frames = await client.request(server.address, "echo", "ok", [b"x", b"y", b"z"],
+                                            timeout=5)
+        assert (meta, [bytes(f) for f in frames]) == ("ok", [b"x", b"y", b"z"])
         raw.close(0)
         client.close()
         server.close()

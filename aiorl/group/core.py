@@ -54,6 +54,10 @@ NODE_CHECK_S = 0.25
 NODE_GONE_S = 2.0
 
 
+#: The call op as a plain str: an enum member costs ~0.2 µs to look up on the hot path.
+_CALL: str = WorkerOp.CALL.value
+
+
 class _Rank:
     """The driver's view of one rank: its endpoint once ready, or why it cannot be called,
     and which process of the rank (incarnation) that is."""
@@ -233,7 +237,7 @@ class GroupCore:
             return
         assert state.address is not None
         self.runtime.endpoint.request_then(
-            state.address, WorkerOp.CALL, method, frames, functools.partial(call.settle, i))
+            state.address, _CALL, method, frames, functools.partial(call.settle, i))
 
     def _send_traced_call(self, call: _TracedGroupCall, i: int, state: _Rank, method: str,
                           frames: list[Any]) -> None:
@@ -243,7 +247,7 @@ class GroupCore:
             return
         assert state.address is not None
         call.rids[i] = self.runtime.endpoint.request_then(
-            state.address, WorkerOp.CALL, method, frames, functools.partial(call.settle, i))
+            state.address, _CALL, method, frames, functools.partial(call.settle, i))
 
     def ready(self, ranks: Sequence[int]) -> AsyncWork[None]:
         work: AsyncWork[None] = AsyncWork(self.runtime.loop)
@@ -539,7 +543,7 @@ class GroupCore:
         event = self._emit(EventKind.RESTARTED, rank, f"ready at {st.address}")
         for method, frames in self._last_calls.get(rank, {}).items():
             self.runtime.endpoint.request_then(
-                st.address, WorkerOp.CALL, method, frames,
+                st.address, _CALL, method, frames,
                 functools.partial(self._replay_answered, rank, method))
         hook = self.supervision.on_restart
         if hook is not None:

@@ -142,7 +142,10 @@ def _span_events(pid: int, spans: Iterable[Sequence[Any]], offset_ns: int) -> li
             # A receive's message arrives when it completes; an execution's when it starts.
             at_end = cat == "recv"
             at_ts, at_tid = (end_ts, end_tid or tid) if at_end else (ts, tid)
-            if on_loop:
+            # Perfetto binds a flow's end to a slice open on its thread at that time; a
+            # thread slice is closed at its own end (and a receive may end on another
+            # thread): a zero-length anchor there, as for async slices.
+            if on_loop or at_end:
                 out.append({"ph": "X", "name": f"-> {name}", "cat": cat, "pid": pid,
                             "tid": at_tid, "ts": at_ts, "dur": 0})
             out.append({"ph": "f", "bp": "e", "name": "flow", "cat": "flow", "id": _flow_id(flow_in), "pid": pid, "tid": at_tid,

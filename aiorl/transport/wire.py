@@ -82,6 +82,8 @@ _new_tuple = tuple.__new__
 
 
 def encode_header(kind: int, request_id: int, op: str, meta: Any = None) -> bytes:
+    if op.__class__ is not str:  # an op enum (a str subclass): msgpack packs those slowly
+        op = str.__str__(op)
     header: bytes = _packb((PROTOCOL_VERSION, kind, request_id, op, meta))
     return header
 
