@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 
 import pytest
 
 from aiorl.util.batching import TurnBatcher
+from aiorl.util.method_thread import MethodThread
 from aiorl.util.tokens import TokenTable
 
 pytestmark = pytest.mark.timeout(30)
@@ -44,3 +47,31 @@ async def test_turn_batcher_flushes_at_the_byte_limit() -> None:
     batcher.add(0, b"x" * 6, 6)
     batcher.add(0, b"y" * 6, 6)
     assert sent == [[b"x" * 6, b"y" * 6]]
+
+
+def test_method_thread_runs_jobs_in_order_and_keeps_the_executor_contract():
+    mt = MethodThread("test-method-thread")
+    seen: list[int] = []
+    for i in range(100):
+        mt.run(seen.append, i)
+    assert mt.submit(lambda: len(seen)).result(5) == 100  # after every job given before it
+    failing = mt.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.result(5)
+
+    async def in_executor() -> str:  # what the worker does to construct its instance
+        return await asyncio.get_running_loop().run_in_executor(mt, lambda: "built")
+
+    assert asyncio.run(in_executor()) == "built"
+    gate = threading.Event()
+    mt.run(gate.wait, 5)  # holds the thread while the next jobs queue up
+    pending = mt.submit(seen.append, -1)
+    mt.shutdown(wait=False, cancel_futures=True)
+    gate.set()
+    assert pending.cancelled()
+    with pytest.raises(RuntimeError, match="shut down"):
+        mt.run(seen.append, 0)
+    mt.shutdown(wait=True)
+    assert -1 not in seen
+    with pytest.raises(concurrent.futures.CancelledError):
+        pending.result(0)

@@ -15,7 +15,6 @@ as :class:`~aiorl.errors.RemoteError` with this worker's name and rank.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import ctypes
 import gc
 import importlib
@@ -42,6 +41,7 @@ from aiorl.transport import security, serialization
 from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.transport.security import ClusterKeys
 from aiorl.util.cuda_device import note_thread_device
+from aiorl.util.method_thread import MethodThread
 
 __all__ = ["WorkerServer", "run"]
 
@@ -51,7 +51,7 @@ log = logging.getLogger("aiorl.worker")
 class WorkerServer:
     """Serves ``call`` requests on an instance."""
 
-    def __init__(self, runtime: Runtime, info: WorkerInfo, method_thread: concurrent.futures.Executor):
+    def __init__(self, runtime: Runtime, info: WorkerInfo, method_thread: MethodThread):
         self.runtime = runtime
         self.info = info
         self.instance: Any = None
@@ -86,7 +86,7 @@ class WorkerServer:
             self._start_async(msg, fn(*args, **kwargs))
         else:
             # The method thread serializes and sends the reply itself: one thread hop less.
-            self.method_thread.submit(self._run_plain, msg, fn, args, kwargs)
+            self.method_thread.run(self._run_plain, msg, fn, args, kwargs)
 
     def _run_plain(self, msg: Incoming, fn: Any, args: Any, kwargs: Any) -> None:
         """Runs on the method thread: call ``fn`` and answer from this thread."""
@@ -188,7 +188,7 @@ async def _main(spec: WorkerSpawn, listen: str) -> int:
     get_broadcaster(runtime, spec.node.node_id)  # and broadcast handlers
     set_current_runtime(runtime)
     info = spec.worker_info(endpoint.address)
-    method_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"aiorl-{name}")
+    method_thread = MethodThread(f"aiorl-{name}")
     server = WorkerServer(runtime, info, method_thread)
     serve_inspection(runtime, server._tasks, lambda: server.instance)  # doctor, trace pulls
     stop = asyncio.Event()

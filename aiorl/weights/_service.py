@@ -42,6 +42,12 @@ T = TypeVar("T")
 
 log = logging.getLogger("aiorl.weights")
 
+
+def _dbg(msg: str) -> None:
+    import os, time
+    with open("/tmp/wdbg.log", "a") as f:
+        f.write(f"{time.time():.3f} {os.getpid()} {msg}\n")
+
 #: A relay's request for one bucket of one version of a shard.
 OP_FETCH = "weights.fetch"
 #: Frame size of a fetched bucket: one huge ZMQ frame costs page faults (PERF-NOTES.md).
@@ -209,6 +215,7 @@ class WeightsService:
                 await self._restored(link, deadline)
                 return await self.runtime.call_worker(link.worker, method, *args)
             except (PeerLostError, WaitTimeout) as exc:
+                _dbg(f"{self.worker} call {method} failed {exc!r}"[:300])
                 now = self.loop.time()
                 if failing_since is None:  # patience counts from the directory's death
                     failing_since = now
@@ -234,6 +241,7 @@ class WeightsService:
         await asyncio.shield(link.restoring[1])
 
     async def _restore(self, link: DirectoryLink, endpoint: str) -> None:
+        _dbg(f"{self.worker} restore start {endpoint} (was {link.endpoint}) {len(link.restorers)}")
         try:
             if link.endpoint is not None:
                 log.info("%s: the directory of weights %r restarted; telling it what this "
@@ -251,12 +259,14 @@ class WeightsService:
                     log.warning("%s: weights %r: could not restore the directory: %r",
                                 self.worker, link.name, exc)
             link.endpoint = endpoint
+            _dbg(f"{self.worker} restore done {endpoint}")
         finally:
             if link.restoring is not None and link.restoring[0] == endpoint:
                 link.restoring = None
 
     def _on_directory_event(self, link: DirectoryLink, state: str, info: dict[str, Any]) -> None:
         endpoint = info.get("endpoint")
+        _dbg(f"{self.worker} event {state} {endpoint}")
         if state != "ready" or not endpoint or endpoint == link.endpoint or not link.restorers:
             return
 

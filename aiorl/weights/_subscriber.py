@@ -174,6 +174,8 @@ class WeightSubscriber:
                 await asyncio.sleep(1.0)
                 continue
             generation, incarnation = view.generation, view.directory
+            from aiorl.weights._service import _dbg
+            _dbg(f"{service.worker} view v={view.version} gen={view.generation} dir={view.directory[:6]} jobs={[(j.shard, j.version) for j in view.relay_jobs]} lost={view.lost} latest={self._latest}"[:400])
             self._take(view)
             self._lost = view.lost
             if view.version is not None and (self._latest is None or view.version > self._latest):
