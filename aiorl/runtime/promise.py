@@ -28,6 +28,8 @@ def resolve(work: AsyncWork[T], value: T) -> None:
     fut = work._fut
     if not fut.done():
         fut.set_result(value)
+        if work._cf is not None:
+            work._wake_threads(fut)
 
 
 def reject(work: AsyncWork[Any], exc: BaseException) -> None:
@@ -35,6 +37,8 @@ def reject(work: AsyncWork[Any], exc: BaseException) -> None:
     fut = work._fut
     if not fut.done():
         fut.set_exception(exc)
+        if work._cf is not None:
+            work._wake_threads(fut)
 
 
 def settle_from(work: AsyncWork[Any], fut: asyncio.Future[Any]) -> None:

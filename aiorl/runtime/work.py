@@ -126,9 +126,18 @@ class AsyncWork(Generic[T]):
             return lock
 
     def _wake_threads(self, _fut: asyncio.Future[T]) -> None:
-        """The loop-side future's done-callback: let blocked threads through."""
+        """Let blocked threads through, once (runtime loop only).
+
+        The future's done-callback, and called at once by the producers' ``resolve`` and
+        ``reject``: a waiting thread then wakes in the loop turn that read the answer, not a
+        turn later when asyncio runs done-callbacks. The lock is forgotten as it is
+        released, so the later callback finds nothing to do; a thread that asks for a
+        signal after that sees the work done first (or gets a fresh lock, released by a
+        callback on the done future).
+        """
         lock = self._cf
         if lock is not None:
+            self._cf = None
             lock.release()
 
     # ---------------------------------------------------------------- consuming
