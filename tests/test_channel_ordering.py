@@ -179,3 +179,26 @@ def test_gets_waiting_before_a_held_get_batch_are_served_before_it(
         return [await asyncio.wait_for(w, 10) for w in [*gets, batch, last]]
 
     assert cluster.runtime.run_sync(consume(), 30) == [0, 1, 2, 3, [4], 5]
+
+
+def test_a_cancelled_get_does_not_let_a_later_get_overtake_a_get_batch(
+        cluster: aiorl.Cluster, stoppable: tuple[Channel, int]) -> None:
+    """Gets A and B wait, then ``get_batch`` T, then get C, on an empty queue; A is
+    cancelled, then items arrive. The requests sent for A and B are ahead of T at the
+    channel worker, C's is behind it: cancelling A must withdraw one *ahead* of T, or
+    B's spare request serves C, which gets an older item than T made before it."""
+    ch, _ = stoppable
+
+    async def consume() -> list[Any]:
+        cancelled = ch.get()
+        works = []
+        for make in (ch.get, lambda: ch.get_batch(1), ch.get):
+            await asyncio.sleep(0.05)  # spaced out: these gets do not prefetch
+            works.append(make())
+        await asyncio.sleep(0.05)
+        cancelled.cancel()
+        for i in range(3):
+            ch.put(i, weight=1)
+        return [await asyncio.wait_for(w, 10) for w in works]
+
+    assert cluster.runtime.run_sync(consume(), 30) == [0, [1], 2]

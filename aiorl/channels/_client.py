@@ -127,6 +127,8 @@ _USER_GET = -1
 #: Operations that must see the items this process prefetched back in their queue first
 #: (``STATS`` too, for every queue of the channel).
 _SEES_PREFETCH = frozenset((P.GET_NOWAIT, P.GET_BATCH, P.INFO, P.PEEK))
+#: Of those, the ones that take items: a queue's gets made after one are served after it.
+_TAKES = frozenset((P.GET_NOWAIT, P.GET_BATCH))
 #: Puts that complete at once while their queue's credits last (see _protocol, Credits).
 _CREDITED = frozenset((P.PUT, P.PUT_NOWAIT))
 #: Operations recorded as spans while tracing is on, and their span names.
@@ -227,10 +229,16 @@ class _GetStream:
       a withdrawn slot gives back is newer than every item still to arrive;
     * while a withdrawn request (a slot, or a cancelled ``get_batch``) may still give
       items back (``settling``), no new slot is sent (:meth:`_ClientCore._top_up`).
+
+    Slots serve whichever user get is oldest, so a slot sent for a get that was then
+    cancelled serves a later get. That must not cross a ``get_batch`` or ``get_nowait``
+    sent in between (it is behind the slot at the channel worker, but was made before
+    the later get): cancelling a get made before such a *fence* withdraws a GET slot
+    ahead of it (:meth:`_ClientCore._withdraw_get`).
     """
 
     __slots__ = ("state", "queue", "waiting", "ready", "demand", "requested", "requested_total",
-                 "settling", "depth", "last_get", "held", "timer")
+                 "settling", "depth", "last_get", "held", "timer", "fences")
 
     def __init__(self, state: _ChannelState, queue: QueueKey) -> None:
         self.state = state
@@ -249,6 +257,10 @@ class _GetStream:
         #: answered, so that they see the prefetched items back in the queue.
         self.held: list[_Op] | None = None
         self.timer: asyncio.TimerHandle | None = None
+        #: ``[token, gets]`` of each get_batch or get_nowait sent for this queue while user
+        #: gets waited, oldest first: ``gets`` of the oldest waiting user gets were made
+        #: before it, and their GET slots, one each, are ahead of it at the channel worker.
+        self.fences: collections.deque[list[int]] = collections.deque()
 
     def can_serve(self) -> bool:
         """Whether a new user get takes a prefetched item now (nothing waits before it)."""
@@ -561,8 +573,14 @@ class _ClientCore:
             return
         if kind in _SEES_PREFETCH:
             stream = st.streams.get(op.queue)
-            if stream is not None and not self._prefetch_returned(stream, op):
-                return
+            if stream is not None:
+                if not self._prefetch_returned(stream, op):
+                    return
+                if kind in _TAKES:
+                    self._issue(op)
+                    if stream.waiting:  # no prefetch is out: they have a GET slot each
+                        stream.fences.append([op.token, len(stream.waiting)])
+                    return
         elif kind == P.STATS:
             for stream in st.streams.values():
                 if not self._prefetch_returned(stream, op):
@@ -889,6 +907,8 @@ class _ClientCore:
         waiting = stream.waiting
         if waiting:
             stream.last_get = self.loop.time()  # waiting for an item is not being idle
+            if stream.fences:
+                self._passed_fences(stream, 0)
             self._resolve(waiting.popleft(), item)
         elif stream.held is None:
             # Kept for the next get even if prefetching stopped meanwhile: returning it now
@@ -908,6 +928,8 @@ class _ClientCore:
         else:
             stream.requested_total -= stream.requested.pop(slot)
         if stream.waiting:
+            if stream.fences:
+                self._passed_fences(stream, 0)
             stream.waiting.popleft().set_exception(RemoteError(
                 stream.state.worker, stream.state.rank, "ChannelError", str(info), ""))
         self._settled(stream)
@@ -928,9 +950,36 @@ class _ClientCore:
             stream.held.remove(op)
             return
         if op in stream.waiting:
-            stream.waiting.remove(op)
-            if not stream.depth:
+            place = stream.waiting.index(op)
+            del stream.waiting[place]
+            fence = self._passed_fences(stream, place)
+            if fence:  # a slot ahead of a get_batch/get_nowait is one too many: withdraw one
+                for slot in reversed(stream.demand):
+                    if slot.token < fence:
+                        stream.demand.remove(slot)
+                        self._withdraw_slot(stream, slot)
+                        break
+            elif not stream.depth:
                 self._withdraw_slots(stream)
+
+    def _passed_fences(self, stream: _GetStream, place: int) -> int:
+        """The waiting user get at ``place`` left (served, failed or cancelled): count it
+        out of the fences it was made before. Returns the token of the oldest of them
+        (0: none)."""
+        oldest = 0
+        for fence in stream.fences:
+            if fence[1] > place:
+                fence[1] -= 1
+                oldest = oldest or fence[0]
+        while stream.fences and not stream.fences[0][1]:
+            stream.fences.popleft()
+        return oldest
+
+    def _withdraw_slot(self, stream: _GetStream, slot: _Op) -> None:
+        """Cancel GET slot ``slot`` (just taken out of ``demand``) at the channel worker."""
+        if slot.address is not None:
+            stream.settling += 1  # its answer (CANCELLED or the item) is still to come
+        slot.cancel()
 
     def _withdraw_slots(self, stream: _GetStream) -> None:
         """Cancel the newest GET slots beyond what the waiting user gets need.
@@ -943,10 +992,7 @@ class _ClientCore:
         newest_prefetch = next(reversed(stream.requested)).token if stream.requested else 0
         while (stream.demand and stream.demand[-1].token > newest_prefetch
                and len(stream.demand) + stream.requested_total > len(stream.waiting)):
-            slot = stream.demand.pop()
-            if slot.address is not None:
-                stream.settling += 1  # its answer (CANCELLED or the item) is still to come
-            slot.cancel()
+            self._withdraw_slot(stream, stream.demand.pop())
 
     def _return_prefetch(self, stream: _GetStream) -> None:
         """Stop prefetching; prefetched items go back to their places in the queue.
@@ -1018,6 +1064,7 @@ class _ClientCore:
         stream.ready.clear()  # lost with the channel worker, like the items still queued
         stream.settling = 0
         stream.depth = 0
+        stream.fences.clear()
         waiting, stream.waiting = stream.waiting, collections.deque()
         held, stream.held = stream.held or [], None
         for op in [*waiting, *held]:

@@ -711,4 +711,4 @@ def get_broadcaster(runtime: Runtime, node_id: str | None = None) -> Broadcaster
     Worker processes create it when they start (with their node id), so a broadcast message
     that arrives before this worker calls ``broadcast`` is kept, not refused.
     """
-    return runtime.service(Broadcaster, lambda: Broadcaster(runtime, node_id))
+    return runtime.service(Broadcaster, runtime, node_id)

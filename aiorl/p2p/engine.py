@@ -361,4 +361,4 @@ def get_p2p(runtime: Runtime, node_id: str | None = None) -> P2PEngine:
     Worker processes create it when they start (with their node id), so a worker that
     never calls a p2p method still accepts messages sent to it.
     """
-    return runtime.service(P2PEngine, lambda: P2PEngine(runtime, node_id))
+    return runtime.service(P2PEngine, runtime, node_id)

@@ -74,17 +74,20 @@ class Runtime:
         self.on_loop_thread = loop_thread.on_loop
         self.submit = loop_thread.submit
 
-    def service(self, kind: type[_S], make: Callable[[], _S]) -> _S:
+    def service(self, kind: type[_S], *args: Any) -> _S:
         """This runtime's one ``kind`` service (P2P engine, broadcaster, weights), made by
-        ``make()`` on first use; safe from any thread (two first callers get one service)."""
+        ``kind(*args)`` on first use; safe from any thread (two first callers get one service).
+
+        Every send and receive looks its engine up here: the arguments are passed, not
+        captured in a closure, so a look-up allocates nothing.
+        """
         svc = self.services.get(kind)
         if svc is None:
             with self._services_lock:
                 svc = self.services.get(kind)
                 if svc is None:
-                    svc = self.services[kind] = make()
-        assert isinstance(svc, kind)
-        return svc
+                    svc = self.services[kind] = kind(*args)
+        return svc  # type: ignore[return-value]  # stored under its own type
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -25,7 +25,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from aiorl.errors import GroupExistsError, GroupNotFoundError, PeerLostError, WaitTimeout
+from aiorl.errors import (
+    GroupExistsError,
+    GroupNotFoundError,
+    PeerLostError,
+    RegistryUnavailable,
+    WaitTimeout,
+)
 from aiorl.group import WorkerGroup, WorkerGroupBuilder
 from aiorl.names import WorkerInfo
 from aiorl.placement import NodePlacementStrategy
@@ -60,6 +66,10 @@ CONNECT_TIMEOUT_S = 60.0
 DIRECTORY_RESTART_S = 60.0
 #: Pause between two tries of a directory call while the directory restarts.
 RETRY_S = 0.1
+#: How long a directory call may go unanswered (beyond a poll's own wait) before this
+#: process suspects it missed the directory's death: it renews its registry watches (a
+#: registry restart may have lost them) and tries again.
+ANSWER_S = 10.0
 #: Restarts of one directory before its supervisor gives up (it is soft state: a restart
 #: costs its clients a few messages, so only a directory that cannot start stops it).
 DIRECTORY_MAX_RESTARTS = 10_000
@@ -128,6 +138,7 @@ class WeightsService:
         self.handles: dict[Any, Any] = {}
         self._directories: dict[str, asyncio.Future[DirectoryLink]] = {}
         self._closers: list[Callable[[], None]] = []
+        self._renewing: asyncio.Task[None] | None = None
         runtime.submit(runtime.endpoint.handle, OP_FETCH, self._on_fetch)
         runtime.on_close(self.close)
 
@@ -197,15 +208,18 @@ class WeightsService:
         (await self.directory(name)).restorers.append(restore)
 
     async def call_directory(self, name: str, method: str, *args: Any,
-                             patience: float | None = None) -> Any:
+                             patience: float | None = None, wait_s: float = 0.0) -> Any:
         """Call ``method`` of weight ``name``'s directory.
 
         A directory that restarted gets this process's state back first (the restorers).
         While it is down (dead, or restarting under its ``restart="on_failure"`` policy)
         the call is tried again for up to ``patience`` seconds (default
         :data:`DIRECTORY_RESTART_S`), then fails with
-        :class:`~aiorl.PeerLostError`. Every directory method can be sent again safely:
-        each states a fact (a source, a slot) or asks a question.
+        :class:`~aiorl.PeerLostError`. A call unanswered :data:`ANSWER_S` seconds after
+        the ``wait_s`` the directory may take (a poll's) counts as a failure too: the
+        death of a directory whose node died while the registry was restarting may never
+        reach this process's old watches, so they are renewed. Every directory method can
+        be sent again safely: each states a fact (a source, a slot) or asks a question.
         """
         link = await self.directory(name)
         deadline = self.loop.time() + CONNECT_TIMEOUT_S  # until a first failure
@@ -213,8 +227,11 @@ class WeightsService:
         while True:
             try:
                 await self._restored(link, deadline)
-                return await self.runtime.call_worker(link.worker, method, *args)
-            except (PeerLostError, WaitTimeout) as exc:
+                return await asyncio.wait_for(
+                    self.runtime.call_worker(link.worker, method, *args), wait_s + ANSWER_S)
+            except (PeerLostError, WaitTimeout, TimeoutError) as exc:
+                if not isinstance(exc, (PeerLostError, WaitTimeout)):  # unanswered
+                    await self._renew_watches()
                 _dbg(f"{self.worker} call {method} failed {exc!r}"[:300])
                 now = self.loop.time()
                 if failing_since is None:  # patience counts from the directory's death
@@ -248,12 +265,13 @@ class WeightsService:
                          "process holds", self.worker, link.name)
 
             async def call(method: str, *args: Any) -> Any:
-                return await self.runtime.call_worker(link.worker, method, *args)
+                return await asyncio.wait_for(
+                    self.runtime.call_worker(link.worker, method, *args), ANSWER_S)
 
             for restore in list(link.restorers):
                 try:
                     await restore(call)
-                except (PeerLostError, WaitTimeout):
+                except (PeerLostError, TimeoutError):
                     raise  # gone again: the next call restores the next incarnation
                 except Exception as exc:  # e.g. another publisher took the shard meanwhile
                     log.warning("%s: weights %r: could not restore the directory: %r",
@@ -263,6 +281,16 @@ class WeightsService:
         finally:
             if link.restoring is not None and link.restoring[0] == endpoint:
                 link.restoring = None
+
+    async def _renew_watches(self) -> None:
+        """Issue this process's registry watches again (one renewal at a time), so that the
+        snapshot tells the runtime of a directory death or replacement it missed."""
+        if self._renewing is None or self._renewing.done():
+            self._renewing = self.loop.create_task(self.runtime.registry.resubscribe())
+        try:
+            await asyncio.shield(self._renewing)
+        except (RegistryUnavailable, TimeoutError) as exc:  # the registry is down: tried again
+            log.info("%s: registry watches not renewed: %r", self.worker, exc)
 
     def _on_directory_event(self, link: DirectoryLink, state: str, info: dict[str, Any]) -> None:
         endpoint = info.get("endpoint")
@@ -328,4 +356,4 @@ def settle_on_done(work: AsyncWork[T], task: asyncio.Future[T]) -> None:
 
 def weights_service(runtime: Runtime, info: WorkerInfo) -> WeightsService:
     """The weights service of this worker's runtime, created once."""
-    return runtime.service(WeightsService, lambda: WeightsService(runtime, info))
+    return runtime.service(WeightsService, runtime, info)

@@ -167,7 +167,7 @@ class WeightSubscriber:
             try:
                 view: NodeView = await service.call_directory(
                     self.name, "poll", service.worker, service.node_id, generation, POLL_S,
-                    incarnation)
+                    incarnation, wait_s=POLL_S)
             except PeerLostError as exc:
                 self._lost = str(exc)
                 self._notify()
