@@ -1,8 +1,10 @@
 """Channels: one consumer sees one producer's items in queue order, prefetch included.
 
-Each test stops the channel worker (``SIGSTOP``) at the moment that matters, so the
-interleaving that heavy machine load produces by chance happens every time: answers
-the consumer's handle is waiting for arrive only after its own timers have fired.
+Each test makes one interleaving of the consumer's handle and the channel worker happen
+every time (docs/ordering.md, Channels): by the order of operations issued in one loop
+turn (they reach the channel worker in one message and are handled in that order), or
+by stopping the channel worker (``SIGSTOP``) so that an answer arrives only after the
+handle's own timers fired, as under heavy machine load.
 """
 
 from __future__ import annotations

@@ -26,7 +26,10 @@ Ordering
     One process sends everything for one channel through one outbox, in call
     order, over one connection; so puts from one process enter their queue in
     the order they were made, and requests that observe the queue (``qsize``)
-    see the puts issued before them and the items this process prefetched.
+    see the puts issued before them and the items this process prefetched. The
+    gets of one process on a queue receive items in queue order, in call order,
+    prefetch or not (:class:`_GetStream` says how). docs/ordering.md has the
+    whole contract.
 
 Failure
     The process watches the channel worker through the registry
@@ -49,7 +52,8 @@ Cancellation
     Cancelling a pending put or get (``work.cancel()``, ``wait(timeout)``
     expiring, a cancelled task) withdraws it at the channel worker. If the item
     was already on its way, the handle sends it back, and it returns to its
-    place in its queue, so a cancelled get never loses or reorders an item.
+    place in its queue, so a cancelled get never loses an item, and the gets of
+    this process made after the cancellation take it first.
 """
 
 # HOT PATH: Channel.put/get, _ClientCore.submit/_accept/_enqueue/_on_done and the
@@ -211,16 +215,15 @@ class _GetStream:
     before any other operation on the queue that must see them (``get_batch``,
     ``get_nowait``, ``qsize``, ``statistics``).
 
-    Ordering: the channel worker handles the slots in the order they were sent, each
-    taking from the head of the queue (a ``GET`` parks only while the queue is
-    empty, and a ``PREFETCH`` behind it then takes nothing), so **items arrive in
-    queue order**, and each goes to the oldest waiting user get or, if none waits,
-    to ``ready`` for the next one: the user gets receive the items in queue order, as
-    if each get had been sent alone. Sending items *back* is what can break this:
-    an item returned while a slot sent earlier is still out lets that slot's newer
-    items reach a user get first, and a slot sent after a returned item was taken
-    but before it is back in the queue takes the items behind it. Three rules
-    prevent both:
+    Ordering (docs/ordering.md): the channel worker handles the slots in the order
+    they were sent, each taking from the head of the queue (a ``GET`` parks only
+    while the queue is empty, and a ``PREFETCH`` behind it then takes nothing), so
+    **items arrive in queue order**, and each goes to the oldest waiting user get or,
+    if none waits, to ``ready`` for the next one: the user gets receive the items in
+    queue order, as if each get had been sent alone. Giving items *back* is what can
+    break this: an item given back while a slot sent earlier is still out lets that
+    slot's newer items reach a user get first, and a slot sent after an item was
+    taken but before it is back in the queue takes the items behind it. So:
 
     * ``ready`` goes back only when no ``PREFETCH`` is out (:meth:`_ClientCore._idle`
       waits for it), or while ``held`` keeps every later operation back and the
@@ -228,13 +231,14 @@ class _GetStream:
     * only ``GET`` slots newer than every ``PREFETCH`` out are withdrawn, so an item
       a withdrawn slot gives back is newer than every item still to arrive;
     * while a withdrawn request (a slot, or a cancelled ``get_batch``) may still give
-      items back (``settling``), no new slot is sent (:meth:`_ClientCore._top_up`).
-
-    Slots serve whichever user get is oldest, so a slot sent for a get that was then
-    cancelled serves a later get. That must not cross a ``get_batch`` or ``get_nowait``
-    sent in between (it is behind the slot at the channel worker, but was made before
-    the later get): cancelling a get made before such a *fence* withdraws a GET slot
-    ahead of it (:meth:`_ClientCore._withdraw_get`).
+      items back (``settling``), no new slot is sent (:meth:`_ClientCore._top_up`);
+    * before held operations are released, the user gets waiting since before them
+      get their slots (:meth:`_ClientCore._settled`);
+    * slots serve whichever user get is oldest, so a slot sent for a get that was then
+      cancelled serves a later get; that must not cross a ``get_batch`` or
+      ``get_nowait`` sent in between (it is behind the slot at the channel worker, but
+      was made before the later get): cancelling a get made before such a *fence*
+      withdraws a GET slot ahead of it (:meth:`_ClientCore._withdraw_get`).
     """
 
     __slots__ = ("state", "queue", "waiting", "ready", "demand", "requested", "requested_total",
