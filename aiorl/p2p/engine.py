@@ -61,6 +61,11 @@ __all__ = ["P2PEngine", "P2PStatistics", "get_p2p"]
 
 log = logging.getLogger("aiorl.p2p")
 
+#: A source's messages came from a newer process than the dead one the runtime knows of:
+#: how soon to resolve its name again (doubling up to the maximum) until it is ready.
+_REWATCH_FIRST_S = 0.02
+_REWATCH_MAX_S = 1.0
+
 
 @dataclass(frozen=True)
 class P2PStatistics:
@@ -70,10 +75,23 @@ class P2PStatistics:
     inboxes: Mapping[str, InboxStatistics]
 
 
+#: Group names this process already checked against the name grammar (a worker sends to a
+#: handful of groups; checking once keeps the regular expression off the per-message path).
+_checked_groups: set[str] = set()
+
+
 def _worker_name(group: str, rank: int | Sequence[int]) -> str:
-    if type(rank) is int and rank >= 0 and type(group) is str and group and ":" not in group:
+    """The name of worker ``group:rank``; ValueError at once for a name outside the grammar.
+
+    At the call, not later: resolving a malformed name on the loop raised inside the
+    resolution task, where nothing told the operation, and the send or receive waited for
+    ever (docs/ordering.md, "Errors at the sender").
+    """
+    if type(rank) is int and rank >= 0 and type(group) is str and group in _checked_groups:
         return f"{group}:{rank}"
-    return WorkerAddress(group, rank).get_name()
+    name = WorkerAddress(group, rank).get_name()
+    _checked_groups.add(group)
+    return name
 
 
 class P2PEngine:
@@ -241,6 +259,13 @@ class P2PEngine:
                 await asyncio.sleep(1.0)
             except (PeerLostError, LookupError) as exc:
                 return exc  # LookupError: no such group or rank; the operations fail with it
+            except Exception as exc:  # noqa: BLE001 - e.g. the registry refused the watch
+                # Raised here, it would end the resolution task and leave the operations
+                # waiting for ever; they fail with it instead (a later one resolves again).
+                log.warning("%s: cannot resolve worker %s: %r", self.name, name, exc)
+                lost = PeerLostError(f"cannot resolve worker {name}: {exc}")
+                lost.__cause__ = exc
+                return lost
 
     async def _resolve_sender(self, s: Sender) -> None:
         info = await self._resolve(s.name)
@@ -256,8 +281,24 @@ class P2PEngine:
         s.on_resolved(address, peer_node is not None and peer_node == self.node_id)
 
     async def _watch_source(self, ib: Inbox) -> None:
-        """Resolve the sender through the registry so that its death fails our receives."""
-        info = await self._resolve(ib.name)
+        """Resolve the sender through the registry so that its death fails our receives.
+
+        The death the runtime knows for the name may be an earlier process's: a restarted
+        rank (or a new group of that name) can send before this process has heard that it
+        is ready, and its first messages then reach a fresh Inbox whose resolution fails at
+        once with the predecessor's death. Those messages are not dropped with it: while
+        the registry's last record of the name is not the end of the process they come
+        from, the name is resolved again until the new process is ready (or ends).
+        """
+        delay = _REWATCH_FIRST_S
+        while True:
+            info = await self._resolve(ib.name)
+            if isinstance(info, dict) or not self._death_of_a_predecessor(ib, info):
+                break
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, _REWATCH_MAX_S)
+            if ib.lost_exc is not None:
+                return  # failed meanwhile (the engine closed)
         if not isinstance(info, dict):
             self._inbox_lost(ib, info)
             return
@@ -266,6 +307,21 @@ class P2PEngine:
         self._inbox_by_address[address] = ib
         if self.endpoint.is_lost(address):
             self._inbox_lost(ib, PeerLostError(f"worker {ib.name} is gone"))
+
+    def _death_of_a_predecessor(self, ib: Inbox, exc: PeerLostError | LookupError) -> bool:
+        """Whether the loss ``exc`` of ``ib``'s name is not that of the process whose
+        messages ``ib`` holds: the registry's last record of the name is a live process, or
+        the end of another one (another pid). Without a message yet, or without a record
+        to compare, the loss stands (receives from a dead name fail at once)."""
+        if ib.sender is None or not isinstance(exc, PeerLostError):
+            return False
+        record = self.runtime.registry.known.get(ib.name)
+        if record is None:
+            return False
+        if not record.state.is_final:
+            return True  # a process of the name is starting or ready: the sender
+        sender_pid, dead_pid = _pid_of(ib.sender), record.info.pid
+        return 0 not in (sender_pid, dead_pid) and sender_pid != dead_pid
 
     def _on_peer_lost(self, address: str, exc: BaseException) -> None:
         """A peer process is gone: what is pending toward it or from it fails, and its name's
@@ -292,11 +348,17 @@ class P2PEngine:
     # ------------------------------------------------------------------ op handlers
     def _on_data(self, msg: Incoming) -> None:
         m = msg.meta
-        (self._inboxes.get(m[0]) or self.inbox(m[0])).handle(m[1], m[2], m[3], m[4], msg.frames)
+        ib = self._inboxes.get(m[0]) or self.inbox(m[0])
+        if ib.sender is None:
+            ib.sender = msg.identity
+        ib.handle(m[1], m[2], m[3], m[4], msg.frames)
 
     def _on_batch(self, msg: Incoming) -> None:
         src, metas = msg.meta
-        (self._inboxes.get(src) or self.inbox(src)).handle_batch(metas, msg.frames)
+        ib = self._inboxes.get(src) or self.inbox(src)
+        if ib.sender is None:
+            ib.sender = msg.identity
+        ib.handle_batch(metas, msg.frames)
 
     def _on_ack(self, msg: Incoming) -> None:
         """``p2p.ack`` / ``p2p.done`` from a receiver: to the Sender toward it."""
@@ -311,6 +373,8 @@ class P2PEngine:
 
     def _on_hello(self, msg: Incoming) -> None:
         ib = self.inbox(msg.meta["src"])
+        if ib.sender is None:
+            ib.sender = msg.identity
         if msg.meta.get("cuda") and cuda_needs_init():
             # This process's first CUDA use: initialise it off the loop, answer after.
             fut = self.loop.run_in_executor(None, local_cuda_info)
@@ -353,6 +417,12 @@ class P2PEngine:
             task.cancel()
 
 
+def _pid_of(identity: bytes) -> int:
+    """The process id in an endpoint's routing identity (``name/pid/nonce``); 0 if none."""
+    try:
+        return int(identity.rsplit(b"/", 2)[-2])
+    except (IndexError, ValueError):
+        return 0
 
 
 def get_p2p(runtime: Runtime, node_id: str | None = None) -> P2PEngine:

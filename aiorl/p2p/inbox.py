@@ -61,6 +61,7 @@ class Inbox:
         "engine",
         "name",
         "address",
+        "sender",
         "arrived",
         "posted",
         "lost_exc",
@@ -73,6 +74,9 @@ class Inbox:
         self.engine = engine
         self.name = name
         self.address: str | None = None  # from the registry watch (for loss detection)
+        #: The routing identity of the process whose messages this Inbox got (None: none
+        #: yet): tells a restarted rank's messages from its predecessor's death.
+        self.sender: bytes | None = None
         self.arrived: deque[InMessage] = deque()
         self.posted: deque[PostedRecv] = deque()
         self.lost_exc: BaseException | None = None
