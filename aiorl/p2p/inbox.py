@@ -10,8 +10,9 @@ path its descriptor names (CUDA transfers must start in arrival order); a receiv
 result is ready once its own payload has landed.
 
 Loss: :meth:`Inbox.lost` fails the posted receives and the CUDA payloads still in
-flight, then lets each path drop what maps the source's memory. Messages that fully
-arrived stay receivable, in order; after them, receives fail at once.
+flight, then lets each path drop what maps the source's memory. The engine then forgets
+the Inbox (with what arrived and was not received yet), so that a later receive resolves
+the name again: at once a failure for a dead worker, the new process for a restarted one.
 """
 
 from __future__ import annotations
@@ -303,7 +304,8 @@ class Inbox:
                 path.on_control(meta)
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
-        """Fail what waits on a dead sender. Messages that fully arrived stay receivable."""
+        """Fail what waits on a dead sender (the engine then forgets this Inbox, and the
+        messages it still holds with it: docs/ordering.md, "Failure")."""
         if self.lost_exc is None:
             self.lost_exc = exc
         while self.posted:
