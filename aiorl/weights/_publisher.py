@@ -123,8 +123,6 @@ class WeightPublisher:
                 await service.call_directory(self.name, "announce", service.worker, self.shard,
                                              version, slot, patience=0.0)
             except PeerLostError as exc:
-                from aiorl.weights._service import _dbg
-                _dbg(f"announce {version} failed {exc!r}"[:300])
                 log.info("%s: weights %r version %d: the directory is down (%s); it hears of "
                          "the version when it is back", service.worker, self.name, version, exc)
             except Exception as exc:  # nobody awaits this task: say it here

@@ -48,12 +48,6 @@ T = TypeVar("T")
 
 log = logging.getLogger("aiorl.weights")
 
-
-def _dbg(msg: str) -> None:
-    import os, time
-    with open("/tmp/wdbg.log", "a") as f:
-        f.write(f"{time.time():.3f} {os.getpid()} {msg}\n")
-
 #: A relay's request for one bucket of one version of a shard.
 OP_FETCH = "weights.fetch"
 #: Frame size of a fetched bucket: one huge ZMQ frame costs page faults (PERF-NOTES.md).
@@ -192,12 +186,16 @@ class WeightsService:
             except GroupExistsError:
                 pass  # another process of the cluster launched it first
         link = DirectoryLink(name, f"{group}:0")
-        await self.runtime.resolve_worker(link.worker, CONNECT_TIMEOUT_S, wait_for_group=True)
         # Hear of a new incarnation even while this process has nothing to tell it, so that
         # what it publishes or relays is listed again without waiting for its next publish.
-        await self.runtime.registry.watch(
-            link.worker, lambda _name, state, info, _detail: self._on_directory_event(
-                link, state, info))
+        # (Readiness is awaited by each call, which also waits for a directory restarting.)
+        try:
+            await self.runtime.registry.watch(
+                link.worker, lambda _name, state, info, _detail: self._on_directory_event(
+                    link, state, info))
+        except RegistryUnavailable as exc:  # kept: renewed with this process's other watches
+            log.info("%s: weights %r: directory watch not yet registered: %r", self.worker,
+                     name, exc)
         return link
 
     async def on_directory_restart(self, name: str, restore: Restorer) -> None:
@@ -232,7 +230,6 @@ class WeightsService:
             except (PeerLostError, WaitTimeout, TimeoutError) as exc:
                 if not isinstance(exc, (PeerLostError, WaitTimeout)):  # unanswered
                     await self._renew_watches()
-                _dbg(f"{self.worker} call {method} failed {exc!r}"[:300])
                 now = self.loop.time()
                 if failing_since is None:  # patience counts from the directory's death
                     failing_since = now
@@ -247,8 +244,8 @@ class WeightsService:
         """Wait (until ``deadline``) for the directory to be ready; if it is an incarnation
         this process's state has not reached, run the restorers first (once, shared by
         concurrent callers)."""
-        info = await self.runtime.resolve_worker(link.worker, max(deadline - self.loop.time(),
-                                                                  RETRY_S))
+        info = await self.runtime.resolve_worker(
+            link.worker, max(deadline - self.loop.time(), RETRY_S), wait_for_group=True)
         endpoint = str(info["endpoint"])
         if endpoint == link.endpoint:
             return
@@ -258,7 +255,6 @@ class WeightsService:
         await asyncio.shield(link.restoring[1])
 
     async def _restore(self, link: DirectoryLink, endpoint: str) -> None:
-        _dbg(f"{self.worker} restore start {endpoint} (was {link.endpoint}) {len(link.restorers)}")
         try:
             if link.endpoint is not None:
                 log.info("%s: the directory of weights %r restarted; telling it what this "
@@ -277,7 +273,6 @@ class WeightsService:
                     log.warning("%s: weights %r: could not restore the directory: %r",
                                 self.worker, link.name, exc)
             link.endpoint = endpoint
-            _dbg(f"{self.worker} restore done {endpoint}")
         finally:
             if link.restoring is not None and link.restoring[0] == endpoint:
                 link.restoring = None
@@ -294,7 +289,6 @@ class WeightsService:
 
     def _on_directory_event(self, link: DirectoryLink, state: str, info: dict[str, Any]) -> None:
         endpoint = info.get("endpoint")
-        _dbg(f"{self.worker} event {state} {endpoint}")
         if state != "ready" or not endpoint or endpoint == link.endpoint or not link.restorers:
             return
 

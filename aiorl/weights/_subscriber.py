@@ -157,25 +157,23 @@ class WeightSubscriber:
         ``wait_for`` raise, and is still polled for in case it comes back."""
         service = self.service
         generation, incarnation = -1, ""
-        try:
-            await service.on_directory_restart(self.name, self._restore)
-        except Exception as exc:  # e.g. the directory could not be launched
-            self._lost = f"cannot follow the directory of weights {self.name!r}: {exc!r}"
-            log.warning("%s: %s", service.worker, self._lost)
-            return
+        following = False
         while True:
             try:
+                if not following:
+                    await service.on_directory_restart(self.name, self._restore)
+                    following = True
                 view: NodeView = await service.call_directory(
                     self.name, "poll", service.worker, service.node_id, generation, POLL_S,
                     incarnation, wait_s=POLL_S)
-            except PeerLostError as exc:
-                self._lost = str(exc)
+            except Exception as exc:  # gone for longer than the patience, or not launched
+                self._lost = (str(exc) if isinstance(exc, PeerLostError) else
+                              f"cannot follow the directory of weights {self.name!r}: {exc!r}")
+                log.warning("%s: %s", service.worker, self._lost)
                 self._notify()
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(1.0)  # and poll again: it may come back
                 continue
             generation, incarnation = view.generation, view.directory
-            from aiorl.weights._service import _dbg
-            _dbg(f"{service.worker} view v={view.version} gen={view.generation} dir={view.directory[:6]} jobs={[(j.shard, j.version) for j in view.relay_jobs]} lost={view.lost} latest={self._latest}"[:400])
             self._take(view)
             self._lost = view.lost
             if view.version is not None and (self._latest is None or view.version > self._latest):
@@ -328,7 +326,7 @@ class WeightSubscriber:
         service = self.service
         try:
             await service.call_directory(self.name, "gpu_subscribe", service.worker,
-                                         service.node_id, gpu[1])
+                                         service.node_id, gpu[1], patience=0.0)
         except Exception as exc:  # the host path needs no GPU registration: asked again
             log.debug("weights %r: GPU not registered: %r", self.name, exc)
             return

@@ -490,7 +490,8 @@ class GpuRelay:
             try:
                 await self.service.call_directory(
                     self.name, "announce_gpu", self.service.worker, self.service.node_id,
-                    self.uuid, self.shard, call.version, slot, segment.ref, gpu.export)
+                    self.uuid, self.shard, call.version, slot, segment.ref, gpu.export,
+                    patience=0.0)  # a restarted directory elects representatives afresh
             except Exception as exc:  # the directory is gone: its subscribers hear it
                 log.info("weights %r shard %d: version %d not announced: %s", self.name,
                          self.shard, call.version, exc)
