@@ -330,7 +330,7 @@ def test_pipeline_reaches_its_steps_while_processes_are_killed(chaos):
                        log_to_driver=False, timeout=60) as cluster:
         policy_ = {"restart": "on_failure", "max_restarts": 10_000, "backoff": 0.05}
         channel = aiorl.Channel.create(cluster, "chaos_items", maxsize=0,
-                                       restart="on_failure")
+                                       restart="on_failure", max_restarts=10_000, backoff=0.05)
         # Hosted by the driver, so that it is restarted however often its users die.
         directory = host_directory(cluster, WEIGHTS, node_rank=0)
         producers = Producer.create_group().launch(

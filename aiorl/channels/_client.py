@@ -1184,7 +1184,7 @@ class _ClientCore:
 
     async def _create(self, st: _ChannelState, session: Session, maxsize: int,
                       where: NodeChoice, distributed: bool, timeout: float,
-                      restart: str = "never") -> dict[str, Any]:
+                      policy: dict[str, Any] | None = None) -> dict[str, Any]:
         """Launch the channel's worker group (one rank per node ``where`` gives), or
         connect to the channel of that name if it exists, as RLinf does, with a warning."""
         launched = False
@@ -1196,7 +1196,7 @@ class _ClientCore:
             builder = WorkerGroupBuilder(ChannelHost, args, {})
             try:
                 await builder.launch_async(session, NodePlacementStrategy(nodes), st.group,
-                                           restart=restart)
+                                           **(policy or {}))
                 launched = True
             except GroupExistsError:
                 pass  # another creator won the race: connect to its channel
@@ -1334,15 +1334,18 @@ class Channel:
         group_rank_affinity: int | None = None,
         timeout: float = DEFAULT_CONNECT_TIMEOUT,
         restart: str = "never",
+        max_restarts: int = 3,
+        backoff: float = 0.5,
     ) -> Channel:
         """Create channel ``name`` (or connect to it, with a warning, if it already exists)
         from the driver.
 
         ``restart="on_failure"`` starts an **empty** replacement under the same name when
-        a channel worker dies: every item queued in it then (up to ``maxsize`` per queue,
-        plus prefetched ones) is lost. Each client's operations pending on the dead worker
-        fail with :class:`~aiorl.PeerLostError` naming the channel; later ones reach the
-        replacement once it is ready (docs/failures.md).
+        a channel worker dies (at most ``max_restarts`` times, after ``backoff`` seconds
+        doubling, as :meth:`WorkerGroupBuilder.launch`): every item queued in it then (up
+        to ``maxsize`` per queue, plus prefetched ones) is lost. Each client's operations
+        pending on the dead worker fail with :class:`~aiorl.PeerLostError` naming the
+        channel; later ones reach the replacement once it is ready (docs/failures.md).
 
         A plain channel's worker runs on the node of worker
         ``group_affinity:group_rank_affinity`` when given, else on ``node_rank``
@@ -1365,7 +1368,8 @@ class Channel:
         where = _replica_nodes(node_ranks) if distributed else _affinity_node(
             cluster.runtime, group_affinity, group_rank_affinity,
             0 if node_rank is None else int(node_rank), None, timeout)
-        ch._start_create(cluster, maxsize, where, distributed, timeout, restart)
+        ch._start_create(cluster, maxsize, where, distributed, timeout,
+                         {"restart": restart, "max_restarts": max_restarts, "backoff": backoff})
         return ch._settle()
 
     @classmethod
@@ -1395,13 +1399,16 @@ class Channel:
         return core, self._state
 
     def _start_create(self, session: Session, maxsize: int, where: NodeChoice,
-                      distributed: bool, timeout: float, restart: str = "never") -> None:
+                      distributed: bool, timeout: float,
+                      policy: dict[str, Any] | None = None) -> None:
+        """Create from a driver or a worker; ``policy``: the channel group's supervision
+        (``restart``, ``max_restarts``, ``backoff`` of ``launch``)."""
         core, st = self._bind()
 
         def start() -> None:
             if st.address is None:
                 core._start(st, core._create(st, session, maxsize, where, distributed, timeout,
-                                             restart))
+                                             policy))
             else:
                 _warn_exists(st.name)
 
