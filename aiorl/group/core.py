@@ -201,7 +201,7 @@ class GroupCore:
             call: _GroupCall = _TracedGroupCall(
                 work, method, self._trace_pairs(ranks),
                 _trace.payload_bytes(frames) if frames else 0)
-            send: Callable[..., None] = self._send_traced_call
+            send: Callable[..., object] = self._send_traced_call
         else:
             call, send = _GroupCall(work, len(ranks)), self._send_call
         for i, r in enumerate(ranks):
@@ -231,23 +231,19 @@ class GroupCore:
         return pairs
 
     def _send_call(self, call: _GroupCall, i: int, state: _Rank, method: str,
-                   frames: list[Any]) -> None:
+                   frames: list[Any]) -> int:
+        """Send rank ``i``'s request; its request id (0 when it failed at once)."""
         if state.error is not None:
             call.settle(i, _fresh(state.error), None)
-            return
+            return 0
         assert state.address is not None
-        self.runtime.endpoint.request_then(
+        return self.runtime.endpoint.request_then(
             state.address, _CALL, method, frames, functools.partial(call.settle, i))
 
     def _send_traced_call(self, call: _TracedGroupCall, i: int, state: _Rank, method: str,
                           frames: list[Any]) -> None:
         """:meth:`_send_call`, keeping the request id: the worker names the flow by it."""
-        if state.error is not None:
-            call.settle(i, _fresh(state.error), None)
-            return
-        assert state.address is not None
-        call.rids[i] = self.runtime.endpoint.request_then(
-            state.address, _CALL, method, frames, functools.partial(call.settle, i))
+        call.rids[i] = self._send_call(call, i, state, method, frames)
 
     def ready(self, ranks: Sequence[int]) -> AsyncWork[None]:
         work: AsyncWork[None] = AsyncWork(self.runtime.loop)
