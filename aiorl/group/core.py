@@ -68,7 +68,7 @@ class _Rank:
     def __init__(self) -> None:
         self.address: str | None = None
         self.error: BaseException | None = None
-        self.queued: list[Callable[[], None]] = []
+        self.queued: list[Callable[[], object]] = []
         self.incarnation = 0
         self.restarts = 0
         self.streak = 0  # restarts since it was last ready: the backoff's exponent
