@@ -118,11 +118,10 @@ class _TracedGroupCall(_GroupCall):
 
     def __init__(self, work: AsyncWork[list[Any]], method: str,
                  pairs: list[tuple[str, str]], nbytes: int) -> None:
-        n = len(pairs)
-        self.work, self.results, self.remaining = work, [None] * n, n
+        super().__init__(work, len(pairs))
         self.method = method
         self.pairs = pairs  # per rank: (worker name, flow pair name)
-        self.rids = [0] * n  # per rank: the request id, once sent
+        self.rids = [0] * len(pairs)  # per rank: the request id, once sent
         self.nbytes = nbytes
         self.t0 = _trace.now()
 

@@ -480,8 +480,7 @@ class Endpoint:
         """Push an event to the client whose routing id is ``identity``; False if it is gone."""
         return self._send_router(identity, _EVENT, 0, op, meta, frames)
 
-    def _on_router_message(self, frames: list[Any], nested: bool = False,
-                           unpacked: bool = False) -> None:
+    def _on_router_message(self, frames: list[Any], within: int = 0) -> None:
         if len(frames) < 2:
             self._dropped("a message with %d frames (need identity and header)", len(frames))
             return
@@ -491,22 +490,14 @@ class Endpoint:
         except ProtocolError as exc:
             self._dropped("a malformed message: %s", exc)
             return
-        if header.kind == _PACKED and not (nested or unpacked):
+        if _opens(header.kind, within):
             try:
-                inner = unpack(header.meta, frames[2:])
+                parts = _contents(header, frames[2:])
             except ProtocolError as exc:
-                self._dropped("a malformed packed message: %s", exc)
-                return
-            self._on_router_message([identity, *inner], unpacked=True)
-            return
-        if header.kind == _BATCH and not nested:
-            try:
-                parts = split_batch(header.meta, frames[2:])
-            except ProtocolError as exc:
-                self._dropped("a malformed batch: %s", exc)
+                self._dropped("a malformed %s message: %s", Kind(header.kind).name, exc)
                 return
             for part in parts:
-                self._on_router_message([identity, *part], nested=True)
+                self._on_router_message([identity, *part], header.kind)
             return
         msg = Incoming(self, identity, header.kind, header.request_id, header.op, header.meta, frames[2:])
         if header.kind not in (_REQUEST, _ONEWAY):
@@ -710,29 +701,21 @@ class Endpoint:
         if self._peers.get(p.address) is p and not self.closed:
             self._connect(p)
 
-    def _on_dealer_message(self, p: _Peer, frames: list[Any], nested: bool = False,
-                           unpacked: bool = False) -> None:
+    def _on_dealer_message(self, p: _Peer, frames: list[Any], within: int = 0) -> None:
         try:
             header = decode_header(frames[0])
         except (ProtocolError, IndexError) as exc:
             self._dropped("a malformed message from %s: %s", p.address, exc)
             return
-        if header.kind == _PACKED and not (nested or unpacked):
+        if _opens(header.kind, within):
             try:
-                inner = unpack(header.meta, frames[1:])
+                parts = _contents(header, frames[1:])
             except ProtocolError as exc:
-                self._dropped("a malformed packed message from %s: %s", p.address, exc)
-                return
-            self._on_dealer_message(p, inner, unpacked=True)
-            return
-        if header.kind == _BATCH and not nested:
-            try:
-                parts = split_batch(header.meta, frames[1:])
-            except ProtocolError as exc:
-                self._dropped("a malformed batch from %s: %s", p.address, exc)
+                self._dropped("a malformed %s message from %s: %s", Kind(header.kind).name,
+                              p.address, exc)
                 return
             for part in parts:
-                self._on_dealer_message(p, part, nested=True)
+                self._on_dealer_message(p, part, header.kind)
             return
         if header.kind == _EVENT:
             handler = self._event_handlers.get(header.op)
@@ -803,6 +786,21 @@ class Endpoint:
                     log.exception("peer-lost callback failed")
         self._peers.clear()
         self._router.close()
+
+
+def _opens(kind: int, within: int) -> bool:
+    """Whether a message of ``kind`` read inside ``within`` (0: at the top, else the kind of
+    the message that held it) is a container to open: PACKED only at the top, BATCH at the
+    top or inside a PACKED (that is how endpoints send them; anything else is malformed)."""
+    return (kind == _PACKED and within == 0) or (kind == _BATCH and within != _BATCH)
+
+
+def _contents(header: Any, payload: list[Any]) -> list[list[Any]]:
+    """The messages inside a PACKED (one) or BATCH (several) message; ProtocolError if its
+    meta does not describe its frames."""
+    if header.kind == _PACKED:
+        return [unpack(header.meta, payload)]
+    return split_batch(header.meta, payload)
 
 
 def _copy_lost(exc: BaseException) -> PeerLostError:
