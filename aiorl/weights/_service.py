@@ -35,6 +35,7 @@ from aiorl.errors import (
 from aiorl.group import WorkerGroup, WorkerGroupBuilder
 from aiorl.names import WorkerInfo
 from aiorl.placement import NodePlacementStrategy
+from aiorl.protocol.ops import WorkerState
 from aiorl.runtime import AsyncWork, Runtime, Session, WorkerSession
 from aiorl.runtime.promise import link_threads, prepare_threads, settle_from
 from aiorl.transport.endpoint import Incoming
@@ -289,7 +290,7 @@ class WeightsService:
 
     def _on_directory_event(self, link: DirectoryLink, state: str, info: dict[str, Any]) -> None:
         endpoint = info.get("endpoint")
-        if state != "ready" or not endpoint or endpoint == link.endpoint or not link.restorers:
+        if state != WorkerState.READY or not endpoint or endpoint == link.endpoint or not link.restorers:
             return
 
         async def restore_now() -> None:
