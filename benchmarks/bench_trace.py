@@ -57,12 +57,18 @@ def sequential(call: Callable[[], aiorl.AsyncWork[object]]) -> float:
     return (time.perf_counter() - t) / SEQ_CALLS * 1e6
 
 
-def in_flight(call: Callable[[], aiorl.AsyncWork[object]]) -> float:
+#: Rounds of IN_FLIGHT calls per in-flight sample: one round of no-op calls lasts ~35 ms
+#: here, too short a sample against this machine's noise.
+IN_FLIGHT_ROUNDS = 10
+
+
+def in_flight(call: Callable[[], aiorl.AsyncWork[object]], rounds: int = IN_FLIGHT_ROUNDS) -> float:
     t = time.perf_counter()
-    works = [call() for _ in range(IN_FLIGHT)]
-    for w in works:
-        w.wait()
-    return IN_FLIGHT / (time.perf_counter() - t)
+    for _ in range(rounds):
+        works = [call() for _ in range(IN_FLIGHT)]
+        for w in works:
+            w.wait()
+    return rounds * IN_FLIGHT / (time.perf_counter() - t)
 
 
 def hook_check_ns() -> float:
@@ -105,7 +111,7 @@ def main() -> int:
             "seq plain method (µs/call)": lambda: sequential(g.noop),
             "seq async method (µs/call)": lambda: sequential(g.anoop),
             "in flight, async (calls/s)": lambda: in_flight(g.anoop),
-            "in flight, 200 µs method (calls/s)": lambda: in_flight(g.work),
+            "in flight, 200 µs method (calls/s)": lambda: in_flight(g.work, 1),
         }
         for fn in cases.values():
             fn()  # warm

@@ -81,11 +81,13 @@ def traced_execution(fn: Callable[..., Any], is_async: bool, msg: Incoming,
     caller, pair = known
     flow = (pair, msg.request_id)
     method: str = msg.meta
-    record = _trace.record
 
-    if is_async:
-        record("exec", method, _trace.now(), caller, 0, True, None, None, flow, False)
+    if is_async:  # the record built inline (recorder.FIELDS): this runs once per call
+        t, tid = _trace.now(), threading.get_ident()
+        _trace.append(("exec", method, t, t, tid, tid, caller, 0, True, None, None, flow, None,
+                       False))
         return fn
+    record = _trace.record
 
     def run_plain(*args: Any, **kwargs: Any) -> Any:  # on the method thread: a nested slice
         t0 = _trace.now()

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import sysconfig
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -118,10 +119,13 @@ class _TracedGroupCall(_GroupCall):
 
     def __init__(self, work: AsyncWork[list[Any]], method: str,
                  pairs: list[tuple[str, str]], nbytes: int) -> None:
-        super().__init__(work, len(pairs))
+        # The base's three stores, not a super().__init__ call: this runs once per call.
+        self.work = work
+        self.results = [None] * len(pairs)
+        self.remaining = len(pairs)
         self.method = method
         self.pairs = pairs  # per rank: (worker name, flow pair name)
-        self.rids = [0] * len(pairs)  # per rank: the request id, once sent
+        self.rids = [0] * len(pairs)  # per rank: the request id, once sent (_send_call)
         self.nbytes = nbytes
         self.t0 = _trace.now()
 
@@ -131,9 +135,11 @@ class _TracedGroupCall(_GroupCall):
         nbytes = self.nbytes
         if reply is not None and reply[1]:
             nbytes += _trace.payload_bytes(reply[1])
-        _trace.record("call", self.method, self.t0, peer, nbytes, error is None,
-                      None if error is None else _trace.error_text(error),
-                      (pair, rid) if rid else None, None, True)
+        tid = threading.get_ident()
+        # The record built inline (recorder.FIELDS), as recorder.record would.
+        _trace.append(("call", self.method, self.t0, _trace.now(), tid, tid, peer, nbytes,
+                       error is None, None if error is None else _trace.error_text(error),
+                       (pair, rid) if rid else None, None, None, True))
         _GroupCall.settle(self, i, error, reply)
 
 
@@ -200,9 +206,9 @@ class GroupCore:
             call: _GroupCall = _TracedGroupCall(
                 work, method, self._trace_pairs(ranks),
                 _trace.payload_bytes(frames) if frames else 0)
-            send: Callable[..., object] = self._send_traced_call
         else:
-            call, send = _GroupCall(work, len(ranks)), self._send_call
+            call = _GroupCall(work, len(ranks))
+        send = self._send_call
         for i, r in enumerate(ranks):
             state = self.ranks[r]
             if state.error is not None or state.address is not None:
@@ -231,18 +237,18 @@ class GroupCore:
 
     def _send_call(self, call: _GroupCall, i: int, state: _Rank, method: str,
                    frames: list[Any]) -> int:
-        """Send rank ``i``'s request; its request id (0 when it failed at once)."""
+        """Send rank ``i``'s request; its request id (0 when it failed at once).
+
+        A traced call keeps the id: the worker names the call's flow by it."""
         if state.error is not None:
             call.settle(i, _fresh(state.error), None)
             return 0
         assert state.address is not None
-        return self.runtime.endpoint.request_then(
+        rid = self.runtime.endpoint.request_then(
             state.address, _CALL, method, frames, functools.partial(call.settle, i))
-
-    def _send_traced_call(self, call: _TracedGroupCall, i: int, state: _Rank, method: str,
-                          frames: list[Any]) -> None:
-        """:meth:`_send_call`, keeping the request id: the worker names the flow by it."""
-        call.rids[i] = self._send_call(call, i, state, method, frames)
+        if isinstance(call, _TracedGroupCall):
+            call.rids[i] = rid
+        return rid
 
     def ready(self, ranks: Sequence[int]) -> AsyncWork[None]:
         work: AsyncWork[None] = AsyncWork(self.runtime.loop)

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 __all__ = [
-    "ON", "Span", "begin", "counter", "disable", "drain", "enable", "enable_from_environment",
+    "FIELDS", "ON", "Span", "append", "begin", "counter", "disable", "drain", "enable", "enable_from_environment",
     "error_text", "flow_seq", "mark", "now", "open_spans", "payload_bytes", "recent", "record",
     "set_process_name", "span",
 ]
@@ -48,9 +48,16 @@ now = _now
 _ident = threading.get_ident
 _running_loop = asyncio._get_running_loop
 
-#: Finished spans as plain tuples (:meth:`Span.to_wire`): tuples of atomic values leave the
+#: Finished spans as plain tuples of :data:`FIELDS`: tuples of atomic values leave the
 #: garbage collector's tracking, so a full buffer does not slow every collection.
 _buffer: deque[tuple[Any, ...]] = deque(maxlen=DEFAULT_CAPACITY)
+#: The buffer's ``append``, for the two hottest hooks (a call's span at its caller and its
+#: start at the worker), which build their record inline: a Python-level call with ten
+#: arguments costs as much as the rest of the record on a slow core. Rebound with the buffer.
+append = _buffer.append
+#: The fields of a record, in order (what :func:`record` builds and the merger reads).
+FIELDS = ("cat", "name", "t0", "t1", "tid_begin", "tid_end", "peer", "nbytes", "ok", "error",
+          "flow_out", "flow_in", "tags", "on_loop")
 #: Spans begun and not ended: the process's pending operations while tracing is on.
 open_spans: set[Span] = set()
 _flow_counts: dict[str, int] = {}
@@ -206,9 +213,10 @@ def set_process_name(name: str) -> None:
 
 def enable(capacity: int | None = None) -> None:
     """Turn tracing on in this process (optionally resizing the ring buffer)."""
-    global ON, _buffer
+    global ON, _buffer, append
     if capacity is not None and capacity != _buffer.maxlen:
         _buffer = deque(_buffer, maxlen=capacity)
+        append = _buffer.append
     ON = True
 
 
@@ -251,8 +259,9 @@ def drain() -> dict[str, Any]:
     The reply carries this process's clock at the time of the pull, so the puller can
     estimate the offset between its clock and ours from the round trip.
     """
-    global _buffer
+    global _buffer, append
     taken, _buffer = _buffer, deque(maxlen=_buffer.maxlen)
+    append = _buffer.append
     threads = {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
     return {
         "process": _process_name, "pid": os.getpid(), "on": ON,
