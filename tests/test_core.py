@@ -369,3 +369,29 @@ def test_worker_output_reaches_the_driver_with_the_worker_name(cluster, capsys):
         assert "(loud:0 pid=" in err and "token-7f3a" in err
     finally:
         group.close()
+
+
+_FREEZE_PROBE = """
+import gc, aiorl
+with aiorl.Cluster():
+    frozen = gc.get_freeze_count()
+    aiorl.Cluster().close()  # a second Cluster in the process freezes nothing more
+    print(frozen, gc.get_freeze_count() == frozen)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_the_driver_freezes_its_heap_once_unless_told_not_to(setting: str | None) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "AIORL_GC_FREEZE"}
+    if setting is not None:
+        env["AIORL_GC_FREEZE"] = setting
+    out = subprocess.run([sys.executable, "-c", _FREEZE_PROBE], env=env, capture_output=True,
+                         text=True, timeout=80)
+    assert out.returncode == 0, out.stderr
+    frozen, once = out.stdout.split()
+    assert once == "True"
+    if setting == "0":
+        assert int(frozen) == 0
+    else:
+        assert int(frozen) > 10_000  # the imports (aiorl, zmq, numpy...) are out of the GC's way
