@@ -213,7 +213,7 @@ class P2PEngine:
         The k-th send from A to B is the k-th receive of B from A (docs/ordering.md), so
         each end names the flow by the pair and its own count.
         """
-        span = _trace.begin(kind, kind, peer)
+        span = _trace.Span(kind, kind, peer)
         span.nbytes = nbytes
         if kind == "send":
             span.flow_out = _trace.flow_seq(f"{self.name}>{peer}/p2p")

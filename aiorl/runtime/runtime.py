@@ -211,7 +211,7 @@ class Runtime:
         frames = serialization.dumps((args, kwargs)) if args or kwargs else []
         rid, fut = self.endpoint.request_numbered(info["endpoint"], WorkerOp.CALL, method, frames)
         if _trace.ON and rid:  # the flow is named by the request id, which the worker sees
-            span = _trace.begin("call", method, name)
+            span = _trace.Span("call", method, name)
             span.flow_out = (f"{self.name}>{name}/call", rid)
             fut.add_done_callback(span.settled)
         _, payload = await fut

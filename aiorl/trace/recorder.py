@@ -76,13 +76,13 @@ class Span:
     __slots__ = ("cat", "name", "t0", "tid", "peer", "nbytes", "flow_out", "flow_in", "tags",
                  "on_loop")
 
-    def __init__(self, cat: str, name: str, peer: str | None, tags: dict[str, Any] | None,
-                 on_loop: bool) -> None:
+    def __init__(self, cat: str, name: str, peer: str | None = None,
+                 tags: dict[str, Any] | None = None) -> None:
         self.cat = cat
         self.name = name
         self.peer = peer
         self.tags = tags
-        self.on_loop = on_loop
+        self.on_loop = _running_loop() is not None
         self.nbytes = 0
         self.flow_out: tuple[str, int] | None = None
         self.flow_in: tuple[str, int] | None = None
@@ -98,7 +98,7 @@ class Span:
         except KeyError:
             return
         tid = _ident()
-        _buffer.append((self.cat, self.name, self.t0, _now(), self.tid, tid, self.peer,
+        append((self.cat, self.name, self.t0, _now(), self.tid, tid, self.peer,
                         self.nbytes + nbytes, ok, error, self.flow_out, self.flow_in, self.tags,
                         self.on_loop))
 
@@ -122,8 +122,11 @@ class Span:
 
 
 def begin(cat: str, name: str, peer: str | None = None, **tags: Any) -> Span:
-    """Open a span for an operation that ends later (``span.end()`` or ``span.settled``)."""
-    return Span(cat, name, peer, tags or None, _running_loop() is not None)
+    """Open a span for an operation that ends later (``span.end()`` or ``span.settled``).
+
+    Hooks that carry no tags construct :class:`Span` directly: one Python call less, a
+    quarter of a pending span's cost."""
+    return Span(cat, name, peer, tags or None)
 
 
 def record(cat: str, name: str, t0: int, peer: str | None, nbytes: int, ok: bool,
@@ -161,7 +164,7 @@ def span(name: str, **tags: Any) -> Iterator[Span | None]:
     if not ON:
         yield None
         return
-    s = Span("user", name, None, tags or None, _running_loop() is not None)
+    s = Span("user", name, None, tags or None)
     try:
         yield s
     except BaseException as exc:
