@@ -225,7 +225,11 @@ class Worker:
         return _sync_unless(async_op, work)
 
     def _p2p(self) -> P2PEngine:
-        return get_p2p(self._runtime)
+        # Kept on the instance: four look-ups less on every send and receive.
+        engine: P2PEngine | None = self.__dict__.get("_aiorl_p2p")
+        if engine is None:
+            engine = self.__dict__["_aiorl_p2p"] = get_p2p(self._runtime)
+        return engine
 
     # ------------------------------------------------------------------ channels
     # Implemented in aiorl.channels; see API.md section 5.

@@ -27,6 +27,7 @@ import logging
 import os
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
+from threading import get_ident as _get_ident
 from typing import Any
 
 from aiorl.errors import PeerLostError, RegistryUnavailable
@@ -117,6 +118,7 @@ class P2PEngine:
         self._tasks: set[asyncio.Task[None]] = set()
         # Bound once: on every call's path.
         self._on_loop = runtime.on_loop_thread
+        self._loop_tid = runtime.loop_thread.thread_id  # compared inline on each send/recv
         self._submit = runtime.submit
         ep = self.endpoint
         ep.handle(OP_DATA, self._on_data)
@@ -177,7 +179,7 @@ class P2PEngine:
             self._trace(work, "send", name, msg.nbytes + len(msg.pickle or b""))
         if self._closed:
             reject(work, PeerLostError(f"cannot send to {name}: the p2p engine is closed"))
-        elif self._on_loop():
+        elif _get_ident() == self._loop_tid:
             (self._senders.get(name) or self.sender(name)).submit(msg, work)
         else:
             self._submit(self._send_on_loop, name, msg, work)
@@ -198,7 +200,7 @@ class P2PEngine:
         posted = PostedRecv(work, buf, event)
         if self._closed:
             reject(work, PeerLostError(f"cannot receive from {name}: the p2p engine is closed"))
-        elif self._on_loop():
+        elif _get_ident() == self._loop_tid:
             (self._inboxes.get(name) or self.inbox(name)).post(posted)
         else:
             self._submit(self._recv_on_loop, name, posted)

@@ -35,9 +35,9 @@ T = TypeVar("T")
 _by_loop: dict[asyncio.AbstractEventLoop, LoopThread] = {}
 
 
-def loop_thread_of(loop: asyncio.AbstractEventLoop) -> LoopThread | None:
-    """The :class:`LoopThread` that runs ``loop``, if aiorl made or adopted one for it."""
-    return _by_loop.get(loop)
+#: The :class:`LoopThread` that runs a loop, if aiorl made or adopted one for it. The
+#: dictionary's own ``get``, not a Python function: every AsyncWork asks once.
+loop_thread_of: Callable[[asyncio.AbstractEventLoop], LoopThread | None] = _by_loop.get
 
 
 class LoopThread:
