@@ -86,3 +86,33 @@ def test_embedded_processes_exit_when_the_driver_is_killed():
             driver.wait()
         if driver.stdout is not None:
             driver.stdout.close()
+
+
+def test_held_requests_that_cannot_leave_are_reported_not_dropped():
+    """Requests held to the end of a loop turn and then refused by libzmq (a DEALER whose
+    connection was dropped after a failed handshake has nowhere to send) reach the owner's
+    ``on_send_failed``, which fails what waits on them; they were dropped silently, and
+    their callers waited until a timeout, if any."""
+    import zmq
+
+    from aiorl.transport.endpoint import _Watched
+    from aiorl.transport.sockets import make_socket
+
+    async def main() -> list[BaseException]:
+        sock = make_socket(zmq.DEALER, identity=b"held-test", keys=None)  # never connected
+        failures: list[BaseException] = []
+        watched = _Watched(sock, lambda frames: None, asyncio.get_running_loop(),
+                           on_send_failed=failures.append)
+        try:
+            with pytest.raises(zmq.Again):
+                watched.send([b"first"])  # the turn's first message leaves (and fails) at once
+            watched.send([b"second"])  # held until the turn ends
+            watched.send([b"third"])
+            for _ in range(3):
+                await asyncio.sleep(0)
+        finally:
+            watched.close()
+        return failures
+
+    failures = asyncio.run(main())
+    assert len(failures) == 1 and isinstance(failures[0], zmq.Again)

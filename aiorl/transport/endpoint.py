@@ -231,7 +231,7 @@ class _Watched:
     """
 
     __slots__ = ("sock", "on_message", "loop", "_scheduled", "closed", "lock", "routed",
-                 "_batcher")
+                 "_batcher", "on_send_failed")
 
     def __init__(
         self,
@@ -239,10 +239,13 @@ class _Watched:
         on_message: Callable[[list[Any]], None],
         loop: asyncio.AbstractEventLoop,
         routed: bool = False,
+        on_send_failed: Callable[[zmq.ZMQError], None] | None = None,
     ) -> None:
         self.sock = sock
         self.on_message = on_message
         self.loop = loop
+        #: Told when held messages could not leave (see _send_held); None: drop them.
+        self.on_send_failed = on_send_failed
         self._scheduled = False
         self.closed = False
         self.lock = threading.Lock()
@@ -316,8 +319,13 @@ class _Watched:
         try:
             self._send_now([key, *body] if self.routed else body)
         except zmq.ZMQError as exc:
-            # A routed peer that vanished (EHOSTUNREACH): nothing waits for these.
-            log.debug("dropped %d held message(s): %s", len(messages), exc)
+            if self.on_send_failed is not None:
+                # Requests among them wait for replies that will never come: the owner
+                # fails them (a DEALER whose connection libzmq dropped).
+                self.on_send_failed(exc)
+            else:
+                # Replies to a routed peer that vanished (EHOSTUNREACH): nothing waits here.
+                log.debug("dropped %d held message(s): %s", len(messages), exc)
 
     def _send_now(self, parts: Sequence[Any]) -> None:
         """Send now, then re-check EVENTS (a send can consume the FD's edge)."""
@@ -633,6 +641,12 @@ class Endpoint:
             # failed handshake (whose event may not have been read yet).
             self._handshake_failed(p, "it dropped the connection during the handshake")
 
+    def _send_failed(self, p: _Peer, exc: zmq.ZMQError) -> None:
+        """Requests held for ``p`` until the end of a turn could not leave: a DEALER has
+        nowhere to send only once libzmq dropped its connection after a failed handshake
+        (whose event may not have been read yet). What waits on ``p`` fails now."""
+        self._handshake_failed(p, f"it dropped the connection ({exc})")
+
     def _peer(self, address: str) -> _Peer:
         p = self._peers.get(address)
         if p is None:
@@ -656,7 +670,8 @@ class Endpoint:
         sock.connect(p.address)
         p.refused = None
         p.monitor = _Watched(monitor, lambda frames: self._on_handshake_event(p, frames), self.loop)
-        p.watched = _Watched(sock, lambda frames: self._on_dealer_message(p, frames), self.loop)
+        p.watched = _Watched(sock, lambda frames: self._on_dealer_message(p, frames), self.loop,
+                             on_send_failed=lambda exc: self._send_failed(p, exc))
 
     def _on_handshake_event(self, p: _Peer, frames: list[Any]) -> None:
         event = parse_monitor_message(frames)["event"]
@@ -689,8 +704,8 @@ class Endpoint:
             log.warning("%s", error)
         else:
             log.debug("%s", error)
+        p.refused = error  # first: closing flushes held requests, which may fail back here
         p.close_sockets()
-        p.refused = error
         pending, p.pending = p.pending, {}
         for settle in pending.values():
             settle(_copy_failure(p), None)
