@@ -174,6 +174,9 @@ class Producer(aiorl.Worker):
                 pending = pending[window // 2 + 1:]
         for w in pending:
             await w
+        # A put that completed on a credit may still be on its way; once flush() is done every
+        # put is in the queue, so what the caller puts next from another process comes after.
+        await ch.flush()
         return n
 
     async def puts_then_gets(self, ch: Channel, n: int) -> list[Any]:

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 import aiorl
+from tests._processes import alive
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -277,20 +278,11 @@ def test_close_leaves_no_process_behind():
         # registry, 2 agents, 2 zygotes and the 2 workers, all descendants of this driver
         assert set(pids) <= spawned and len(spawned) >= 7
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and (set(spawned) & _alive(spawned)):
+    while time.monotonic() < deadline and (set(spawned) & alive(spawned)):
         time.sleep(0.1)
-    assert not _alive(spawned), f"left behind: {_alive(spawned)}"
+    assert not alive(spawned), f"left behind: {alive(spawned)}"
 
 
-def _alive(pids: set[int]) -> set[int]:
-    alive = set()
-    for p in pids:
-        try:
-            if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
-                alive.add(p)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 def test_sigkill_node_agent_kills_its_workers():
@@ -300,10 +292,9 @@ def test_sigkill_node_agent_kills_its_workers():
         agent_pid = c.nodes[0]["pid"]
         os.kill(agent_pid, signal.SIGKILL)
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        while time.monotonic() < deadline and alive(pids):
             time.sleep(0.05)
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-        assert not alive, f"workers {alive} outlived their node agent"
+        assert not alive(pids), f"workers {alive(pids)} outlived their node agent"
         with pytest.raises(aiorl.PeerLostError):
             group.scale(1).wait(10)
 

@@ -25,6 +25,7 @@ import aiorl
 from aiorl.transport import security
 from aiorl.transport.security import ClusterKeys
 from aiorl.transport.wire import Kind, decode_header, encode_header, split_batch, unpack
+from tests._processes import alive as running
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -322,8 +323,7 @@ def test_group_of_a_driver_killed_while_the_registry_was_down_expires(registry):
         deadline = time.monotonic() + 30
         alive = pids
         while alive and time.monotonic() < deadline:
-            alive = [p for p in pids if psutil.pid_exists(p)
-                     and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+            alive = list(running(pids))
             time.sleep(0.1)
         assert not alive, "the workers of a driver that died during the outage still run"
         client = RawClient(registry)
