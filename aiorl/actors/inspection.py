@@ -82,7 +82,7 @@ def traced_execution(fn: Callable[..., Any], is_async: bool, msg: Incoming,
     flow = (pair, msg.request_id)
     method: str = msg.meta
 
-    if is_async:  # the record built inline (recorder.FIELDS): this runs once per call
+    if is_async:  # recorder.record's tuple, built inline: this runs once per call
         t, tid = _trace.now(), threading.get_ident()
         _trace.append(("exec", method, t, t, tid, tid, caller, 0, True, None, None, flow, None,
                        False))

@@ -136,7 +136,7 @@ class _TracedGroupCall(_GroupCall):
         if reply is not None and reply[1]:
             nbytes += _trace.payload_bytes(reply[1])
         tid = threading.get_ident()
-        # The record built inline (recorder.FIELDS), as recorder.record would.
+        # recorder.record's tuple, built inline: this runs once per call.
         _trace.append(("call", self.method, self.t0, _trace.now(), tid, tid, peer, nbytes,
                        error is None, None if error is None else _trace.error_text(error),
                        (pair, rid) if rid else None, None, None, True))

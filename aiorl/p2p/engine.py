@@ -117,7 +117,6 @@ class P2PEngine:
         self._inbox_by_address: dict[str, Inbox] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         # Bound once: on every call's path.
-        self._on_loop = runtime.on_loop_thread
         self._loop_tid = runtime.loop_thread.thread_id  # compared inline on each send/recv
         self._submit = runtime.submit
         ep = self.endpoint
@@ -390,7 +389,7 @@ class P2PEngine:
         return self._closed
 
     def on_loop(self) -> bool:
-        return self._on_loop()
+        return _get_ident() == self._loop_tid
 
     def call_soon_threadsafe(self, fn: Any, *args: Any) -> None:
         """Run ``fn(*args)`` on the loop, from any thread, in submission order."""

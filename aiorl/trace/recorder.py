@@ -30,8 +30,8 @@ from contextlib import contextmanager
 from typing import Any
 
 __all__ = [
-    "FIELDS", "ON", "Span", "append", "begin", "counter", "disable", "drain", "enable", "enable_from_environment",
-    "error_text", "flow_seq", "mark", "now", "open_spans", "payload_bytes", "recent", "record",
+    "ON", "Span", "append", "begin", "counter", "disable", "drain", "enable",
+    "enable_from_environment", "error_text", "flow_seq", "mark", "now", "open_spans", "payload_bytes", "recent", "record",
     "set_process_name", "span",
 ]
 
@@ -48,16 +48,13 @@ now = _now
 _ident = threading.get_ident
 _running_loop = asyncio._get_running_loop
 
-#: Finished spans as plain tuples of :data:`FIELDS`: tuples of atomic values leave the
+#: Finished spans as plain tuples laid out as :func:`record` builds them: tuples of atomic values leave the
 #: garbage collector's tracking, so a full buffer does not slow every collection.
 _buffer: deque[tuple[Any, ...]] = deque(maxlen=DEFAULT_CAPACITY)
 #: The buffer's ``append``, for the two hottest hooks (a call's span at its caller and its
 #: start at the worker), which build their record inline: a Python-level call with ten
 #: arguments costs as much as the rest of the record on a slow core. Rebound with the buffer.
 append = _buffer.append
-#: The fields of a record, in order (what :func:`record` builds and the merger reads).
-FIELDS = ("cat", "name", "t0", "t1", "tid_begin", "tid_end", "peer", "nbytes", "ok", "error",
-          "flow_out", "flow_in", "tags", "on_loop")
 #: Spans begun and not ended: the process's pending operations while tracing is on.
 open_spans: set[Span] = set()
 _flow_counts: dict[str, int] = {}
@@ -99,8 +96,8 @@ class Span:
             return
         tid = _ident()
         append((self.cat, self.name, self.t0, _now(), self.tid, tid, self.peer,
-                        self.nbytes + nbytes, ok, error, self.flow_out, self.flow_in, self.tags,
-                        self.on_loop))
+                self.nbytes + nbytes, ok, error, self.flow_out, self.flow_in, self.tags,
+                self.on_loop))
 
     def settled(self, fut: asyncio.Future[Any]) -> None:
         """A done-callback: close the span as the operation's future ended."""
@@ -134,7 +131,12 @@ def record(cat: str, name: str, t0: int, peer: str | None, nbytes: int, ok: bool
            flow_in: tuple[str, int] | None, on_loop: bool) -> None:
     """Record a finished operation begun at ``t0`` (``now()``) without a :class:`Span`:
     for hot operations whose pending state the doctor reads elsewhere (group calls,
-    executions), one tuple is all they cost."""
+    executions), one tuple is all they cost.
+
+    The tuple, which :mod:`aiorl.trace.chrome` reads: ``(cat, name, t0, t1, begin thread,
+    end thread, peer, nbytes, ok, error, flow_out, flow_in, tags, on_loop)``. The two
+    hottest hooks build it inline (a group call's span, an ``async def`` execution's start).
+    """
     tid = _ident()
     _buffer.append((cat, name, t0, _now(), tid, tid, peer, nbytes, ok, error, flow_out, flow_in,
                     None, on_loop))

@@ -20,9 +20,10 @@ Batching
     turn as BATCH messages of at most 64 (see wire.py). A burst of 1,000 calls or
     replies then costs a few system calls instead of 1,000, and a lone call waits
     for nothing. A reader handles a few messages per wake-up, so a burst is worked
-    through in slices and answers flow back while it is still being read. Events and one-way messages go out unbatched, after anything held
-    for their peer (so order is kept): a server learns at once when a
-    subscriber is gone, and one-way streams (p2p) batch themselves.
+    through in slices and answers flow back while it is still being read. Events
+    and one-way messages go out unbatched, after anything held for their peer (so
+    order is kept): a server learns at once when a subscriber is gone, and one-way
+    streams (p2p) batch themselves.
 
 Ordering
     Messages to one peer go through one DEALER and one TCP connection, and a
@@ -644,16 +645,14 @@ class Endpoint:
                 watched.send_direct(parts)
             else:
                 watched.send(parts)
-        except zmq.Again:
-            # A DEALER has nowhere to send only once libzmq dropped its connection after a
-            # failed handshake (whose event may not have been read yet).
-            self._handshake_failed(p, "it dropped the connection during the handshake")
+        except zmq.Again as exc:
+            self._send_failed(p, exc)
 
     def _send_failed(self, p: _Peer, exc: zmq.ZMQError) -> None:
-        """Requests held for ``p`` until the end of a turn could not leave: a DEALER has
-        nowhere to send only once libzmq dropped its connection after a failed handshake
-        (whose event may not have been read yet). What waits on ``p`` fails now."""
-        self._handshake_failed(p, f"it dropped the connection ({exc})")
+        """A request to ``p`` could not leave, sent at once or held to the end of a turn: a
+        DEALER has nowhere to send only once libzmq dropped its connection after a failed
+        handshake (whose event may not have been read yet). What waits on ``p`` fails now."""
+        self._handshake_failed(p, "it dropped the connection during the handshake")
 
     def _peer(self, address: str) -> _Peer:
         p = self._peers.get(address)
