@@ -110,37 +110,56 @@ class _TracedGroupCall(_GroupCall):
     """A group call that records a span per rank as each answers (only while tracing is on).
 
     Kept to a few stores and one buffer record per rank (issue 15: tracing a no-op call
-    must cost a few percent of it). The flow from the call to its execution is named by
-    the request's id, which the worker reads from the message header: neither end counts
-    messages for it.
+    must cost a few percent of it): what a rank's record needs besides the times is made
+    once per rank list (:class:`_RankTrace`), and the record is built inline. The flow from
+    the call to its execution is named by the request's id, which the worker reads from
+    the message header: neither end counts messages for it.
     """
 
-    __slots__ = ("method", "pairs", "rids", "t0", "nbytes")
+    __slots__ = ("method", "ranks", "rids", "t0", "nbytes")
 
-    def __init__(self, work: AsyncWork[list[Any]], method: str,
-                 pairs: list[tuple[str, str]], nbytes: int) -> None:
+    def __init__(self, work: AsyncWork[list[Any]], method: str, ranks: _RankTrace,
+                 nbytes: int) -> None:
         # The base's three stores, not a super().__init__ call: this runs once per call.
+        n = ranks.n
         self.work = work
-        self.results = [None] * len(pairs)
-        self.remaining = len(pairs)
+        self.results = [None] * n
+        self.remaining = n
         self.method = method
-        self.pairs = pairs  # per rank: (worker name, flow pair name)
-        self.rids = [0] * len(pairs)  # per rank: the request id, once sent (_send_call)
+        self.ranks = ranks
+        self.rids = [0] * n  # per rank: the request id, once sent (_send_call)
         self.nbytes = nbytes
         self.t0 = _trace.now()
 
     def settle(self, i: int, error: BaseException | None, reply: Any) -> None:
-        peer, pair = self.pairs[i]
+        ranks = self.ranks
         rid = self.rids[i]
-        nbytes = self.nbytes
-        if reply is not None and reply[1]:
-            nbytes += _trace.payload_bytes(reply[1])
-        tid = threading.get_ident()
-        # recorder.record's tuple, built inline: this runs once per call.
-        _trace.append(("call", self.method, self.t0, _trace.now(), tid, tid, peer, nbytes,
-                       error is None, None if error is None else _trace.error_text(error),
-                       (pair, rid) if rid else None, None, None, True))
+        tid = ranks.tid
+        if error is None:
+            frames = reply[1]
+            _trace.append(("call", self.method, self.t0, _trace.now(), tid, tid,
+                           ranks.peers[i],
+                           (self.nbytes + _trace.payload_bytes(frames)) if frames else self.nbytes,
+                           True, None, (ranks.pairs[i], rid) if rid else None, None, None, True))
+        else:
+            _trace.append(("call", self.method, self.t0, _trace.now(), tid, tid,
+                           ranks.peers[i], self.nbytes, False, _trace.error_text(error),
+                           (ranks.pairs[i], rid) if rid else None, None, None, True))
         _GroupCall.settle(self, i, error, reply)
+
+
+class _RankTrace:
+    """What a traced call's records need about its ranks, made once per rank list: the
+    workers' names, the flow pair of our calls to each, and the loop thread (where calls
+    are sent and settled)."""
+
+    __slots__ = ("n", "peers", "pairs", "tid")
+
+    def __init__(self, me: str, group: str, ranks: Sequence[int]) -> None:
+        self.n = len(ranks)
+        self.peers = [f"{group}:{r}" for r in ranks]
+        self.pairs = [f"{me}>{group}:{r}/call" for r in ranks]
+        self.tid = threading.get_ident()
 
 
 class GroupCore:
@@ -189,10 +208,10 @@ class GroupCore:
         self._history: collections.deque[GroupEvent] = collections.deque(maxlen=HISTORY)
         self._subscribers: list[GroupEvents] = []
         self._tasks: set[asyncio.Task[None]] = set()  # pending restarts (strong references)
-        #: Tracing: rank list -> per rank (worker name, flow pair) (see _trace_pairs).
-        self._traced_pairs: dict[tuple[int, ...], list[tuple[str, str]]] = {}
+        #: Tracing: what a traced call's records need, per rank list (dispatch, on the loop).
+        self._traced_ranks: dict[tuple[int, ...], _RankTrace] = {}
 
-    def dispatch(self, work: AsyncWork[list[Any]], method: str, ranks: Sequence[int],
+    def dispatch(self, work: AsyncWork[list[Any]], method: str, ranks: tuple[int, ...],
                   frames: list[Any], off_loop: bool) -> None:
         if off_loop:
             link_threads(work)  # link now, on the loop, so wait() needs no extra wake-up
@@ -203,9 +222,12 @@ class GroupCore:
             resolve(work, [])
             return
         if _trace.ON:
+            traced = self._traced_ranks.get(ranks)
+            if traced is None:
+                traced = self._traced_ranks[ranks] = _RankTrace(
+                    self.runtime.name, self.name, ranks)
             call: _GroupCall = _TracedGroupCall(
-                work, method, self._trace_pairs(ranks),
-                _trace.payload_bytes(frames) if frames else 0)
+                work, method, traced, _trace.payload_bytes(frames) if frames else 0)
         else:
             call = _GroupCall(work, len(ranks))
         send = self._send_call
@@ -216,24 +238,13 @@ class GroupCore:
             else:
                 state.queued.append(functools.partial(send, call, i, state, method, frames))
 
-    def dispatch_remembered(self, work: AsyncWork[list[Any]], method: str, ranks: Sequence[int],
+    def dispatch_remembered(self, work: AsyncWork[list[Any]], method: str, ranks: tuple[int, ...],
                             frames: list[Any], off_loop: bool) -> None:
         """:meth:`dispatch` of a method in :attr:`replayed`: each rank keeps the call's
         arguments, sent again to its next incarnation before anything else."""
         for r in ranks:
             self._last_calls.setdefault(r, {})[method] = frames
         self.dispatch(work, method, ranks, frames, off_loop)
-
-    def _trace_pairs(self, ranks: Sequence[int]) -> list[tuple[str, str]]:
-        """Tracing: per rank, its worker name and the flow pair of our calls to it (cached
-        per rank list: one look-up per call)."""
-        key = tuple(ranks)
-        pairs = self._traced_pairs.get(key)
-        if pairs is None:
-            me = self.runtime.name
-            pairs = self._traced_pairs[key] = [
-                (f"{self.name}:{r}", f"{me}>{self.name}:{r}/call") for r in ranks]
-        return pairs
 
     def _send_call(self, call: _GroupCall, i: int, state: _Rank, method: str,
                    frames: list[Any]) -> int:
