@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import os
 import signal
 import threading
@@ -652,6 +653,23 @@ def test_destroy_then_create_again(cluster: aiorl.Cluster) -> None:
         ch2.destroy().wait(10)
     finally:
         group.close()
+
+
+def test_destroy_is_an_end_not_a_death(cluster: aiorl.Cluster,
+                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Destroying a channel ends its worker group: no "died" warnings for its ranks, and
+    the driver forgets the group (a registry restart must not bring it back)."""
+    ch = Channel.create(cluster, "ended")
+    ch.put(1).wait(10)
+    group_name = ch.worker_group.worker_group_name
+    assert group_name in cluster.groups
+    with caplog.at_level(logging.INFO, logger="aiorl.group"):
+        ch.destroy().wait(10)
+        deadline = time.monotonic() + 10
+        while group_name in cluster.groups and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert group_name not in cluster.groups
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_statistics_from_a_coroutine_on_another_loop(cluster: aiorl.Cluster) -> None:

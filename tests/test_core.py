@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -248,6 +249,27 @@ def test_from_group_name_attaches(cluster):
         assert again.scale(2).wait(10) == [(0, 8)]
         with pytest.raises(aiorl.RemoteError, match="no worker group"):
             aiorl.WorkerGroup.from_group_name(cluster, Echo, "nonexistent")
+    finally:
+        group.close()
+
+
+def test_a_group_closed_elsewhere_ends_without_deaths(cluster, caplog):
+    """Closed by its owner, a group is over for a view attached to it too: the view hears
+    CLOSED, no rank is reported dead (nor restarted), and its calls fail with PeerLostError."""
+    group = Echo.create_group(2).launch(cluster, name="ended")
+    try:
+        view = aiorl.WorkerGroup.from_group_name(cluster, Echo, "ended")
+        assert view.scale(1).wait(30) == [(0, 2)]
+        events = view.events()
+        with caplog.at_level(logging.INFO, logger="aiorl.group"):
+            group.close()
+            kinds = [events.get(timeout=10).kind]
+            while kinds[-1] is not aiorl.EventKind.CLOSED:
+                kinds.append(events.get(timeout=10).kind)
+        assert aiorl.EventKind.DIED not in kinds, kinds
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+        with pytest.raises(aiorl.PeerLostError, match="ended is closed"):
+            view.scale(1).wait(10)
     finally:
         group.close()
 

@@ -25,6 +25,7 @@ from aiorl.errors import PeerLostError, WorkerInitError
 from aiorl.group.supervision import HISTORY, EventKind, GroupEvent, GroupEvents, Supervision
 from aiorl.names import WorkerAddress
 from aiorl.protocol.ops import AgentOp, WorkerOp
+from aiorl.protocol.registry import DETAIL_FENCED_IN, DETAIL_GROUP_CLOSED
 from aiorl.protocol.spawn import SpawnRequest, WorkerLaunch
 from aiorl.registry.client import INCARNATION_VARIABLE
 from aiorl.runtime import AsyncWork, Runtime, Session, describe_death
@@ -453,6 +454,11 @@ class GroupCore:
             self._emit(EventKind.GAVE_UP, rank, f"its __init__ raised: {error}")
             if self.supervision.fate == "group":
                 self._tear_down(rank, str(error))
+        elif state == "dead" and detail.get(DETAIL_GROUP_CLOSED):
+            # Closed by someone else (a channel's destroy, another driver, the owner's
+            # end): the group is over, not a rank to restart or to report as dead.
+            self.session.groups.pop(self.name, None)  # nothing to restore later
+            self._mark_closed(f"worker group {self.name} was closed")
         elif state == "dead" and st.error is None:
             reason = describe_death(name, detail)
             if st.address is None:
@@ -463,7 +469,7 @@ class GroupCore:
             st.address = None
             st.restarting = False
             # A lost node's workers stop themselves only after this (its agent's fence).
-            self._on_death(rank, st, reason, _seconds(detail.get("fenced_in")))
+            self._on_death(rank, st, reason, _seconds(detail.get(DETAIL_FENCED_IN)))
 
     def _on_death(self, rank: int, st: _Rank, reason: str, not_before: float = 0.0) -> None:
         """Apply the supervision policy to a rank whose process ended (errors already set);
@@ -705,14 +711,19 @@ class GroupCore:
         try:
             await self.runtime.registry.close_group(self.name, timeout=5)
         finally:
-            reason = f"worker group {self.name} was closed"
-            for st in self.ranks:
-                if st.address is not None:
-                    self.runtime.endpoint.mark_peer_lost(st.address, reason)
-                st.restarting = False
-                self._fail_rank(st, PeerLostError(reason))
-            if not self._history or self._history[-1].kind != EventKind.CLOSED:
-                self._emit(EventKind.CLOSED, None, reason)
+            self._mark_closed(f"worker group {self.name} was closed")
+
+    def _mark_closed(self, reason: str) -> None:
+        """The group is over: what is pending or queued on any rank fails, and subscribers
+        hear CLOSED (once)."""
+        self.closed = True
+        for st in self.ranks:
+            if st.address is not None:
+                self.runtime.endpoint.mark_peer_lost(st.address, reason)
+            st.restarting = False
+            self._fail_rank(st, PeerLostError(reason))
+        if not self._history or self._history[-1].kind != EventKind.CLOSED:
+            self._emit(EventKind.CLOSED, None, reason)
 
 
 _BAD_NEWS = frozenset({EventKind.DIED, EventKind.GAVE_UP, EventKind.TORN_DOWN})

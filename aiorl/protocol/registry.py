@@ -25,6 +25,8 @@ from aiorl.protocol.fields import MAX_TEXT, Fields, PlainData
 from aiorl.protocol.ops import RegistryOp, WorkerState
 
 __all__ = [
+    "DETAIL_FENCED_IN",
+    "DETAIL_GROUP_CLOSED",
     "FENCE_FACTOR",
     "NODES_PATTERN",
     "SCHEMA",
@@ -68,6 +70,14 @@ WILDCARD = "*"
 NODES_PATTERN = "@nodes"
 
 Detail: TypeAlias = dict[str, PlainData]
+
+#: Keys of a dead worker's :data:`Detail` besides its exit's (``reason`` and the rest):
+#: the seconds its owner waits before restarting it elsewhere (its node was lost; the
+#: node's agent stops it within them)...
+DETAIL_FENCED_IN = "fenced_in"
+#: ... and ``True`` when it ended because its group was closed (by its owner, a channel's
+#: ``destroy``, another driver): an end, not a death for supervision to answer.
+DETAIL_GROUP_CLOSED = "group_closed"
 
 #: The most a heartbeat interval, expiry or uptime may say (seconds; a year).
 _MAX_SECONDS = 365 * 86400.0

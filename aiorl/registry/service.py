@@ -62,6 +62,8 @@ from aiorl.errors import (
 from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.protocol.ops import AgentOp, RegistryEvent, RegistryOp, WorkerState
 from aiorl.protocol.registry import (
+    DETAIL_FENCED_IN,
+    DETAIL_GROUP_CLOSED,
     FENCE_FACTOR,
     NODES_PATTERN,
     SCHEMA,
@@ -315,7 +317,7 @@ class RegistryService:
             # that, so the old and new processes never run side by side.
             fence = (FENCE_FACTOR - 1) * self.expiry
             for name in names:
-                self._set_state(name, WorkerState.DEAD, {"reason": reason, "fenced_in": fence})
+                self._set_state(name, WorkerState.DEAD, {"reason": reason, DETAIL_FENCED_IN: fence})
         for node, _ in gone.values():
             self._unwatch_all(node.identity)
         self._broadcast_nodes()
@@ -437,7 +439,7 @@ class RegistryService:
             self._send_kill(node, name)
         for wname in [n for n, w in self.workers.items()
                       if root_of(n) == name and not w.record.state.is_final]:
-            self._set_state(wname, WorkerState.DEAD, {"reason": reason})
+            self._set_state(wname, WorkerState.DEAD, {"reason": reason, DETAIL_GROUP_CLOSED: True})
 
     def _send_kill(self, node: _Node, group: str) -> None:
         try:
