@@ -95,6 +95,20 @@ def _worker_name(group: str, rank: int | Sequence[int]) -> str:
     return name
 
 
+def _answer_hello(msg: Incoming, ib: Inbox) -> None:
+    """Answer a ``p2p.hello``, or say why not: the sender then goes on without the paths that
+    needed the answer (:meth:`Sender._hello`) instead of waiting out ``HELLO_TIMEOUT_S``. The
+    endpoint answers for a handler that raises, but not for this answer deferred behind a
+    first CUDA initialisation, which may fail (a broken driver, no device left)."""
+    try:
+        reply = ib.answer(msg.meta)
+    except Exception as exc:  # noqa: BLE001 - goes back to the asking sender
+        log.warning("p2p set-up asked by %s cannot be answered: %s", ib.name, exc)
+        msg.reply_error(exc)
+        return
+    msg.reply(reply)
+
+
 class P2PEngine:
     """The point-to-point engine of one process. Obtain it with :func:`get_p2p`.
 
@@ -379,9 +393,9 @@ class P2PEngine:
         if msg.meta.get("cuda") and cuda_needs_init():
             # This process's first CUDA use: initialise it off the loop, answer after.
             fut = self.loop.run_in_executor(None, local_cuda_info)
-            fut.add_done_callback(lambda _f: msg.reply(ib.answer(msg.meta)))
+            fut.add_done_callback(lambda _f: _answer_hello(msg, ib))
             return
-        msg.reply(ib.answer(msg.meta))
+        _answer_hello(msg, ib)
 
     # ------------------------------------------------------------------ state
     @property
