@@ -1,6 +1,6 @@
 """What tracing costs: call latency and in-flight throughput with tracing off and on, one run.
 
-Run: ``python benchmarks/bench_trace.py [--reps 5]``. One embedded cluster, one worker;
+Run: ``python benchmarks/bench_trace.py [--reps 9]``. One embedded cluster, one worker;
 tracing is switched in every process between repetitions (off and on interleaved, so
 machine noise hits both alike), exactly as ``aiorl trace start/stop`` does. Prints a table
 and writes ``benchmarks/results/trace.json``.
@@ -57,9 +57,9 @@ def sequential(call: Callable[[], aiorl.AsyncWork[object]]) -> float:
     return (time.perf_counter() - t) / SEQ_CALLS * 1e6
 
 
-#: Rounds of IN_FLIGHT calls per in-flight sample: one round of no-op calls lasts ~35 ms
+#: Rounds of IN_FLIGHT calls per in-flight sample: one round of no-op calls lasts 12-35 ms
 #: here, too short a sample against this machine's noise.
-IN_FLIGHT_ROUNDS = 10
+IN_FLIGHT_ROUNDS = 30
 
 
 def in_flight(call: Callable[[], aiorl.AsyncWork[object]], rounds: int = IN_FLIGHT_ROUNDS) -> float:
@@ -101,7 +101,7 @@ def span_ns(kind: str) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=9)
     args = parser.parse_args()
     rows: dict[str, dict[str, list[float]]] = {}
     with aiorl.Cluster() as cluster:
@@ -126,13 +126,18 @@ def main() -> int:
     print(f"{'case':36} {'off':>10} {'on':>10} {'change':>10}")
     for name, by_state in rows.items():
         off, on = statistics.median(by_state["off"]), statistics.median(by_state["on"])
-        change = (on - off) / off * 100
-        result[name] = {"off": off, "on": on, "change_pct": change}
+        # The change is the median of each repetition's own change (its off and on samples
+        # ran back to back): this VM's speed drifts by 10-20 % over a run, which a ratio of
+        # the two medians would mix in.
+        change = statistics.median(
+            (b - a) / a * 100 for a, b in zip(by_state["off"], by_state["on"], strict=True))
+        result[name] = {"off": off, "on": on, "change_pct": change,
+                        "samples": by_state}
         print(f"{name:36} {off:10.1f} {on:10.1f} {change:+9.1f}%")
     for name in ("seq plain method (µs/call)", "seq async method (µs/call)"):
         c = result[name]
         assert isinstance(c, dict)
-        per_span = (c["on"] - c["off"]) / 2
+        per_span = c["off"] * c["change_pct"] / 100 / 2
         result[f"{name.split(' (')[0]}: added per span (µs)"] = per_span
         print(f"{name.split(' (')[0] + ': added per span':36} {per_span:10.2f} µs")
     for kind in ("pending", "recorded"):
