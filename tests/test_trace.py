@@ -197,6 +197,48 @@ def test_trace_of_a_pipeline(traced_cluster, tmp_path):
     assert any(e.get("cat") == "channel" for e in events)
 
 
+class AsyncEcho(aiorl.Worker):
+    async def echo(self, x: int) -> int:
+        return x
+
+    async def fail(self) -> None:
+        raise ValueError("boom")
+
+
+def test_async_calls_link_to_their_executions(traced_cluster, tmp_path):
+    """The two hottest hooks keep compact records (a call's answer at the driver, an
+    ``async def`` execution's start at the worker): pulled, each call is a span with its
+    error, and each links to its execution's start by a flow."""
+    group = AsyncEcho.create_group().launch(traced_cluster, num_workers=1, name="aecho")
+    try:
+        assert [group.echo(i).wait(30) for i in range(5)] == [[i] for i in range(5)]
+        with pytest.raises(ValueError, match="boom"):
+            group.fail().wait(30)
+        recent = recorder.recent(60.0)  # what live status reads, compact records included
+        assert recent["call"][0] * 60.0 >= 6, recent
+        path = tmp_path / "async.json"
+        traced_cluster.trace_dump(str(path))
+        trace = json.loads(path.read_text())
+    finally:
+        group.close()
+    _check_chrome_json(trace)
+    events = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    pid_of = {name.split()[-1].split("@")[0]: pid for pid, name in names.items()}
+    driver, worker = pid_of["driver"], pid_of["aecho:0"]
+    calls = [e for e in events if e["pid"] == driver and e.get("cat") == "call"
+             and e["ph"] == "b"]
+    assert sorted(e["name"] for e in calls) == ["echo"] * 5 + ["fail"]
+    assert all(e["args"]["peer"] == "aecho:0" for e in calls)
+    (failed,) = [e for e in calls if e["name"] == "fail"]
+    assert "boom" in failed["args"]["error"]
+    starts = {e["id"] for e in events if e["ph"] == "s" and e["pid"] == driver}
+    ends = {e["id"] for e in events if e["ph"] == "f" and e["pid"] == worker}
+    assert len(starts & ends) >= 6
+    execs = [e["name"] for e in events if e["pid"] == worker and e.get("cat") == "exec"]
+    assert sorted(execs) == ["echo"] * 5 + ["fail"], execs
+
+
 class Marker(aiorl.Worker):
     def mark_many(self, n: int) -> int:
         for i in range(n):

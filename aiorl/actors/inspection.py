@@ -58,9 +58,27 @@ def caller_name(identity: bytes) -> str:
     return identity.split(b"/", 1)[0].decode(errors="replace")
 
 
-#: Tracing: each caller's routing id -> its name, the flow pair of its calls to us, and the
-#: loop thread (where calls arrive).
-_callers: dict[bytes, tuple[str, str, int]] = {}
+class _Caller(_trace.CompactShape):
+    """Tracing: what the records of one caller's calls share: its name, the flow pair of
+    its calls to us, and the loop thread (where calls arrive)."""
+
+    __slots__ = ("name", "pair", "tid")
+
+    def __init__(self, identity: bytes, me: WorkerInfo) -> None:
+        super().__init__()
+        self.name = caller_name(identity)
+        self.pair = f"{self.name}>{me.name}/call"
+        self.tid = threading.get_ident()
+
+    def expand(self, rec: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``(key, method, t, request id)``: an ``async def`` execution's start."""
+        _, method, t, rid = rec
+        return ("exec", method, t, t, self.tid, self.tid, self.name, 0, True, None, None,
+                (self.pair, rid), None, False)
+
+
+#: Tracing: each caller's routing id -> its shape.
+_callers: dict[bytes, _Caller] = {}
 
 
 def traced_execution(fn: Callable[..., Any], is_async: bool, msg: Incoming,
@@ -72,20 +90,16 @@ def traced_execution(fn: Callable[..., Any], is_async: bool, msg: Incoming,
     A plain method is wrapped: its run on the method thread becomes a nested slice of that
     thread. An ``async def`` method is not wrapped (a wrapper coroutine per call measured
     ~10 % of in-flight throughput on no-op calls): its start is recorded as an instant
-    with the flow arrow; its duration is the caller's call span (or the user's own
-    ``aiorl.span`` inside it).
+    with the flow arrow (a compact record, :class:`_Caller`); its duration is the caller's
+    call span (or the user's own ``aiorl.span`` inside it).
     """
-    known = _callers.get(msg.identity)
-    if known is None:
-        caller = caller_name(msg.identity)
-        known = _callers[msg.identity] = (caller, f"{caller}>{me.name}/call",
-                                          threading.get_ident())
-    if is_async:  # recorder.record's tuple, built inline: this runs once per call
-        t, tid = _trace.now(), known[2]
-        _trace.append(("exec", msg.meta, t, t, tid, tid, known[0], 0, True, None, None,
-                       (known[1], msg.request_id), None, False))
+    caller = _callers.get(msg.identity)
+    if caller is None:
+        caller = _callers[msg.identity] = _Caller(msg.identity, me)
+    if is_async:
+        _trace.append((caller.key, msg.meta, _trace.now(), msg.request_id))
         return fn
-    return _traced_plain(fn, msg.meta, known[0], (known[1], msg.request_id))
+    return _traced_plain(fn, msg.meta, caller.name, (caller.pair, msg.request_id))
 
 
 def _traced_plain(fn: Callable[..., Any], method: str, caller: str,

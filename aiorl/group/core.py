@@ -112,7 +112,8 @@ class _TracedGroupCall(_GroupCall):
 
     Kept to a few stores and one buffer record per rank (issue 15: tracing a no-op call
     must cost a few percent of it): what a rank's record needs besides the times is made
-    once per rank list (:class:`_RankTrace`), and the record is built inline. The flow from
+    once per rank list (:class:`_RankTrace`), and the record is a compact one built inline
+    (:class:`~aiorl.trace.recorder.CompactShape`). The flow from
     the call to its execution is named by the request's id, which the worker reads from
     the message header: neither end counts messages for it.
     """
@@ -133,34 +134,38 @@ class _TracedGroupCall(_GroupCall):
         self.t0 = _trace.now()
 
     def settle(self, i: int, error: BaseException | None, reply: Any) -> None:
-        ranks = self.ranks
-        rid = self.rids[i]
-        tid = ranks.tid
+        # A compact record (_RankTrace.expand gives its meaning): this runs once per call.
         if error is None:
             frames = reply[1]
-            _trace.append(("call", self.method, self.t0, _trace.now(), tid, tid,
-                           ranks.peers[i],
-                           (self.nbytes + _trace.payload_bytes(frames)) if frames else self.nbytes,
-                           True, None, (ranks.pairs[i], rid) if rid else None, None, None, True))
+            _trace.append((self.ranks.key, self.method, self.t0, _trace.now(), i, self.rids[i],
+                           (self.nbytes + _trace.payload_bytes(frames)) if frames
+                           else self.nbytes, None))
         else:
-            _trace.append(("call", self.method, self.t0, _trace.now(), tid, tid,
-                           ranks.peers[i], self.nbytes, False, _trace.error_text(error),
-                           (ranks.pairs[i], rid) if rid else None, None, None, True))
+            _trace.append((self.ranks.key, self.method, self.t0, _trace.now(), i, self.rids[i],
+                           self.nbytes, _trace.error_text(error)))
         _GroupCall.settle(self, i, error, reply)
 
 
-class _RankTrace:
-    """What a traced call's records need about its ranks, made once per rank list: the
+class _RankTrace(_trace.CompactShape):
+    """What a traced call's records share about its ranks, made once per rank list: the
     workers' names, the flow pair of our calls to each, and the loop thread (where calls
     are sent and settled)."""
 
     __slots__ = ("n", "peers", "pairs", "tid")
 
     def __init__(self, me: str, group: str, ranks: Sequence[int]) -> None:
+        super().__init__()
         self.n = len(ranks)
         self.peers = [f"{group}:{r}" for r in ranks]
         self.pairs = [f"{me}>{group}:{r}/call" for r in ranks]
         self.tid = threading.get_ident()
+
+    def expand(self, rec: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``(key, method, t0, t1, rank index, request id, bytes, error)`` as a full record."""
+        _, method, t0, t1, i, rid, nbytes, error = rec
+        tid = self.tid
+        return ("call", method, t0, t1, tid, tid, self.peers[i], nbytes, error is None, error,
+                (self.pairs[i], rid) if rid else None, None, None, True)
 
 
 class GroupCore:

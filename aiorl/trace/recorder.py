@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 __all__ = [
-    "ON", "Span", "append", "begin", "counter", "disable", "drain", "enable",
+    "ON", "CompactShape", "Span", "append", "begin", "counter", "disable", "drain", "enable",
     "enable_from_environment", "error_text", "flow_seq", "mark", "now", "open_spans", "payload_bytes", "recent", "record",
     "set_process_name", "span",
 ]
@@ -59,6 +59,42 @@ append = _buffer.append
 open_spans: set[Span] = set()
 _flow_counts: dict[str, int] = {}
 _process_name = f"pid{os.getpid()}"
+
+
+class CompactShape:
+    """What the compact records of one caller or rank list share, for the two hottest hooks:
+    a group call's answer at its caller and an ``async def`` execution's start at the
+    worker, once per call each.
+
+    Such a hook appends ``(shape.key, method, times, ids...)`` instead of the full record
+    (:func:`record` gives the layout): the peer's name, the flow pair and the thread live
+    once in the shape, so a record takes about half the memory of a full one and holds no
+    nested tuple, which is most of what tracing costs on a no-op call (records stay in
+    memory until pulled). The key is a number, not the shape itself, so the record holds
+    only atomic values and leaves the garbage collector's tracking like a full one.
+    :meth:`expand` makes the full record when the buffer is read (:func:`drain`,
+    :func:`recent`). Shapes are kept for the life of the process (one per caller or rank
+    list: few).
+    """
+
+    __slots__ = ("key",)
+
+    def __init__(self) -> None:
+        with _shapes_lock:
+            self.key = len(_shapes)
+            _shapes.append(self)
+
+    def expand(self, rec: tuple[Any, ...]) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+
+#: Every CompactShape made in this process, by key.
+_shapes: list[CompactShape] = []
+_shapes_lock = threading.Lock()
+
+
+def _full(rec: tuple[Any, ...]) -> tuple[Any, ...]:
+    return rec if rec[0].__class__ is str else _shapes[rec[0]].expand(rec)
 
 
 class Span:
@@ -135,7 +171,8 @@ def record(cat: str, name: str, t0: int, peer: str | None, nbytes: int, ok: bool
 
     The tuple, which :mod:`aiorl.trace.chrome` reads: ``(cat, name, t0, t1, begin thread,
     end thread, peer, nbytes, ok, error, flow_out, flow_in, tags, on_loop)``. The two
-    hottest hooks build it inline (a group call's span, an ``async def`` execution's start).
+    hottest hooks append a compact record instead (:class:`CompactShape`), expanded to
+    this layout when the buffer is read.
     """
     tid = _ident()
     _buffer.append((cat, name, t0, _now(), tid, tid, peer, nbytes, ok, error, flow_out, flow_in,
@@ -247,6 +284,7 @@ def recent(window_s: float) -> dict[str, list[float]]:
     since = _now() - int(window_s * 1e9)
     totals: dict[str, list[float]] = {}
     for rec in reversed(_buffer):
+        rec = _full(rec)
         if rec[3] < since:
             break
         t = totals.get(rec[0])
@@ -270,7 +308,7 @@ def drain() -> dict[str, Any]:
     threads = {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
     return {
         "process": _process_name, "pid": os.getpid(), "on": ON,
-        "spans": list(taken),
+        "spans": [_full(rec) for rec in taken],
         "open": [s.to_wire() for s in list(open_spans)],
         "threads": threads, "clock_ns": _now(),
         "full": len(taken) == taken.maxlen,
