@@ -1,6 +1,6 @@
 """What tracing costs: call latency and in-flight throughput with tracing off and on, one run.
 
-Run: ``python benchmarks/bench_trace.py [--reps 9]``. One embedded cluster, one worker;
+Run: ``python benchmarks/bench_trace.py [--reps 15]``. One embedded cluster, one worker;
 tracing is switched in every process between repetitions (off and on interleaved, so
 machine noise hits both alike), exactly as ``aiorl trace start/stop`` does. Prints a table
 and writes ``benchmarks/results/trace.json``.
@@ -101,7 +101,7 @@ def span_ns(kind: str) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--reps", type=int, default=15)
     args = parser.parse_args()
     rows: dict[str, dict[str, list[float]]] = {}
     with aiorl.Cluster() as cluster:
