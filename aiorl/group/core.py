@@ -463,7 +463,7 @@ class GroupCore:
             # Closed by someone else (a channel's destroy, another driver, the owner's
             # end): the group is over, not a rank to restart or to report as dead.
             self.session.groups.pop(self.name, None)  # nothing to restore later
-            self._mark_closed(f"worker group {self.name} was closed")
+            self._mark_closed(f"worker group {self.name} is over: {detail.get('reason')}")
         elif state == "dead" and st.error is None:
             reason = describe_death(name, detail)
             if st.address is None:
