@@ -7,9 +7,12 @@ and writes ``benchmarks/results/trace.json``.
 
 Targets (issue 15): on adds ≤ 2 µs per span and ≤ 5 % throughput loss; off adds nothing
 measurable. The no-op cases are the worst case (tracing's fixed cost against the smallest
-call); the 200 µs method shows a call that does some work. A traced call records two spans (the caller's call span and the worker's
-execution span), so the per-span figure is half the per-call latency difference. The
-cost of the hooks with tracing off is one module attribute check each, measured alone.
+call); the 200 µs method shows a call that does some work. A traced call records one span in
+each process (the caller's call span, the worker's execution), so the cost of a span is what
+tracing adds to each process's CPU time per call: read from ``/proc/<pid>/task/*/schedstat``
+around the in-flight samples (Linux; the rows are left out elsewhere). The latency rows
+cannot show it: their run-to-run noise is ten times larger. The cost of the hooks with
+tracing off is one module attribute check each, measured alone.
 """
 
 from __future__ import annotations
@@ -99,6 +102,26 @@ def span_ns(kind: str) -> float:
     return cost
 
 
+def cpu_ns(pid: int) -> int | None:
+    """CPU time a process has used so far (ns, all its threads; Linux), or None."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that ended meanwhile
+    return total
+
+
+#: The case whose samples also measure each process's CPU time per call.
+CPU_CASE = "in flight, async (calls/s)"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=15)
@@ -113,13 +136,22 @@ def main() -> int:
             "in flight, async (calls/s)": lambda: in_flight(g.anoop),
             "in flight, 200 µs method (calls/s)": lambda: in_flight(g.work, 1),
         }
+        processes = {"driver": os.getpid(), "worker": g.worker_info_list[0].pid}
         for fn in cases.values():
             fn()  # warm
         for _ in range(args.reps):
             for state in ("off", "on"):
                 switch(cluster, state == "on")
                 for name, fn in cases.items():
+                    before = {who: cpu_ns(pid) for who, pid in processes.items()}
                     rows.setdefault(name, {}).setdefault(state, []).append(fn())
+                    if name != CPU_CASE:
+                        continue
+                    for who, pid in processes.items():
+                        t0, t1 = before[who], cpu_ns(pid)
+                        if t0 is not None and t1 is not None:
+                            rows.setdefault(f"{who} CPU in flight (µs/call)", {}).setdefault(
+                                state, []).append((t1 - t0) / (IN_FLIGHT * IN_FLIGHT_ROUNDS) / 1e3)
         switch(cluster, False)
     result: dict[str, object] = {"reps": args.reps, "cpus": os.cpu_count(),
                                  "python": sys.version.split()[0]}
@@ -134,12 +166,13 @@ def main() -> int:
         result[name] = {"off": off, "on": on, "change_pct": change,
                         "samples": by_state}
         print(f"{name:36} {off:10.1f} {on:10.1f} {change:+9.1f}%")
-    for name in ("seq plain method (µs/call)", "seq async method (µs/call)"):
-        c = result[name]
-        assert isinstance(c, dict)
-        per_span = c["off"] * c["change_pct"] / 100 / 2
-        result[f"{name.split(' (')[0]}: added per span (µs)"] = per_span
-        print(f"{name.split(' (')[0] + ': added per span':36} {per_span:10.2f} µs")
+    for who in ("driver", "worker"):  # one span per call in each process
+        c = result.get(f"{who} CPU in flight (µs/call)")
+        if isinstance(c, dict):
+            per_span = statistics.median(
+                b - a for a, b in zip(c["samples"]["off"], c["samples"]["on"], strict=True))
+            result[f"added per span, {who} (µs)"] = per_span
+            print(f"{f'added per span, {who} (CPU)':36} {per_span:10.2f} µs")
     for kind in ("pending", "recorded"):
         result[f"{kind} span alone (ns)"] = span_ns(kind)
         print(f"{f'one {kind} span alone':36} {result[f'{kind} span alone (ns)']:10.0f} ns")
