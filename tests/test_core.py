@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 import aiorl
+from aiorl.util.collector import YOUNG_THRESHOLD
 from tests._processes import alive
 
 pytestmark = pytest.mark.timeout(120)
@@ -385,26 +386,40 @@ def test_worker_output_reaches_the_driver_with_the_worker_name(cluster, capsys):
 
 
 _FREEZE_PROBE = """
-import gc, aiorl
-with aiorl.Cluster():
-    frozen = gc.get_freeze_count()
+import gc
+default = gc.get_threshold()[0]
+import aiorl
+
+class Probe(aiorl.Worker):
+    def collector(self):
+        return gc.get_freeze_count(), gc.get_threshold()[0]
+
+with aiorl.Cluster() as cluster:
+    frozen, young = gc.get_freeze_count(), gc.get_threshold()[0]
     aiorl.Cluster().close()  # a second Cluster in the process freezes nothing more
-    print(frozen, gc.get_freeze_count() == frozen)
+    once = gc.get_freeze_count() == frozen
+    (worker_frozen, worker_young), = Probe.create_group().launch(cluster).collector().wait(60)
+    print(frozen, once, young, worker_frozen, worker_young, default)
 """
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("setting", [None, "0"])
-def test_the_driver_freezes_its_heap_once_unless_told_not_to(setting: str | None) -> None:
+def test_the_driver_and_workers_tune_their_collector_unless_told_not_to(
+        setting: str | None) -> None:
     env = {k: v for k, v in os.environ.items() if k != "AIORL_GC_FREEZE"}
     if setting is not None:
         env["AIORL_GC_FREEZE"] = setting
     out = subprocess.run([sys.executable, "-c", _FREEZE_PROBE], env=env, capture_output=True,
                          text=True, timeout=80)
     assert out.returncode == 0, out.stderr
-    frozen, once = out.stdout.split()
+    frozen, once, young, worker_frozen, worker_young, default = out.stdout.split()
     assert once == "True"
+    # A worker's heap is frozen by its zygote before the fork either way.
+    assert int(worker_frozen) > 10_000
     if setting == "0":
         assert int(frozen) == 0
+        assert young == worker_young == default  # Python's own
     else:
         assert int(frozen) > 10_000  # the imports (aiorl, zmq, numpy...) are out of the GC's way
+        assert int(young) == int(worker_young) == YOUNG_THRESHOLD

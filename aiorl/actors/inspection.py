@@ -26,6 +26,7 @@ import asyncio
 import functools
 import os
 import socket
+import struct
 import sys
 import threading
 import time
@@ -59,26 +60,31 @@ def caller_name(identity: bytes) -> str:
 
 
 class _Caller(_trace.CompactShape):
-    """Tracing: what the records of one caller's calls share: its name, the flow pair of
-    its calls to us, and the loop thread (where calls arrive)."""
+    """Tracing: what the records of one caller's calls of one method share: the method,
+    the caller's name, the flow pair of its calls to us, and the loop thread (where calls
+    arrive)."""
 
-    __slots__ = ("name", "pair", "tid")
+    __slots__ = ("method", "name", "pair", "tid")
 
-    def __init__(self, identity: bytes, me: WorkerInfo) -> None:
+    #: ``(key, start time, request id)``: an ``async def`` execution's start.
+    layout = struct.Struct("<qqq")
+
+    def __init__(self, identity: bytes, method: str, me: WorkerInfo) -> None:
         super().__init__()
+        self.method = method
         self.name = caller_name(identity)
         self.pair = f"{self.name}>{me.name}/call"
         self.tid = threading.get_ident()
 
-    def expand(self, rec: tuple[Any, ...]) -> tuple[Any, ...]:
-        """``(key, method, t, request id)``: an ``async def`` execution's start."""
-        _, method, t, rid = rec
-        return ("exec", method, t, t, self.tid, self.tid, self.name, 0, True, None, None,
+    def expand(self, fields: tuple[int, ...]) -> tuple[Any, ...]:
+        _, t, rid = fields
+        return ("exec", self.method, t, t, self.tid, self.tid, self.name, 0, True, None, None,
                 (self.pair, rid), None, False)
 
 
-#: Tracing: each caller's routing id -> its shape.
-_callers: dict[bytes, _Caller] = {}
+_pack_start = _Caller.layout.pack
+#: Tracing: each caller's routing id -> method -> its shape.
+_callers: dict[bytes, dict[str, _Caller]] = {}
 
 
 def traced_execution(fn: Callable[..., Any], is_async: bool, msg: Incoming,
@@ -93,13 +99,17 @@ def traced_execution(fn: Callable[..., Any], is_async: bool, msg: Incoming,
     with the flow arrow (a compact record, :class:`_Caller`); its duration is the caller's
     call span (or the user's own ``aiorl.span`` inside it).
     """
-    caller = _callers.get(msg.identity)
+    methods = _callers.get(msg.identity)
+    if methods is None:
+        methods = _callers[msg.identity] = {}
+    method = msg.meta
+    caller = methods.get(method)
     if caller is None:
-        caller = _callers[msg.identity] = _Caller(msg.identity, me)
+        caller = methods[method] = _Caller(msg.identity, method, me)
     if is_async:
-        _trace.append((caller.key, msg.meta, _trace.now(), msg.request_id))
+        _trace.append(_pack_start(caller.key, _trace.now(), msg.request_id))
         return fn
-    return _traced_plain(fn, msg.meta, caller.name, (caller.pair, msg.request_id))
+    return _traced_plain(fn, method, caller.name, (caller.pair, msg.request_id))
 
 
 def _traced_plain(fn: Callable[..., Any], method: str, caller: str,

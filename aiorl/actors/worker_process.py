@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import gc
 import importlib
 import inspect
 import logging
@@ -40,6 +39,7 @@ from aiorl.trace import recorder as _trace
 from aiorl.transport import security, serialization
 from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.transport.security import ClusterKeys
+from aiorl.util.collector import tune_collector
 from aiorl.util.cuda_device import note_thread_device
 from aiorl.util.method_thread import MethodThread
 
@@ -224,14 +224,16 @@ async def _main(spec: WorkerSpawn, listen: str) -> int:
 def tune_process() -> None:
     """Process settings for a worker that moves data (measured in benchmarks/bench_channels.py).
 
-    * ``gc.freeze()``: a worker inherits ~200k objects from the zygote's imports
-      (torch) and creates short-lived ones per message; without this every full
-      collection walks all of them (~30 % of a busy channel worker's time).
+    * The garbage collector (:func:`aiorl.util.collector.tune_collector`): a worker
+      inherits ~200k objects from the zygote's imports (torch), frozen, and creates
+      short-lived ones per message; without the freeze every full collection walks all
+      of them (~30 % of a busy channel worker's time), and with Python's young threshold
+      collections walk the calls in flight (~0.6 µs per call with 1,000 in flight).
     * glibc ``mallopt``: large messages arrive as fresh 1 MiB+ buffers, which glibc
       serves with mmap or trims after they are freed, so each costs ~256 page faults
       per MiB; keeping such buffers on the heap reuses the same pages.
     """
-    gc.freeze()
+    tune_collector(collect_first=False)
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc: nothing to tune

@@ -10,7 +10,6 @@ groups and channels see of the cluster.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 import sys
@@ -26,35 +25,30 @@ from aiorl.protocol.ops import DriverOp
 from aiorl.protocol.registry import DriverInfo, GroupSpec, root_of
 from aiorl.runtime import Runtime, set_current_runtime, spec_from_nodes
 from aiorl.transport import security
+from aiorl.util.collector import tune_collector
 
 __all__ = ["DriverSession", "freeze_driver_heap"]
 
 log = logging.getLogger("aiorl.cluster")
 
-#: Set to ``0`` to keep the driver's garbage collector as it is (see freeze_driver_heap).
-ENV_GC_FREEZE = "AIORL_GC_FREEZE"
 _heap_frozen = False
 
 
 def freeze_driver_heap() -> bool:
-    """Move what the driver holds now (its imports: torch alone is ~200k objects) out of the
-    garbage collector's sight, once per process; returns whether it did.
+    """Tune the driver's garbage collector (:func:`aiorl.util.collector.tune_collector`:
+    its heap frozen, a higher young threshold) once per process; returns whether it did.
 
-    Every call in flight keeps a few small objects alive until its answer, so a busy driver
-    promotes thousands of them to the oldest generation per second, and each full
-    collection then walks every object of the process: measured 4 µs of the driver's
-    ~22 µs of CPU per call with 1,000 calls in flight (benchmarks/bench_calls.py). Frozen
-    objects are still freed by reference counting; only a reference cycle among objects
-    that already existed here and is dropped later is never collected. Workers do the same
-    after the zygote's imports. ``AIORL_GC_FREEZE=0`` opts out.
+    Every call in flight keeps a few small objects alive until its answer, so with
+    Python's settings a busy driver spent ~1 µs of its ~10 µs of CPU per call in
+    collections that walked the pending calls, and each full collection walked every
+    object of the process (torch alone is ~200k). Workers do the same after the zygote's
+    imports. ``AIORL_GC_FREEZE=0`` opts out.
     """
     global _heap_frozen
-    if _heap_frozen or os.environ.get(ENV_GC_FREEZE, "1") == "0":
+    if _heap_frozen:
         return False
     _heap_frozen = True
-    gc.collect()  # what is garbage already goes now, not frozen for ever
-    gc.freeze()
-    return True
+    return tune_collector(collect_first=True)
 
 
 class DriverSession:

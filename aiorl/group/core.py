@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import os
+import struct
 import sys
 import sysconfig
 import threading
@@ -58,6 +59,7 @@ NODE_GONE_S = 2.0
 
 #: The call op as a plain str: an enum member costs ~0.2 µs to look up on the hot path.
 _CALL: str = WorkerOp.CALL.value
+_now = _trace.now  # the recorder's clock (a constant: bound once)
 
 
 class _Rank:
@@ -79,7 +81,11 @@ class _Rank:
 
 
 class _GroupCall:
-    """One call on some ranks: the per-rank answers, gathered into the work's result list."""
+    """One call on some ranks: the per-rank answers, gathered into the work's result list.
+
+    Until rank ``i`` answers, ``results[i]`` holds the id of its request (set as it is
+    sent): a traced call names its flow by it, with no list of its own to allocate.
+    """
 
     __slots__ = ("work", "results", "remaining")
 
@@ -112,60 +118,68 @@ class _TracedGroupCall(_GroupCall):
 
     Kept to a few stores and one buffer record per rank (issue 15: tracing a no-op call
     must cost a few percent of it): what a rank's record needs besides the times is made
-    once per rank list (:class:`_RankTrace`), and the record is a compact one built inline
-    (:class:`~aiorl.trace.recorder.CompactShape`). The flow from
-    the call to its execution is named by the request's id, which the worker reads from
-    the message header: neither end counts messages for it.
+    once per rank list and method (:class:`_CallTrace`), and the record is a compact one
+    packed inline (:class:`~aiorl.trace.recorder.CompactShape`). The flow from the call to
+    its execution is named by the request's id, which the worker reads from the message
+    header: neither end counts messages for it.
     """
 
-    __slots__ = ("method", "ranks", "rids", "t0", "nbytes")
+    __slots__ = ("shape", "t0", "nbytes")
 
-    def __init__(self, work: AsyncWork[list[Any]], method: str, ranks: _RankTrace,
-                 nbytes: int) -> None:
+    def __init__(self, work: AsyncWork[list[Any]], shape: _CallTrace, nbytes: int) -> None:
         # The base's three stores, not a super().__init__ call: this runs once per call.
-        n = ranks.n
+        n = shape.n
         self.work = work
         self.results = [None] * n
         self.remaining = n
-        self.method = method
-        self.ranks = ranks
-        self.rids = [0] * n  # per rank: the request id, once sent (_send_call)
+        self.shape = shape
         self.nbytes = nbytes
-        self.t0 = _trace.now()
+        self.t0 = _now()
 
     def settle(self, i: int, error: BaseException | None, reply: Any) -> None:
-        # A compact record (_RankTrace.expand gives its meaning): this runs once per call.
+        # results[i] is still rank i's request id (None if it failed before it was sent).
         if error is None:
             frames = reply[1]
-            _trace.append((self.ranks.key, self.method, self.t0, _trace.now(), i, self.rids[i],
-                           (self.nbytes + _trace.payload_bytes(frames)) if frames
-                           else self.nbytes, None))
+            _trace.append(_pack_call(self.shape.key, self.t0, _now(), i, self.results[i],
+                                     (self.nbytes + _trace.payload_bytes(frames)) if frames
+                                     else self.nbytes))
         else:
-            _trace.append((self.ranks.key, self.method, self.t0, _trace.now(), i, self.rids[i],
-                           self.nbytes, _trace.error_text(error)))
+            _trace.append(self.shape.record(self.t0, _now(), i, self.results[i], self.nbytes,
+                                            _trace.error_text(error)))
         _GroupCall.settle(self, i, error, reply)
 
 
-class _RankTrace(_trace.CompactShape):
-    """What a traced call's records share about its ranks, made once per rank list: the
-    workers' names, the flow pair of our calls to each, and the loop thread (where calls
-    are sent and settled)."""
+class _CallTrace(_trace.CompactShape):
+    """What a traced call's records share, made once per rank list and method: the method,
+    the workers' names, the flow pair of our calls to each, and the loop thread (where
+    calls are sent and settled)."""
 
-    __slots__ = ("n", "peers", "pairs", "tid")
+    __slots__ = ("method", "n", "peers", "pairs", "tid")
 
-    def __init__(self, me: str, group: str, ranks: Sequence[int]) -> None:
+    #: ``(key, t0, t1, rank index, request id, bytes)``
+    layout = struct.Struct("<qqqqqq")
+
+    def __init__(self, me: str, group: str, ranks: Sequence[int], method: str) -> None:
         super().__init__()
+        self.method = method
         self.n = len(ranks)
         self.peers = [f"{group}:{r}" for r in ranks]
         self.pairs = [f"{me}>{group}:{r}/call" for r in ranks]
         self.tid = threading.get_ident()
 
-    def expand(self, rec: tuple[Any, ...]) -> tuple[Any, ...]:
-        """``(key, method, t0, t1, rank index, request id, bytes, error)`` as a full record."""
-        _, method, t0, t1, i, rid, nbytes, error = rec
+    def expand(self, fields: tuple[int, ...]) -> tuple[Any, ...]:
+        _, t0, t1, i, rid, nbytes = fields
+        return self.record(t0, t1, i, rid, nbytes, None)
+
+    def record(self, t0: int, t1: int, i: int, rid: int | None, nbytes: int,
+               error: str | None) -> tuple[Any, ...]:
+        """The full record of rank ``i``'s answer (an error's is appended as is: rare)."""
         tid = self.tid
-        return ("call", method, t0, t1, tid, tid, self.peers[i], nbytes, error is None, error,
-                (self.pairs[i], rid) if rid else None, None, None, True)
+        return ("call", self.method, t0, t1, tid, tid, self.peers[i], nbytes, error is None,
+                error, (self.pairs[i], rid) if rid else None, None, None, True)
+
+
+_pack_call = _CallTrace.layout.pack
 
 
 class GroupCore:
@@ -214,8 +228,8 @@ class GroupCore:
         self._history: collections.deque[GroupEvent] = collections.deque(maxlen=HISTORY)
         self._subscribers: list[GroupEvents] = []
         self._tasks: set[asyncio.Task[None]] = set()  # pending restarts (strong references)
-        #: Tracing: what a traced call's records need, per rank list (dispatch, on the loop).
-        self._traced_ranks: dict[tuple[int, ...], _RankTrace] = {}
+        #: Tracing: what a traced call's records share, by method and rank list (on the loop).
+        self._call_traces: dict[str, dict[tuple[int, ...], _CallTrace]] = {}
 
     def dispatch(self, work: AsyncWork[list[Any]], method: str, ranks: tuple[int, ...],
                   frames: list[Any], off_loop: bool) -> None:
@@ -228,12 +242,14 @@ class GroupCore:
             resolve(work, [])
             return
         if _trace.ON:
-            traced = self._traced_ranks.get(ranks)
-            if traced is None:
-                traced = self._traced_ranks[ranks] = _RankTrace(
-                    self.runtime.name, self.name, ranks)
+            shapes = self._call_traces.get(method)
+            if shapes is None:
+                shapes = self._call_traces[method] = {}
+            shape = shapes.get(ranks)
+            if shape is None:
+                shape = shapes[ranks] = _CallTrace(self.runtime.name, self.name, ranks, method)
             call: _GroupCall = _TracedGroupCall(
-                work, method, traced, _trace.payload_bytes(frames) if frames else 0)
+                work, shape, _trace.payload_bytes(frames) if frames else 0)
         else:
             call = _GroupCall(work, len(ranks))
         send = self._send_call
@@ -254,17 +270,14 @@ class GroupCore:
 
     def _send_call(self, call: _GroupCall, i: int, state: _Rank, method: str,
                    frames: list[Any]) -> int:
-        """Send rank ``i``'s request; its request id (0 when it failed at once).
-
-        A traced call keeps the id: the worker names the call's flow by it."""
+        """Send rank ``i``'s request; its request id (0 when it failed at once), kept in
+        ``call.results[i]`` until the rank answers (a traced call names its flow by it)."""
         if state.error is not None:
             call.settle(i, _fresh(state.error), None)
             return 0
         assert state.address is not None
-        rid = self.runtime.endpoint.request_then(
+        rid = call.results[i] = self.runtime.endpoint.request_then(
             state.address, _CALL, method, frames, functools.partial(call.settle, i))
-        if isinstance(call, _TracedGroupCall):
-            call.rids[i] = rid
         return rid
 
     def ready(self, ranks: Sequence[int]) -> AsyncWork[None]:
