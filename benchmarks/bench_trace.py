@@ -1,7 +1,7 @@
 """What tracing costs: call latency and in-flight throughput with tracing off and on, one run.
 
 Run: ``python benchmarks/bench_trace.py [--reps 15]``. One embedded cluster, one worker;
-tracing is switched in every process between repetitions (off and on interleaved, so
+tracing is switched in every process between samples (off and on interleaved, so
 machine noise hits both alike), exactly as ``aiorl trace start/stop`` does. Prints a table
 and writes ``benchmarks/results/trace.json``.
 
@@ -18,6 +18,7 @@ tracing off is one module attribute check each, measured alone.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -27,8 +28,11 @@ import timeit
 from collections.abc import Callable
 
 import aiorl
+from aiorl.actors.inspection import traced_execution
 from aiorl.cluster import doctor
+from aiorl.group import core
 from aiorl.trace import recorder
+from aiorl.transport.endpoint import Incoming
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_calls as calls  # noqa: E402 - the sibling script, importable once on the path
@@ -102,6 +106,57 @@ def span_ns(kind: str) -> float:
     return cost
 
 
+def call_hook_ns(n: int = 200_000) -> float:
+    """The driver's hook alone: what a traced group call's object and answer cost more than an
+    untraced one's (``aiorl.group.core``: the call made, rank 0's request id kept, the answer
+    settled and, traced, recorded), on one rank, in a loop on a private event loop."""
+    loop = asyncio.new_event_loop()
+    shape = core._CallTrace("driver", "bench", (0,), "noop")
+    reply: tuple[None, list[bytes]] = (None, [])
+
+    def run(traced: bool) -> float:
+        t = time.perf_counter()
+        for rid in range(1, n + 1):
+            work: aiorl.AsyncWork[list[object]] = aiorl.AsyncWork(loop)
+            call = (core._TracedGroupCall(work, shape, 0) if traced
+                    else core._GroupCall(work, 1))
+            call.results[0] = rid
+            call.settle(0, None, reply)
+        return (time.perf_counter() - t) / n * 1e9
+
+    was = recorder.ON
+    recorder.enable()
+    try:
+        costs = [run(True) - run(False) for _ in range(5)]
+    finally:
+        recorder.drain()
+        if not was:
+            recorder.disable()
+        loop.close()
+    return statistics.median(costs)
+
+
+def execution_hook_ns(me: aiorl.WorkerInfo, n: int = 200_000) -> float:
+    """The worker's hook alone: recording an ``async def`` execution's start
+    (``aiorl.actors.inspection.traced_execution``) for calls as they arrive."""
+    calls = [Incoming(None, b"driver/1/ab", 0, rid, "call", "anoop", [])  # type: ignore[arg-type]
+             for rid in range(1, n + 1)]
+    was = recorder.ON
+    recorder.enable()
+    costs = []
+    try:
+        for _ in range(5):
+            t = time.perf_counter()
+            for msg in calls:
+                traced_execution(sequential, True, msg, me)
+            costs.append((time.perf_counter() - t) / n * 1e9)
+            recorder.drain()
+    finally:
+        if not was:
+            recorder.disable()
+    return statistics.median(costs)
+
+
 def cpu_ns(pid: int) -> int | None:
     """CPU time a process has used so far (ns, all its threads; Linux), or None."""
     total = 0
@@ -136,11 +191,15 @@ def main() -> int:
             "in flight, async (calls/s)": lambda: in_flight(g.anoop),
             "in flight, 200 µs method (calls/s)": lambda: in_flight(g.work, 1),
         }
-        processes = {"driver": os.getpid(), "worker": g.worker_info_list[0].pid}
+        me = g.worker_info_list[0]
+        processes = {"driver": os.getpid(), "worker": me.pid}
         for fn in cases.values():
             fn()  # warm
-        for _ in range(args.reps):
-            for state in ("off", "on"):
+        for rep in range(args.reps):
+            # Each repetition's two samples run back to back, in turns off-on and on-off,
+            # so that a drift within a pair (this VM's speed moves within seconds) is not
+            # charged to the same state every time.
+            for state in ("off", "on") if rep % 2 == 0 else ("on", "off"):
                 switch(cluster, state == "on")
                 for name, fn in cases.items():
                     before = {who: cpu_ns(pid) for who, pid in processes.items()}
@@ -173,6 +232,11 @@ def main() -> int:
                 b - a for a, b in zip(c["samples"]["off"], c["samples"]["on"], strict=True))
             result[f"added per span, {who} (µs)"] = per_span
             print(f"{f'added per span, {who} (CPU)':36} {per_span:10.2f} µs")
+    hooks = {"driver hook per call (traced - not)": call_hook_ns(),
+             "worker hook per async call": execution_hook_ns(me)}
+    for name, cost in hooks.items():
+        result[f"{name} (ns)"] = cost
+        print(f"{name:36} {cost:10.0f} ns")
     for kind in ("pending", "recorded"):
         result[f"{kind} span alone (ns)"] = span_ns(kind)
         print(f"{f'one {kind} span alone':36} {result[f'{kind} span alone (ns)']:10.0f} ns")

@@ -1,7 +1,6 @@
 """The garbage collector's settings in aiorl's processes: the driver and every worker.
 
-Two settings, measured with 1,000 no-op calls in flight (``benchmarks/bench_calls.py``;
-docs/performance.md has the numbers):
+Two settings, measured with 1,000 no-op calls in flight (README, "Performance"):
 
 * ``gc.freeze()``: what exists when the process is set up (its imports: torch alone is
   ~200k objects) leaves the collector's sight, so a full collection no longer walks it.
@@ -9,8 +8,8 @@ docs/performance.md has the numbers):
   each call in flight keeps a few small objects alive until its answer (a work, its
   result list, the request's callback), so with the default every 700 of them started a
   collection that walked all the calls still pending, then promoted them to older
-  generations that were walked again: ~1 µs of the driver's CPU per call and ~0.6 µs of a
-  worker's. With the higher threshold most of those objects are freed by reference
+  generations that were walked again: 0.9-1.2 µs of the driver's CPU per call and ~0.6 µs
+  of a worker's went to collections. With the higher threshold most of those objects are freed by reference
   counting before any collection sees them. What it costs: cyclic garbage waits longer
   (at most that many allocations) before it is freed, and a young collection walks more
   objects when it runs (well under a millisecond).
