@@ -40,6 +40,7 @@ bench: setup
 	$(PYTHON) benchmarks/bench_channels.py
 	$(PYTHON) benchmarks/bench_security.py
 	$(PYTHON) benchmarks/bench_serialization.py
+	$(PYTHON) benchmarks/bench_trace.py
 
 lint: setup
 	$(PYTHON) -m ruff check aiorl tests benchmarks examples

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -118,8 +119,11 @@ def call_hook_ns(n: int = 200_000) -> float:
         t = time.perf_counter()
         for rid in range(1, n + 1):
             work: aiorl.AsyncWork[list[object]] = aiorl.AsyncWork(loop)
-            call = (core._TracedGroupCall(work, shape, 0) if traced
-                    else core._GroupCall(work, 1))
+            if traced:  # as GroupCore.dispatch makes it
+                call = core._TracedGroupCall(work, 1)
+                call.shape, call.nbytes, call.t0 = shape, 0, recorder.now()
+            else:
+                call = core._GroupCall(work, 1)
             call.results[0] = rid
             call.settle(0, None, reply)
         return (time.perf_counter() - t) / n * 1e9
@@ -177,6 +181,16 @@ def cpu_ns(pid: int) -> int | None:
 CPU_CASE = "in flight, async (calls/s)"
 
 
+def median_interval(changes: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """A 95 % bootstrap interval of the median change: how far the noise of this run alone
+    could move it (on this 2-core VM one repetition's change can be ±30 % for in-flight
+    throughput, so a median can only be as sure as this interval says)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(changes, k=len(changes)))
+                     for _ in range(resamples))
+    return medians[int(resamples * 0.025)], medians[int(resamples * 0.975) - 1]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=15)
@@ -214,17 +228,19 @@ def main() -> int:
         switch(cluster, False)
     result: dict[str, object] = {"reps": args.reps, "cpus": os.cpu_count(),
                                  "python": sys.version.split()[0]}
-    print(f"{'case':36} {'off':>10} {'on':>10} {'change':>10}")
+    print(f"{'case':36} {'off':>10} {'on':>10} {'change':>10}   95 % interval")
     for name, by_state in rows.items():
         off, on = statistics.median(by_state["off"]), statistics.median(by_state["on"])
         # The change is the median of each repetition's own change (its off and on samples
         # ran back to back): this VM's speed drifts by 10-20 % over a run, which a ratio of
         # the two medians would mix in.
-        change = statistics.median(
-            (b - a) / a * 100 for a, b in zip(by_state["off"], by_state["on"], strict=True))
+        changes = [(b - a) / a * 100
+                   for a, b in zip(by_state["off"], by_state["on"], strict=True)]
+        change = statistics.median(changes)
+        low, high = median_interval(changes)
         result[name] = {"off": off, "on": on, "change_pct": change,
-                        "samples": by_state}
-        print(f"{name:36} {off:10.1f} {on:10.1f} {change:+9.1f}%")
+                        "change_pct_95": [low, high], "samples": by_state}
+        print(f"{name:36} {off:10.1f} {on:10.1f} {change:+9.1f}%   [{low:+.1f}, {high:+.1f}]")
     for who in ("driver", "worker"):  # one span per call in each process
         c = result.get(f"{who} CPU in flight (µs/call)")
         if isinstance(c, dict):

@@ -8,15 +8,23 @@ execution, and load as Chrome trace JSON (checked event by event, not by eye).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import aiorl
+from aiorl.actors.inspection import traced_execution
+from aiorl.group import core
+from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.trace import chrome, recorder
+from aiorl.transport.endpoint import Incoming
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -100,6 +108,50 @@ def test_recording_cost_is_bounded(tracing):
     per_span = (time.perf_counter() - t0) / n
     recorder.drain()
     assert per_span < 10e-6, f"{per_span * 1e6:.2f} µs per span"
+
+
+_HOOK_LOOPS = """
+import bench_trace
+from aiorl.names import WorkerAddress, WorkerInfo
+from aiorl.trace import recorder
+me = WorkerInfo(WorkerAddress("bench", 0), 0, 1, 0, "127.0.0.1", "ipc://unused")
+print(type(bench_trace.call_hook_ns(n=500)).__name__,
+      type(bench_trace.execution_hook_ns(me, n=500)).__name__, recorder.ON)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_the_two_per_call_hooks_record_what_they_pack(tracing):
+    """The compact records of a group call's answer (driver) and an ``async def`` execution's
+    start (worker) expand to full records naming the method, the peer and the flow; and
+    benchmarks/bench_trace.py's loops that time those hooks alone still fit them."""
+    me = WorkerInfo(WorkerAddress("bench", 0), 0, 1, 0, "127.0.0.1", "ipc://unused")
+    out = subprocess.run(  # its own process: the benchmark module is a script, not a package
+        [sys.executable, "-c", _HOOK_LOOPS], cwd=Path(__file__).parent.parent / "benchmarks",
+        capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["float", "float", "False"]
+
+    loop = asyncio.new_event_loop()
+    try:
+        shape = core._CallTrace("driver", "g", (0, 1), "step")
+        call = core._TracedGroupCall(aiorl.AsyncWork(loop), 2)
+        call.shape, call.nbytes, call.t0 = shape, 10, recorder.now()
+        call.results[0], call.results[1] = 41, 42
+        call.settle(0, None, (None, [b"abcd"]))
+        call.settle(1, ValueError("no"), None)
+    finally:
+        loop.close()
+    traced_execution(lambda: None, True, Incoming(None, b"driver/1/x", 0, 7, "call", "step",  # type: ignore[arg-type]
+                                                   []), me)
+    spans = recorder.drain()["spans"]
+    answered, failed, started = spans
+    assert answered[:2] == ("call", "step") and answered[6] == "g:0" and answered[7] == 14
+    assert answered[8] is True and answered[10] == ("driver>g:0/call", 41)
+    assert failed[6] == "g:1" and failed[8] is False and failed[9] == "ValueError: no"
+    assert failed[10] == ("driver>g:1/call", 42)
+    assert started[:2] == ("exec", "step") and started[6] == "driver"
+    assert started[11] == ("driver>bench:0/call", 7)
 
 
 # ----------------------------------------------------------------------------- a pipeline

@@ -126,15 +126,11 @@ class _TracedGroupCall(_GroupCall):
 
     __slots__ = ("shape", "t0", "nbytes")
 
-    def __init__(self, work: AsyncWork[list[Any]], shape: _CallTrace, nbytes: int) -> None:
-        # The base's three stores, not a super().__init__ call: this runs once per call.
-        n = shape.n
-        self.work = work
-        self.results = [None] * n
-        self.remaining = n
-        self.shape = shape
-        self.nbytes = nbytes
-        self.t0 = _now()
+    # No __init__ of its own (a Python call less per call): GroupCore.dispatch makes it
+    # with the base's and sets the three fields.
+    shape: _CallTrace
+    t0: int
+    nbytes: int
 
     def settle(self, i: int, error: BaseException | None, reply: Any) -> None:
         # results[i] is still rank i's request id (None if it failed before it was sent).
@@ -248,8 +244,11 @@ class GroupCore:
             shape = shapes.get(ranks)
             if shape is None:
                 shape = shapes[ranks] = _CallTrace(self.runtime.name, self.name, ranks, method)
-            call: _GroupCall = _TracedGroupCall(
-                work, shape, _trace.payload_bytes(frames) if frames else 0)
+            traced = _TracedGroupCall(work, shape.n)
+            traced.shape = shape
+            traced.nbytes = _trace.payload_bytes(frames) if frames else 0
+            traced.t0 = _now()
+            call: _GroupCall = traced
         else:
             call = _GroupCall(work, len(ranks))
         send = self._send_call
