@@ -27,14 +27,14 @@ from aiorl.runtime import Runtime, set_current_runtime, spec_from_nodes
 from aiorl.transport import security
 from aiorl.util.collector import tune_collector
 
-__all__ = ["DriverSession", "freeze_driver_heap"]
+__all__ = ["DriverSession", "tune_driver_collector"]
 
 log = logging.getLogger("aiorl.cluster")
 
-_heap_frozen = False
+_collector_tuned = False
 
 
-def freeze_driver_heap() -> bool:
+def tune_driver_collector() -> bool:
     """Tune the driver's garbage collector (:func:`aiorl.util.collector.tune_collector`:
     its heap frozen, a higher young threshold) once per process; returns whether it did.
 
@@ -44,10 +44,10 @@ def freeze_driver_heap() -> bool:
     object of the process (torch alone is ~200k). Workers do the same after the zygote's
     imports. ``AIORL_GC_FREEZE=0`` opts out.
     """
-    global _heap_frozen
-    if _heap_frozen:
+    global _collector_tuned
+    if _collector_tuned:
         return False
-    _heap_frozen = True
+    _collector_tuned = True
     return tune_collector(collect_first=True)
 
 
@@ -68,7 +68,7 @@ class DriverSession:
         self._cfg = cluster_cfg
         self._nodes: list[dict[str, Any]] = []
         self._nodes_changed = threading.Condition()
-        freeze_driver_heap()
+        tune_driver_collector()
         self.runtime = Runtime.start_in_thread(
             registry_address, "driver", keys=keys, **({"host": host} if host else {}))
         self.runtime.submit(self.runtime.endpoint.handle, DriverOp.WORKER_OUTPUT, _print_output)

@@ -75,7 +75,7 @@ class CompactShape:
     a tuple is, until the first collection that sees it: with thousands of records waiting
     for a pull, each young collection walked them all (~0.2 µs per call and process,
     measured with 1,000 calls in flight), and the records were most of what started those
-    collections. A record is also a third of a full one's memory. :meth:`expand` makes the
+    collections. A record also takes less than half a full one's memory. :meth:`expand` makes the
     full record when the buffer is read (:func:`drain`, :func:`recent`). Shapes are kept
     for the life of the process (one per caller or rank list and method: few).
     """

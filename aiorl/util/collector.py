@@ -8,11 +8,11 @@ Two settings, measured with 1,000 no-op calls in flight (README, "Performance"):
   each call in flight keeps a few small objects alive until its answer (a work, its
   result list, the request's callback), so with the default every 700 of them started a
   collection that walked all the calls still pending, then promoted them to older
-  generations that were walked again: 0.86-1.16 µs of the driver's CPU per call and ~0.6 µs
-  of a worker's went to collections. With the higher threshold most of those objects are freed by reference
-  counting before any collection sees them. What it costs: cyclic garbage waits longer
-  (at most that many allocations) before it is freed, and a young collection walks more
-  objects when it runs (well under a millisecond).
+  generations that were walked again: 0.86-1.16 µs of the driver's CPU per call and
+  ~0.6 µs of a worker's went to collections. With the higher threshold most of those
+  objects are freed by reference counting before any collection sees them. What it costs:
+  cyclic garbage waits longer (at most that many allocations) before it is freed, and a
+  young collection walks more objects when it runs (well under a millisecond).
 
 Objects are still freed by reference counting in both cases; only a reference cycle among
 frozen objects that is dropped later is never collected.
