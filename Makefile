@@ -2,16 +2,26 @@
 # x86-64, PyPI's torch is the CUDA build, and pinning its version alone still pulls gigabytes of
 # CUDA packages. On a GPU machine: make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128
 # (the index for your CUDA version), or TORCH_INDEX= for PyPI's default build.
+#
+# Every install is constrained by requirements-lock.txt: the versions the suite last passed with
+# (pyproject.toml keeps compatible ranges for those who install aiorl as a library). `make lock`
+# refreshes it on purpose, in a fresh venv, and writes it only if the suite passes there.
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
-PIP = $(PYTHON) -m pip install --progress-bar on
+LOCK = requirements-lock.txt
+PIP = $(PYTHON) -m pip install --progress-bar on -c $(LOCK)
+# Parallel test processes: tests start real clusters and mostly wait on them, so two per core
+# (at least two) shorten the suite without starving it; TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -lt 2 ] && n=2; echo $$((n * 2)))
 
-.PHONY: torch setup demo test chaos bench lint docs docs-build
+.PHONY: torch setup demo test test-stress lock chaos bench lint docs docs-build
 
+# One short try at the torch index (no retries: an unreachable index costs seconds, not
+# minutes of retry warnings), then PyPI, saying so in one line.
 torch:
 	@echo "== torch $(TORCH_VERSION) from $(or $(TORCH_INDEX),PyPI) (about 200 MB for the CPU build; nothing to fetch if installed)"
-	@$(PIP) "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) || { \
+	@$(PIP) "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --timeout 10 --retries 0) || { \
 	  echo "== $(TORCH_INDEX) is unreachable: installing torch $(TORCH_VERSION) from PyPI instead (on Linux x86-64 that is the CUDA build)"; \
 	  $(PIP) "torch==$(TORCH_VERSION)"; }
 
@@ -26,7 +36,16 @@ demo: torch
 	$(PYTHON) -m aiorl.cli.main demo --steps 20
 
 test: setup
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS)
+
+# The suite while two busy processes hog the CPUs (what a shared CI machine does to it).
+test-stress: setup
+	$(PYTHON) tests/stress.py -- $(PYTHON) -m pytest -q -n $(TEST_WORKERS)
+
+# Refresh the lock on purpose: a fresh venv, the newest versions pyproject.toml allows, the
+# suite run there; requirements-lock.txt is rewritten only if it passes.
+lock:
+	PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) TORCH_INDEX=$(TORCH_INDEX) bash .ci/lock
 
 # The long chaos run (docs/failures.md, invariant 32): >= 200 SIGKILLs of workers, node agents
 # and the registry while a pipeline runs; the normal suite runs a short one.
@@ -44,7 +63,7 @@ bench: setup
 
 lint: setup
 	$(PYTHON) -m ruff check aiorl tests benchmarks examples
-	lint-imports
+	$(PYTHON) -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
 	$(PYTHON) -m mypy
 
 # The documentation site (mkdocs.yml): `make docs` serves it on http://127.0.0.1:8000 and

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import psutil
+
+# A process that ends while psutil reads it raises NoSuchProcess, or, in the window between
+# psutil finding /proc/<pid> and reading /proc/<pid>/stat, a bare FileNotFoundError.
+_GONE_ERRORS = (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError)
 
 
 def alive(pids: Iterable[int]) -> set[int]:
@@ -14,6 +19,17 @@ def alive(pids: Iterable[int]) -> set[int]:
         try:
             if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
                 running.add(p)
-        except psutil.NoSuchProcess:  # gone between the listing and the look
+        except _GONE_ERRORS:  # gone between the listing and the look
             pass
     return running
+
+
+def gone_within(pids: Iterable[int], within: float) -> bool:
+    """Whether every one of ``pids`` has ended (or is a zombie) within ``within`` seconds."""
+    pids = list(pids)
+    deadline = time.monotonic() + within
+    while alive(pids):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -39,6 +39,7 @@ import torch
 import aiorl
 from aiorl.transport.security import ClusterKeys
 from aiorl.weights import host_directory
+from tests._processes import gone_within
 from tests.test_failures import free_port, stop_processes
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800)]
@@ -229,10 +230,7 @@ def chaos(tmp_path):
     finally:
         left = sup.descendants()
         sup.close()
-        deadline = time.monotonic() + 10
-        while any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in left):
-            assert time.monotonic() < deadline, "processes outlived their node agents"
-            time.sleep(0.1)
+        assert gone_within(left, 10), "processes outlived their node agents"
 
 
 @dataclasses.dataclass

@@ -9,11 +9,11 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 
 import aiorl
 from aiorl.group.supervision import EventKind, GroupEvent
+from tests._processes import gone_within
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -53,16 +53,6 @@ class Configured(Member):
 
     def configure(self, config: str) -> None:
         self.log.append(f"configure {config}")
-
-
-def _gone(pids: list[int], within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                   for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _until(events: aiorl.group.supervision.GroupEvents, kind: EventKind, rank: int | None,
@@ -167,7 +157,7 @@ def test_fate_group_tears_the_group_down_and_aborts_pending_calls_within_5s(clus
         with pytest.raises(aiorl.PeerLostError, match="fate='group'"):
             pending.wait(10)
         assert time.monotonic() - started < 5
-        assert _gone(pids, within=5), "a rank outlived its group's fate"
+        assert gone_within(pids, within=5), "a rank outlived its group's fate"
         _until(events, EventKind.TORN_DOWN, None)
         with pytest.raises(aiorl.PeerLostError):
             group.pid().wait(5)
@@ -181,7 +171,7 @@ def test_fate_group_with_restart_restarts_every_rank(cluster):
     try:
         pids = group.pid().wait(60)
         os.kill(pids[0], signal.SIGKILL)
-        assert _gone(pids, within=5)
+        assert gone_within(pids, within=5)
         deadline = time.monotonic() + 30
         while True:  # calls fail while the group restarts, then reach the new processes
             try:
@@ -222,7 +212,7 @@ def test_a_dead_groups_worker_names_are_free_for_a_new_group(cluster):
     first = Member.create_group().launch(cluster, num_workers=1, name="reborn")
     (pid,) = first.pid().wait(60)
     os.kill(pid, signal.SIGKILL)
-    assert _gone([pid], 5)
+    assert gone_within([pid], 5)
     first.close()
     second = Member.create_group().launch(cluster, num_workers=1, name="reborn")
     try:
@@ -254,7 +244,7 @@ def test_node_cut_off_from_the_registry_stops_its_workers_after_the_expiry(proce
         (pid,) = group.pid().wait(60)
         processes.registry.send_signal(signal.SIGSTOP)  # silent, as behind a partition
         stopped = time.monotonic()
-        assert _gone([pid], within=8), "a worker of a node cut off from the registry kept running"
+        assert gone_within([pid], within=8), "a worker of a node cut off from the registry kept running"
         assert 3.4 < time.monotonic() - stopped < 6.5  # two expiries (4 s), less the last beat
         processes.registry.send_signal(signal.SIGCONT)
         with pytest.raises(aiorl.PeerLostError):
@@ -361,7 +351,7 @@ def test_a_worker_lost_with_its_agent_while_the_registry_is_down_is_reported(pro
         processes.registry.wait()
         processes.agents[0].kill()  # and its worker with it: nobody can report that
         processes.agents[0].wait()
-        assert _gone([pid], within=5)
+        assert gone_within([pid], within=5)
         processes.registry = processes._start_registry()
         with pytest.raises(aiorl.PeerLostError, match="lost while the registry was down"):
             pending.wait(30)

@@ -37,6 +37,7 @@ from aiorl.runtime import Runtime, set_current_runtime
 from aiorl.runtime.loop import LoopThread
 from aiorl.trace import recorder as _trace
 from aiorl.transport import security, serialization
+from aiorl.transport.code import loads_with_sources
 from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.transport.security import ClusterKeys
 from aiorl.util.collector import tune_collector
@@ -170,9 +171,7 @@ def _load_class(spec: WorkerSpawn) -> tuple[type, tuple[Any, ...], dict[str, Any
         if p not in sys.path:
             sys.path.append(p)
     _register_ext_modules()
-    import cloudpickle
-
-    return cloudpickle.loads(spec.payload)  # type: ignore[no-any-return]
+    return loads_with_sources(spec.payload)  # type: ignore[no-any-return]
 
 
 async def _main(spec: WorkerSpawn, listen: str) -> int:

@@ -33,6 +33,7 @@ from aiorl.runtime import AsyncWork, Runtime, Session, describe_death
 from aiorl.runtime.promise import is_settled, link_threads, reject, resolve
 from aiorl.trace import recorder as _trace
 from aiorl.transport import serialization
+from aiorl.transport.code import dumps_with_sources
 
 if TYPE_CHECKING:
     from aiorl.placement import Placement
@@ -772,7 +773,9 @@ def ship_class(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> byte
 
     A class from an installed package travels by reference. A class from a user's
     script or test module travels by value (cloudpickle), so a node that lacks
-    the file (or imports it under another name) can still build it.
+    the file (or imports it under another name) can still build it. Its code keeps its
+    file name and lines, and the files' source travels with it, so a remote traceback shows
+    the user's file and failing line (:mod:`aiorl.transport.code`).
     """
     import cloudpickle
 
@@ -782,8 +785,7 @@ def ship_class(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> byte
     if by_value:
         cloudpickle.register_pickle_by_value(module)
     try:
-        payload: bytes = cloudpickle.dumps((cls, args, kwargs), protocol=5)
-        return payload
+        return dumps_with_sources((cls, args, kwargs))
     finally:
         if by_value:
             cloudpickle.unregister_pickle_by_value(module)

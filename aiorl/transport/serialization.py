@@ -25,7 +25,8 @@ point-to-point messages) is pickled here, by one policy:
   place when torch is imported or ``copyreg`` gains an entry, so a tensor pickled
   after a late ``import torch`` still uses the reducer above.
 * **cloudpickle** where plain pickle gives up (lambdas, classes defined in
-  ``__main__``, closures); :class:`SerializationError` (a ``TypeError``) when
+  ``__main__``, closures), its code objects whole with their file names
+  (:mod:`aiorl.transport.code`); :class:`SerializationError` (a ``TypeError``) when
   neither can.
 
 Measurements behind the threshold: ``benchmarks/bench_serialization.py`` (a round
@@ -47,6 +48,7 @@ from typing import Any
 import cloudpickle
 
 from aiorl.errors import ProtocolError
+from aiorl.transport.code import CodePickler
 from aiorl.util.cuda_device import selected_device
 
 __all__ = [
@@ -258,7 +260,7 @@ class _Pickler(pickle.Pickler):
     dispatch_table = _TABLE  # the C pickler reads it at construction
 
 
-class _CloudPickler(cloudpickle.CloudPickler):  # type: ignore[misc]  # untyped base
+class _CloudPickler(CodePickler):
     dispatch_table = collections.ChainMap(_TABLE, cloudpickle.CloudPickler.dispatch_table)
 
 

@@ -1,0 +1,95 @@
+"""Code pickled by value keeps its file name, its line numbers and its source lines.
+
+A worker class defined in the user's script (``__main__``, a test module, a notebook cell)
+travels to the workers by value, with cloudpickle. cloudpickle 3.1.3 renames the file of every
+code object it pickles to ``"<dynamic-code>"`` (for reproducible payloads), so a remote
+traceback read ``File "<dynamic-code>", line 6, in boom`` with no source line: the user could
+not tell where their own code failed. aiorl does better than that, whatever cloudpickle's
+version:
+
+* **Code objects travel whole.** :class:`CodePickler` reduces a code object to its
+  :mod:`marshal` bytes (what a ``.pyc`` file holds), which keep ``co_filename`` and the line
+  table of it and of every nested function. Driver and workers run the same Python (cloudpickle's
+  own code reduction needs that too), so marshal's version-specific format is no restriction.
+* **Source lines travel with a class.** :func:`dumps_with_sources` also carries the source text
+  of each file whose code it pickled (as the driver's :mod:`linecache` sees it, which includes
+  notebook cells), and :func:`loads_with_sources` lends that text to the receiver's
+  :mod:`linecache` when the file is not on its disk: a worker on another node formats a
+  traceback with the user's failing line.
+
+The codec (:mod:`aiorl.transport.serialization`) uses the same pickler when plain pickle gives
+up (lambdas and local classes in arguments), so their code keeps its file name too.
+"""
+
+from __future__ import annotations
+
+import io
+import linecache
+import marshal
+import os
+import pickle
+import types
+from typing import Any
+
+import cloudpickle
+
+__all__ = ["CodePickler", "dumps_with_sources", "loads_with_sources"]
+
+#: Source files larger than this are not carried (a traceback then shows the file and line
+#: number without the text, as Python does for a file it cannot read).
+MAX_SOURCE_BYTES = 1 << 20
+
+
+def _code_from_marshal(data: bytes) -> types.CodeType:
+    code = marshal.loads(data)
+    if not isinstance(code, types.CodeType):  # a corrupted or hostile payload
+        raise pickle.UnpicklingError(f"expected a code object, got {type(code).__name__}")
+    return code
+
+
+class CodePickler(cloudpickle.CloudPickler):  # type: ignore[misc]  # untyped base
+    """cloudpickle, with code objects carried whole: file name, line table, nested code.
+
+    ``code_files`` collects the file names of the code objects it pickled.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.code_files: set[str] = set()
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is types.CodeType:
+            self.code_files.add(obj.co_filename)
+            return _code_from_marshal, (marshal.dumps(obj),)
+        return super().reducer_override(obj)
+
+
+def _source_text(filename: str) -> str | None:
+    """The text the driver's linecache has for ``filename`` (None if none, or too large)."""
+    lines = linecache.getlines(filename)
+    if not lines:
+        return None
+    text = "".join(lines)
+    return text if len(text) <= MAX_SOURCE_BYTES else None
+
+
+def dumps_with_sources(obj: Any) -> bytes:
+    """Pickle ``obj`` by :class:`CodePickler`, with the source of each file its code came from."""
+    stream = io.BytesIO()
+    pickler = CodePickler(stream, protocol=5)
+    pickler.dump(obj)
+    sources = {f: text for f in sorted(pickler.code_files) if (text := _source_text(f)) is not None}
+    return pickle.dumps((stream.getvalue(), sources), protocol=5)
+
+
+def loads_with_sources(data: bytes) -> Any:
+    """Inverse of :func:`dumps_with_sources`.
+
+    A carried source whose file this machine lacks is lent to :mod:`linecache` (never in place
+    of a file on disk, which is what this process runs)."""
+    inner, sources = pickle.loads(data)
+    for filename, text in sources.items():
+        if not os.path.exists(filename):
+            # mtime None: linecache.checkcache keeps the entry (as for a loader's source).
+            linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    return pickle.loads(inner)
