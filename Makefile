@@ -36,11 +36,11 @@ demo: torch
 	$(PYTHON) -m aiorl.cli.main demo --steps 20
 
 test: setup
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The suite while two busy processes hog the CPUs (what a shared CI machine does to it).
 test-stress: setup
-	$(PYTHON) tests/stress.py -- $(PYTHON) -m pytest -q -n $(TEST_WORKERS)
+	$(PYTHON) tests/stress.py -- $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Refresh the lock on purpose: a fresh venv, the newest versions pyproject.toml allows, the
 # suite run there; requirements-lock.txt is rewritten only if it passes.

@@ -300,6 +300,33 @@ def test_node_agent_logs_live_under_one_bounded_directory(monkeypatch, tmp_path)
         shutil.rmtree(base, ignore_errors=True)
 
 
+def test_an_agent_starts_while_another_removes_old_log_directories(monkeypatch) -> None:
+    """Two agents starting together on one node both prune ended agents' directories: one that
+    the other removed between the listing and the look is skipped, not a crash at start."""
+    from aiorl.node import agent
+
+    base = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", base)
+    try:
+        parent = os.path.join(base, f"aiorl-node-logs-{os.getuid()}")
+        os.makedirs(parent, mode=0o700)
+        raced = os.path.join(parent, f"{2**22 + 1}-raced")
+        os.mkdir(raced)
+        listdir = os.listdir
+
+        def listdir_then_the_other_agent_removes(path: str) -> list[str]:
+            names = listdir(path)
+            if os.path.isdir(raced):
+                os.rmdir(raced)  # the other agent, between our listing and our look
+            return names
+
+        monkeypatch.setattr(agent.os, "listdir", listdir_then_the_other_agent_removes)
+        mine = agent.default_log_dir()
+        assert os.path.dirname(mine) == parent
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 # ---------------------------------------------------------------------------- documentation
 def test_every_export_documents_itself_with_an_example() -> None:
     """Every class in ``aiorl.__all__`` has an example, and each public member it defines has

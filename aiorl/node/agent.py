@@ -550,7 +550,10 @@ def default_log_dir() -> str:
         pid = name.split("-", 1)[0]
         if pid.isdigit() and not pid_alive(int(pid)):
             path = os.path.join(parent, name)
-            ended.append((os.path.getmtime(path), path))
+            try:
+                ended.append((os.path.getmtime(path), path))
+            except FileNotFoundError:  # another agent starting now removed it first
+                pass
     for _, path in sorted(ended, reverse=True)[KEPT_ENDED_AGENT_LOGS:]:
         shutil.rmtree(path, ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=parent)
