@@ -13,10 +13,12 @@ and a channel between them, then cuts node 1's link and checks that callers fail
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -124,12 +126,20 @@ class Member(aiorl.Worker):
 def topology(tmp_path):
     if not _netns_available():
         pytest.skip("network namespaces cannot be created here (needs root and iproute2)")
-    topo = Topology()
+    # One topology at a time on this machine: test files run in parallel processes (make test)
+    # and the namespaces, bridge, addresses and ports are fixed names. The lock is held on the
+    # temp directory itself, machine-wide and leaving no file behind.
+    lock = os.open(tempfile.gettempdir(), os.O_RDONLY)
     try:
-        topo.up()
-        yield topo
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        topo = Topology()
+        try:
+            topo.up()
+            yield topo
+        finally:
+            topo.down()
     finally:
-        topo.down()
+        os.close(lock)  # releases the lock
 
 
 def test_group_p2p_and_channel_across_namespaces_then_cut_link(topology, tmp_path):
