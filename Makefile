@@ -17,13 +17,14 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -lt 2 ] && n=2;
 
 .PHONY: torch setup demo test test-stress lock chaos bench lint docs docs-build
 
-# One short try at the torch index (no retries: an unreachable index costs seconds, not
-# minutes of retry warnings), then PyPI, saying so in one line.
+# torch alone from its index, with one short try (no retries: an unreachable index costs
+# seconds, not minutes of retry warnings; PyPI instead, said in one line), then its
+# dependencies from PyPI at the locked versions (the torch index need not carry those).
 torch:
 	@echo "== torch $(TORCH_VERSION) from $(or $(TORCH_INDEX),PyPI) (about 200 MB for the CPU build; nothing to fetch if installed)"
-	@$(PIP) "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --timeout 10 --retries 0) || { \
-	  echo "== $(TORCH_INDEX) is unreachable: installing torch $(TORCH_VERSION) from PyPI instead (on Linux x86-64 that is the CUDA build)"; \
-	  $(PIP) "torch==$(TORCH_VERSION)"; }
+	@$(PIP) --no-deps "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --timeout 10 --retries 0) || \
+	  echo "== $(TORCH_INDEX) is unreachable: installing torch $(TORCH_VERSION) from PyPI instead (on Linux x86-64 that is the CUDA build)"
+	@$(PIP) "torch==$(TORCH_VERSION)"
 
 setup: torch
 	@echo "== aiorl, its dependencies and the test tools"
