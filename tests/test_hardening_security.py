@@ -84,6 +84,15 @@ async def _when_port_free(make):
     return make()
 
 
+def _listening(address: str) -> bool:
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def _wait_for(condition, within: float, step: float = 0.1) -> bool:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -413,7 +422,10 @@ def test_registry_restarted_with_another_mechanism_then_right_again_clients_reco
             assert first.echo(1).wait(60) == [1]
             agent_log_dir = os.path.dirname(first.log_path().wait(30)[0])
             procs.replace_registry(insecure=True)
-            time.sleep(1.5)  # the driver's and the agent's heartbeats meet the wrong mechanism
+            # Timed from when the new registry listens (its start-up is slow on a loaded
+            # machine), after the driver's and the agent's heartbeats met the wrong mechanism.
+            assert _wait_for(lambda: _listening(procs.address), 30), "the registry never started"
+            time.sleep(1.5)
             started = time.monotonic()
             with pytest.raises(aiorl.RegistryUnavailable, match="authenticate"):
                 c.runtime.run_sync(c.runtime.registry.request("ping", timeout=5), 10)
