@@ -306,7 +306,7 @@ INVALID = [
     ("0-3:1-4", "1x8", None, "'0-3:1-4'", "process ranks must start at 0"),
     ("all:1-4", "1x8", None, "'all:1-4'", "process ranks must start at 0"),
     ("0-3,4-7:2-5", "1x8", None, "'4-7:2-5'", "repeat ranks already placed"),
-    ("0-3,4-7:6-9", "1x8", None, "'4-7:6-9'", "process ranks must be continuous"),
+    ("0-3,4-7:6-9", "1x8", None, "'4-7:6-9'", "must start at process rank 4, not 6"),
     ("0-3,2-5", "1x8", None, "'2-5'", "overlap resource ranks 0-3"),
     ("4-5,0-3", "1x8", None, "'0-3'", "resource ranks must be ascending"),
     ("0-3,3", "1x8", None, "'3'", "overlap"),
@@ -384,7 +384,7 @@ def test_cluster_spec_basics() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
-        ({"num_nodes": 0}, "num_nodes must be a positive integer"),
+        ({"num_nodes": 0}, "'num_nodes' must be a positive integer"),
         ({"num_nodes": 2, "accelerators_per_node": [8]}, "lists 1 nodes"),
         ({"num_nodes": 2, "accelerators_per_node": -1}, ">= 0"),
         ({"num_nodes": 2, "node_groups": [{"label": "cluster", "node_ranks": "0"}]}, "reserved"),
@@ -393,7 +393,7 @@ def test_cluster_spec_basics() -> None:
             {"num_nodes": 2, "node_groups": [{"label": "a", "node_ranks": 0}] * 2},
             "declared twice",
         ),
-        ({"num_nodes": 2, "node_groups": [{"label": "a", "node_ranks": "0-2"}]}, "node rank 2"),
+        ({"num_nodes": 2, "node_groups": [{"label": "a", "node_ranks": "0-2"}]}, "End rank 2"),
         ({"num_nodes": 2, "node_groups": [{"label": "a"}]}, "missing node_ranks"),
         ({"num_nodes": 2, "node_groups": [{"node_ranks": "0"}]}, "missing label"),
         ({"num_nodes": 2, "node_groups": [{"label": "a,b", "node_ranks": "0"}]}, "may not contain"),
@@ -432,7 +432,7 @@ def test_cluster_spec_basics() -> None:
                     }
                 ],
             },
-            "not in the group's node_ranks",
+            "node_rank 1 in hardware config must be within node_ranks [0] in node group 'r'",
         ),
         (
             {
@@ -573,9 +573,9 @@ def test_flexible() -> None:
     [
         ([[7, 8]], "process 0 would span nodes 0 and 1"),
         ([[0, 1], [1, 2]], "resource rank 1 of process 1 is already used by process 0"),
-        ([[0, 0]], "already used by itself"),
+        ([[0, 0]], "Resource rank 0 of process 0 is given twice"),
         ([[0], []], "process 1 has an empty resource list"),
-        ([], "hardware_ranks_list is empty"),
+        ([], "The hardware_ranks_list must not be empty"),
         ([[16]], "resource rank 16 of process 0 is out of range"),
         ([[-1]], "must be an integer >= 0"),
     ],

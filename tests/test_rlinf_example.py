@@ -56,4 +56,4 @@ def test_a_broken_profiling_section_fails_the_plan(tmp_path: Path,
     broken = tmp_path / "broken.yaml"
     broken.write_text(EXAMPLE.read_text().replace("backend: nsys", "backend: vtune"))
     assert aiorl_main(["plan", str(broken)]) == 2
-    assert "error: profiling: unknown profiling backend 'vtune'" in capsys.readouterr().err
+    assert "error: profiling: Unknown profiling backend 'vtune'" in capsys.readouterr().err

@@ -93,20 +93,23 @@ def test_registry() -> None:
     ("hardware", "fragment"),
     [
         ({"type": "Franka", "configs": [{"robot_ip": "10.0.0.1"}]},
-         "hardware configs entry 0 needs a node_rank"),
+         "Hardware configs entry 0 needs a node_rank"),
         ({"type": "TestGripper", "configs": [{"node_rank": 0}]},
-         "missing field(s) ['port'] for hardware type 'TestGripper'"),
+         "Missing fields '['port']' detected in cluster node_group hardware yaml config. "
+         "Only got: dict_keys(['node_rank']). Hardware type 'TestGripper' requires "
+         "node_rank, port"),
         ({"type": "Franka", "configs": [{"node_rank": 0, "unknown_field": 1}]},
-         "unknown field(s) ['unknown_field'] for hardware type 'Franka'"),
+         "Hardware type 'Franka' has no field unknown_field"),
         ({"type": "Franka", "configs": [{"node_rank": 0, "robot_ip": "not-an-ip"}]},
          "'robot_ip' in a Franka config must be an IP address"),
-        ({"type": "Franka", "configs": ["BAD"]}, "each hardware config must be a mapping"),
+        ({"type": "Franka", "configs": ["BAD"]},
+         "hardware configs entry 0 must be a mapping with a node_rank"),
         ({"type": "Franka", "configs": [{"node_rank": 1}]},
-         "hardware declared on node 1, which is not in the group's node_ranks 0"),
-        ({"type": "TestGripper", "count": 1}, "missing field(s) ['port']"),
+         "node_rank 1 in hardware config must be within node_ranks [0]"),
+        ({"type": "TestGripper", "count": 1}, "Missing fields '['port']'"),
         ({"type": "Franka", "configs": [{"node_rank": 0, "robot_ip": "10.0.0.1"},
                                         {"node_rank": 0, "robot_ip": "10.0.0.1"}]},
-         "duplicate hardware configs on node 0"),
+         "is given twice on node 0; each entry is one unit"),
     ],
 )
 def test_invalid_hardware(hardware: dict, fragment: str) -> None:
@@ -117,7 +120,7 @@ def test_invalid_hardware(hardware: dict, fragment: str) -> None:
 
 
 def test_invalid_groups() -> None:
-    with pytest.raises(PlacementError, match="node_groups entry 0 must be a mapping"):
+    with pytest.raises(PlacementError, match="node_groups entry 0 must be a node group"):
         ClusterSpec.from_config({"num_nodes": 1, "node_groups": ["train"]})
     with pytest.raises(PlacementError, match="ignore_hardware .* cannot be combined"):
         _spec({"label": "r", "node_ranks": 0, "ignore_hardware": True,

@@ -6,6 +6,7 @@ tests/test_rlinf_e2e.py.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -93,9 +94,10 @@ def _mp(placement: dict[str, Any], *, actor_tp: int = 1, rollout_tp: int = 1,
 
 
 def test_model_parallel_collocated() -> None:
-    mp = _mp({"actor,rollout": "0-7"}, actor_tp=4, rollout_tp=2)
+    mp = _mp({"actor,rollout,reward": "0-7"}, actor_tp=4, rollout_tp=2)
     assert mp.is_collocated and not mp.is_pipeline
     assert mp.get_world_size("actor") == 8 and mp.get_world_size("rollout") == 4
+    assert mp.reward_world_size == 8 and mp.get_world_size("reward") == 8
     # strided so one rollout engine's GPUs sit inside one actor TP group
     assert [p.hardware_ranks for p in mp.get_placement("rollout")] == [[0, 2], [1, 3], [4, 6],
                                                                         [5, 7]]
@@ -104,11 +106,13 @@ def test_model_parallel_collocated() -> None:
 
 
 def test_model_parallel_disaggregated_and_auto() -> None:
-    mp = _mp({"actor": "0-3", "rollout": "4-5", "inference": "6-7"}, rollout_tp=2)
+    mp = _mp({"actor": "0-3", "rollout,reward": "4-5", "inference": "6-7"}, rollout_tp=2)
     assert mp.is_disaggregated and mp.has_dedicated_inference
     assert [p.hardware_ranks for p in mp.get_placement("rollout")] == [[4, 5]]
     assert mp.get_world_size("inference") == 2
-    auto = _mp({"actor": "0-1", "rollout": "2-5", "inference": "6-7"},
+    # reward takes no part in choosing the mode: its GPUs may be anyone's
+    assert [p.hardware_ranks for p in mp.get_placement("reward")] == [[4], [5]]
+    auto = _mp({"actor": "0-1", "rollout": "2-5", "inference": "6-7", "reward": "2-5"},
                cluster={"auto_scheduler": True})
     assert auto.is_auto and auto.get_world_size("actor") == 8  # the actor spans every GPU
 
@@ -116,25 +120,34 @@ def test_model_parallel_disaggregated_and_auto() -> None:
 @pytest.mark.parametrize(
     ("placement", "kwargs", "fragment"),
     [
-        ({"rollout": "0-3"}, {}, "Actor GPUs must be specified"),
-        ({"actor": "0-3"}, {}, "Rollout GPUs must be specified"),
-        ({"actor": "0-1,3-4", "rollout": "5-6"}, {}, "Actor GPUs [0, 1, 3, 4] must be continuous"),
-        ({"actor": "0-3", "rollout": "2-5"}, {}, "does not match either the collocated mode"),
-        ({"actor,rollout,inference": "0-3"}, {},
-         "Inference GPUs must not be specified in collocated mode"),
-        ({"actor,rollout": "0-3"}, {"actor_tp": 8}, "Actor TP size 8 must be less than or equal"),
-        ({"actor,rollout": "0-3"}, {"rollout_tp": 8}, "Rollout TP size 8 must be less than"),
-        ({"actor,rollout": "0-5"}, {"actor_tp": 3, "rollout_tp": 2},
-         "Actor TP size (3) must be divisible by Rollout TP size (2)"),
+        ({"rollout,reward": "0-3"}, {}, "Actor GPUs must be specified"),
+        ({"actor,reward": "0-3"}, {}, "Rollout GPUs must be specified"),
+        # RLinf requires reward in every mode, and checks it before anything else
+        ({"actor,rollout": "0-3"}, {}, "Reward GPUs must be specified"),
+        ({"actor": "0-3", "rollout": "4-7"}, {}, "Reward GPUs must be specified"),
         ({"actor": "0-3", "rollout": "4-5", "inference": "6-7"},
+         {"cluster": {"auto_scheduler": True}}, "Reward GPUs must be specified"),
+        ({"actor": "0-1,3-4", "rollout": "5-6"}, {}, "Reward GPUs must be specified"),
+        ({"actor": "0-1,3-4", "rollout,reward": "5-6"}, {},
+         "Actor GPUs [0, 1, 3, 4] must be continuous"),
+        ({"actor,reward": "0-3", "rollout": "2-5"}, {},
+         "does not match either the collocated mode"),
+        ({"actor,rollout,inference,reward": "0-3"}, {},
+         "Inference GPUs must not be specified in collocated mode"),
+        ({"actor,rollout,reward": "0-3"}, {"actor_tp": 8},
+         "Actor TP size 8 must be less than or equal"),
+        ({"actor,rollout,reward": "0-3"}, {"rollout_tp": 8},
+         "Rollout TP size 8 must be less than"),
+        ({"actor,rollout,reward": "0-5"}, {"actor_tp": 3, "rollout_tp": 2},
+         "Actor TP size (3) must be divisible by Rollout TP size (2)"),
+        ({"actor": "0-3", "rollout,reward": "4-5", "inference": "6-7"},
          {"algorithm": {"recompute_logprobs": False}}, "recompute_logprobs has been set to false"),
-        ({"actor": "2-3", "rollout": "4-7"}, {"cluster": {"auto_scheduler": True}},
+        ({"actor": "2-3", "rollout,reward": "4-7"}, {"cluster": {"auto_scheduler": True}},
          "AUTO mode requires components to be placed in the order"),
-        ({"actor,rollout": "0-3"}, {"cluster": {"auto_scheduler": True}},
+        ({"actor,rollout,reward": "0-3"}, {"cluster": {"auto_scheduler": True}},
          "AUTO mode is a more advanced version of disaggregated mode"),
     ],
 )
 def test_model_parallel_errors(placement: dict, kwargs: dict, fragment: str) -> None:
-    with pytest.raises(PlacementError) as info:
+    with pytest.raises(PlacementError, match=re.escape(fragment)):
         _mp(placement, **kwargs)
-    assert fragment in str(info.value)

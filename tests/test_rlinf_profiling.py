@@ -30,6 +30,30 @@ def test_nsys_command_and_rlinf_aliases() -> None:
     assert launch.env == {"AIORL_PROFILER": "nsys", "AIORL_PROFILE_OUTPUT_DIR": "/reports"}
 
 
+def test_nsys_to_cli_tokens_renders_the_options_alone() -> None:
+    # RLinf's NsightConfig.to_cli_tokens(): flags, then options, no "nsys profile".
+    flags_only = parse_profiling({"backend": "nsight", "flags": ["python-backtrace"]})
+    assert flags_only is not None and flags_only.to_cli_tokens() == ["--python-backtrace"]
+    config = parse_profiling({"backend": "nsys", "flags": ["python-backtrace", "w"],
+                              "options": {"t": "cuda,nvtx", "sample": "process-tree"}})
+    assert config is not None
+    assert config.to_cli_tokens() == ["--python-backtrace", "-w", "-t", "cuda,nvtx",
+                                      "--sample=process-tree"]
+    # default_output_prefix adds -o, as RLinf's does, unless the options name an output
+    assert config.to_cli_tokens("/r/p")[-2:] == ["-o", "/r/p"]
+    named = parse_profiling({"backend": "nsys", "options": {"output": "/mine"}})
+    assert named is not None and named.to_cli_tokens("/r/p") == ["--output=/mine"]
+    # launch() is "nsys profile" + the tokens with the worker's report prefix
+    launch = config.launch("actor:0")
+    assert launch.argv[:2] == ("nsys", "profile")
+    assert list(launch.argv[2:]) == config.to_cli_tokens(launch.argv[-1])
+    # rocprof-sys: RLinf's RocprofSysConfig.to_cli_tokens(), the whole prefix up to "--"
+    roc = parse_profiling({"backend": "rocprof_sys", "args": {"F": "true"}})
+    assert roc is not None and roc.to_cli_tokens() == ["rocprof-sys-python", "-F", "true", "--"]
+    bare = parse_profiling({"backend": "rocprof_sys"})
+    assert bare is not None and bare.to_cli_tokens() == ["rocprof-sys-python", "--"]
+
+
 def test_steps_set_a_capture_range_unless_given() -> None:
     auto = parse_profiling({"backend": "nsys", "steps": [5, 10]})
     assert auto is not None
@@ -76,18 +100,18 @@ def test_cluster_section_selects_groups_node_group_section_selects_all() -> None
     ("section", "fragment"),
     [
         ({"worker_groups": ["actor"]}, "backend must be specified"),
-        ({"backend": "vtune"}, "unknown profiling backend 'vtune'"),
+        ({"backend": "vtune"}, "Unknown profiling backend 'vtune'"),
         ({"backend": "nsys", "flags": ["python-backtrace"],
           "options": {"python-backtrace": "cuda"}},
-         "python-backtrace given both as a flag and as an option"),
+         "Got duplicates: ['python-backtrace']"),
         ({"backend": "nsys", "options": {"stop-on-range-end": True, "capture-range-end": "stop"}},
-         "must not give both 'stop-on-range-end' and 'capture-range-end'"),
+         "must not specify both 'stop-on-range-end' and 'capture-range-end'"),
         ({"backend": "nsys", "options": {"o": "a", "output": "b"}}, "both 'o' and 'output'"),
         ({"backend": "nsys", "steps": [3, -1]}, "steps must be non-negative integers"),
         ({"backend": "nsys", "steps": 3}, "steps must be a list of integers"),
-        ({"backend": "nsys", "options": ["BAD"]}, "options must be a mapping"),
-        ({"backend": "rocprof-sys", "args": ["bad"]}, "args must be a mapping"),
-        ({"backend": "rocprof-sys", "env": "X=1"}, "env must be a mapping"),
+        ({"backend": "nsys", "options": ["BAD"]}, "options must be a dictionary"),
+        ({"backend": "rocprof-sys", "args": ["bad"]}, "args must be a dictionary"),
+        ({"backend": "rocprof-sys", "env": "X=1"}, "env must be a dictionary"),
         ({"backend": "nsys", "args": {"F": "true"}}, "args belong(s) to the other backend"),
         ({"backend": "nsys", "enable": True}, "unknown key(s) enable"),
         ({"backend": "nsys", "enabled": "yes"}, "enabled must be true or false"),
@@ -102,6 +126,6 @@ def test_invalid_sections(section: object, fragment: str) -> None:
 
 
 def test_node_group_section_errors_name_the_group() -> None:
-    with pytest.raises(PlacementError, match="node group 'gpu' profiling: unknown profiling"):
+    with pytest.raises(PlacementError, match="node group 'gpu' profiling: Unknown profiling"):
         ClusterSpec.from_config({"num_nodes": 1, "node_groups": [
             {"label": "gpu", "node_ranks": 0, "profiling": {"backend": "perf"}}]})

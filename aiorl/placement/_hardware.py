@@ -147,30 +147,47 @@ def build_hardware_config(type_name: str, raw: Mapping[str, Any], where: str) ->
 
     Raises:
         PlacementError: ``raw`` is not a mapping, lacks a required field, has a field the
-            schema does not know, or a field value the schema rejects. The message names
-            the fields and starts with ``where``.
+            schema does not know, or a field value the schema rejects. The message starts
+            with ``where``, then RLinf's words, then names the fields.
     """
     if not isinstance(raw, Mapping):
-        raise PlacementError(f"{where}: each hardware config must be a mapping, got {raw!r}")
+        raise PlacementError(
+            f"{where}: Each hardware config must be a dictionary. But got {type(raw)}: {raw}"
+        )
     values = {str(k): v for k, v in raw.items()}
     hw_type = get_hardware_type(type_name)
     if hw_type is None:
         if "node_rank" not in values:
-            raise PlacementError(f"{where}: missing field(s) ['node_rank']")
+            raise PlacementError(f"{where}: {_missing_text(['node_rank'], values)}")
         node_rank = values.pop("node_rank")
         return _construct(CustomHardwareConfig, {"node_rank": node_rank, "fields": values}, where)
     missing = [name for name in hw_type.required_fields if name not in values]
     if missing:
         raise PlacementError(
-            f"{where}: missing field(s) {missing} for hardware type {hw_type.name!r}"
+            f"{where}: {_missing_text(missing, values)} Hardware type {hw_type.name!r} "
+            f"requires {', '.join(hw_type.required_fields)}"
         )
     unknown = sorted(set(values) - set(hw_type.known_fields))
     if unknown:
         raise PlacementError(
-            f"{where}: unknown field(s) {unknown} for hardware type {hw_type.name!r}; "
-            f"known fields: {', '.join(hw_type.known_fields)}"
+            f"{where}: Unknown fields '{_set_text(unknown)}' detected {_SUFFIX}. Valid fields "
+            f"are: {_set_text(hw_type.known_fields)}. Hardware type {hw_type.name!r} has no "
+            f"field {', '.join(unknown)}"
         )
     return _construct(hw_type.config_class, values, where)
+
+
+# RLinf's words for where a hardware config field check failed.
+_SUFFIX = "in cluster node_group hardware yaml config"
+
+
+def _missing_text(missing: list[str], values: dict[str, Any]) -> str:
+    return f"Missing fields '{missing}' detected {_SUFFIX}. Only got: {values.keys()}."
+
+
+def _set_text(names: list[str]) -> str:
+    """A set of names written as Python writes a set, in a stable order."""
+    return "{" + ", ".join(repr(n) for n in names) + "}"
 
 
 def _construct(cls: type[HardwareConfig], values: dict[str, Any], where: str) -> HardwareConfig:

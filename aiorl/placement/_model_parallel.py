@@ -4,6 +4,9 @@
 :class:`ComponentPlacement` and then decides, from which GPUs the components share,
 how the processes are laid out (RLinf's ``rlinf.utils.placement``):
 
+Actor, rollout and reward must all be placed (RLinf's rule, in every mode); reward
+gets one process per GPU and does not take part in choosing the mode.
+
 * **collocated**: actor and rollout use the same GPUs. The actor gets one process per
   GPU; each rollout process takes ``rollout.tensor_parallel_size`` GPUs, strided by
   ``actor_tp / rollout_tp`` so a rollout engine's GPUs are the ones one actor TP group
@@ -69,7 +72,8 @@ class ModelParallelComponentPlacement(ComponentPlacement):
         cluster_or_spec: as for :class:`ComponentPlacement`.
 
     Raises:
-        PlacementError: actor or rollout missing, a component's GPUs not continuous, a
+        PlacementError: actor, rollout or reward missing (reward is required in every
+            mode, as in RLinf), a component's GPUs not continuous, a
             layout that is neither collocated nor disaggregated, a TP size larger than
             its component's GPUs, an actor TP not divisible by the rollout TP
             (collocated), inference placed while ``algorithm.recompute_logprobs`` is
@@ -92,6 +96,11 @@ class ModelParallelComponentPlacement(ComponentPlacement):
         if self._rollout_gpus is None:
             raise PlacementError(
                 "Rollout GPUs must be specified in the component_placement config.")
+        # RLinf requires a reward placement in every mode (collocated, disaggregated,
+        # auto), before any other check; reward GPUs take no part in choosing the mode.
+        if self._reward_gpus is None:
+            raise PlacementError(
+                "Reward GPUs must be specified in the component_placement config.")
         for name, gpus in (("Actor", self._actor_gpus), ("Rollout", self._rollout_gpus),
                            ("Inference", self._inference_gpus)):
             if gpus is not None and gpus != list(range(gpus[0], gpus[-1] + 1)):

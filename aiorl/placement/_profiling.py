@@ -95,6 +95,23 @@ class ProfilingConfig:
         """Whether ``step`` is one to capture (every step when ``steps`` is None)."""
         return self.enabled and (self.steps is None or step in self.steps)
 
+    def to_cli_tokens(self, default_output_prefix: str | None = None) -> list[str]:
+        """The profiler's own command-line tokens (RLinf's ``to_cli_tokens``).
+
+        nsys: the ``nsys profile`` options alone, flags first (``--name``, or ``-n`` for a
+        one-letter name), then options (``--name=value``, or ``-n value``); with
+        ``default_output_prefix``, ``-o PREFIX`` is added unless the options name an
+        output (``o`` or ``output``). rocprof-sys: ``rocprof-sys-python``, its
+        arguments and ``--`` (RLinf's ``RocprofSysConfig.to_cli_tokens``); the prefix
+        does not apply, rocprof-sys takes its output place from the environment.
+        """
+        if self.backend != "nsys":
+            return ["rocprof-sys-python", *_render(self.args), "--"]
+        options = dict(self.options)
+        if default_output_prefix is not None and "o" not in options and "output" not in options:
+            options["o"] = default_output_prefix
+        return [*(_flag(f) for f in self.flags), *_render(options)]
+
     def launch(self, worker_name: str) -> ProfilerLaunch:
         """The command prefix and environment for the worker called ``worker_name``."""
         output_dir = self.output_dir or tempfile.gettempdir()
@@ -104,12 +121,9 @@ class ProfilingConfig:
         if self.steps is not None:
             env["AIORL_PROFILE_STEPS"] = ",".join(map(str, self.steps))
         if self.backend == "nsys":
-            options = dict(self.options)
-            if "o" not in options and "output" not in options:
-                options["o"] = prefix
-            argv = ["nsys", "profile", *(_flag(f) for f in self.flags), *_render(options)]
+            argv = ["nsys", "profile", *self.to_cli_tokens(prefix)]
         else:
-            argv = ["rocprof-sys-python", *_render(self.args), "--"]
+            argv = self.to_cli_tokens()
             env["ROCPROFSYS_OUTPUT_PATH"] = output_dir
             env["ROCPROFSYS_OUTPUT_PREFIX"] = f"aiorl_profile_{safe_name}_"
         env.update(self.env)  # the user's settings win
@@ -134,11 +148,17 @@ def _text(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+# RLinf's name for the config class that owns each mapping, for its messages.
+_OWNER = {"options": "Nsight", "args": "RocprofSys", "env": "RocprofSys"}
+
+
 def _mapping(value: Any, name: str, where: str) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise PlacementError(f"{where}: {name} must be a mapping of names to values, got {value!r}")
+        raise PlacementError(
+            f"{where}: {_OWNER[name]} {name} must be a dictionary in cluster profiling config. "
+            f"But got {type(value)}: {value}; give a mapping of names to values")
     out: dict[str, str] = {}
     for key, item in value.items():
         key_text = str(key).strip()
@@ -191,8 +211,8 @@ def parse_profiling(raw: Any, where: str = "profiling", *, applies_to_all: bool 
     name = str(raw["backend"]).strip().lower()
     if name not in BACKENDS:
         raise PlacementError(
-            f"{where}: unknown profiling backend {raw['backend']!r}; expected one of "
-            f"{', '.join(sorted(BACKENDS))}")
+            f"{where}: Unknown profiling backend '{raw['backend']}'. Known backends: "
+            f"{sorted(BACKENDS)}")
     backend = BACKENDS[name]
     foreign = _ROCPROF_ONLY if backend == "nsys" else _NSYS_ONLY
     misplaced = [k for k in foreign if raw.get(k) is not None]
@@ -238,13 +258,15 @@ def _normalise_nsys(config: ProfilingConfig, where: str) -> None:
     if "stop-on-range-end" in options:
         if "capture-range-end" in options:
             raise PlacementError(
-                f"{where}: options must not give both 'stop-on-range-end' and "
-                "'capture-range-end' (the first is an alias of the second)")
+                f"{where}: Nsight options must not specify both 'stop-on-range-end' and "
+                "'capture-range-end'. The first is an alias of the second")
         alias = options.pop("stop-on-range-end").strip().lower()
         options["capture-range-end"] = "stop" if alias in _TRUE else (
             "none" if alias in _FALSE else alias)
     if "o" in options and "output" in options:
-        raise PlacementError(f"{where}: options must not give both 'o' and 'output'")
+        raise PlacementError(
+            f"{where}: Nsight options must not specify both 'o' and 'output'. They name "
+            "the same setting")
     if config.steps is not None:
         # Without a capture range nsys ignores cudaProfilerStart/Stop and records the
         # whole process, so the step gating would silently do nothing.
@@ -253,5 +275,5 @@ def _normalise_nsys(config: ProfilingConfig, where: str) -> None:
     both = sorted(set(config.flags) & set(options))
     if both:
         raise PlacementError(
-            f"{where}: {', '.join(both)} given both as a flag and as an option; "
-            "flags and options must not name the same setting")
+            f"{where}: Nsight flags and options must not specify the same names. Got "
+            f"duplicates: {both}")

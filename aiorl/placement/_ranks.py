@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 from aiorl.errors import PlacementError
 
-__all__ = ["format_ranks", "parse_range", "parse_rank_config"]
+__all__ = ["format_ranks", "parse_range", "parse_rank_config", "rank_out_of_range_message"]
 
 # Only plain decimal digits: "-1" or "+2" are not ranks, and "1e3" is not an integer.
 _RANGE_RE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
@@ -62,6 +62,7 @@ def _available_list(available: Sequence[int] | int | None) -> list[int] | None:
 def parse_rank_config(
     text: str | int | Sequence[int | str],
     available: Sequence[int] | int | None = None,
+    rank_type: str | None = None,
 ) -> list[int]:
     """Parse a rank string into a sorted list of unique ranks.
 
@@ -73,6 +74,9 @@ def parse_rank_config(
         available: the ranks that exist, as a list or as a count ``n`` meaning
             ``0..n-1``. Required for ``"all"``; when given, every parsed rank must be
             in it.
+        rank_type: what the ranks count (``"node"``...). When given, a malformed
+            item is reported in RLinf's words first (``Invalid rank format TEXT for
+            node, expected format: "a,b,c-d" or "all"``), then aiorl's explanation.
 
     Returns:
         The ranks in ascending order.
@@ -106,14 +110,22 @@ def parse_rank_config(
                 raise PlacementError(
                     f"rank string {text!r} has an empty item: remove the stray comma"
                 )
-            first, last = parse_range(item.strip())
+            try:
+                first, last = parse_range(item.strip())
+            except PlacementError as exc:
+                if rank_type is None or _RANGE_RE.match(item) is not None:
+                    raise  # no rank type to name, or a reversed range: not RLinf's case
+                raise PlacementError(
+                    f'Invalid rank format {text} for {rank_type}, expected format: '
+                    f'"a,b,c-d" or "all"; {exc}'
+                ) from None
             ranks.extend(range(first, last + 1))
     elif isinstance(text, Sequence):
         if len(text) == 0:
             raise PlacementError("empty rank list: give at least one rank")
         ranks = []
         for element in text:
-            ranks.extend(parse_rank_config(element))
+            ranks.extend(parse_rank_config(element, rank_type=rank_type))
     else:
         raise PlacementError(
             f"{text!r} is not a rank string: use an integer, a string such as '0-3,5', or a list"
@@ -132,6 +144,30 @@ def parse_rank_config(
                     f"{format_ranks(avail) or 'none'}"
                 )
     return sorted(ranks)
+
+
+def rank_out_of_range_message(
+    text: str | int | Sequence[int | str], available: Sequence[int], rank_type: str
+) -> str | None:
+    """RLinf's message for the first item of ``text`` outside ``available`` (checked
+    as RLinf does: each item's start, then its end, against the lowest and highest
+    available rank), or None when every item is within. ``text`` must parse."""
+    avail = sorted(available)
+    if isinstance(text, (str, int)):
+        items = [i.strip() for i in str(text).split(",") if i.strip()]
+    else:
+        items = [str(element).strip() for element in text]
+    for item in items:
+        if item.lower() == "all":
+            continue
+        first, last = parse_range(item)
+        for name, rank in (("Start", first), ("End", last)):
+            if not avail or not avail[0] <= rank <= avail[-1]:
+                return (
+                    f'{name} rank {rank} in rank config string "{text}" must be within the '
+                    f"available {rank_type} ranks {avail}."
+                )
+    return None
 
 
 def format_ranks(ranks: Iterable[int]) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 from aiorl.errors import PlacementError
 from aiorl.placement._hardware import NodeHardware, build_hardware_config
 from aiorl.placement._profiling import ProfilingConfig, parse_profiling
-from aiorl.placement._ranks import format_ranks, parse_rank_config
+from aiorl.placement._ranks import format_ranks, parse_rank_config, rank_out_of_range_message
 
 __all__ = [
     "ACCELERATOR",
@@ -60,10 +60,10 @@ def _check_keys(cfg: Mapping[str, Any], allowed: Sequence[str], where: str) -> N
         )
 
 
-def _ranks(text: Any, where: str, available: Sequence[int] | int | None = None) -> list[int]:
-    """``parse_rank_config`` with ``where`` prefixed to any error message."""
+def _ranks(text: Any, where: str) -> list[int]:
+    """Node ranks: ``parse_rank_config`` with ``where`` prefixed to any error message."""
     try:
-        return parse_rank_config(text, available)
+        return parse_rank_config(text, rank_type="node")
     except PlacementError as exc:
         raise PlacementError(f"{where}: {exc}") from None
 
@@ -87,9 +87,9 @@ class EnvConfig:
     def from_config(cls, cfg: Mapping[str, Any], where: str = "env_configs entry") -> EnvConfig:
         """Build from ``{node_ranks, env_vars, python_interpreter_path}``.
 
-        ``env_vars`` is either a mapping ``{KEY: value}`` or a list of such mappings
-        (RLinf writes a list of one-key mappings). Values become strings; a key given
-        twice in one entry is an error.
+        ``env_vars`` is either a mapping ``{KEY: value}`` or RLinf's list of one-key
+        mappings (an entry with several keys is refused, as in RLinf). Values become
+        strings; a key given twice in one entry is an error.
         """
         cfg = to_plain(cfg)
         if not isinstance(cfg, dict):
@@ -106,8 +106,15 @@ class EnvConfig:
             for entry in raw:
                 if not isinstance(entry, dict):
                     raise PlacementError(
-                        f"{where}: env_vars entries must be mappings like {{KEY: value}}, "
-                        f"got {entry!r}"
+                        f"{where}: Each node env_var must be a dict in config. But got "
+                        f"{type(entry)}: {entry}; write each variable as a list item "
+                        "'- KEY: value'"
+                    )
+                if len(entry) != 1:
+                    raise PlacementError(
+                        f"{where}: Each node env_var dict must contain exactly one key-value "
+                        f"pair. But got: {entry}; write each variable as its own list item "
+                        "'- KEY: value'"
                     )
                 items.extend(entry.items())
         else:
@@ -203,8 +210,8 @@ class NodeGroup:
             for n, c in counts.items():
                 if n not in members:
                     raise PlacementError(
-                        f"{where}: hardware declared on node {n}, which is not in the "
-                        f"group's node_ranks {format_ranks(self.node_ranks)}"
+                        f"node_rank {n} in hardware config must be within node_ranks "
+                        f"{self.node_ranks} in node group '{self.label}'."
                     )
                 if c < 0:
                     raise PlacementError(f"{where}: negative hardware count {c} on node {n}")
@@ -256,8 +263,8 @@ class NodeGroup:
                 key = _unit_key(config.to_dict())
                 if self.hardware_configs and key in seen:
                     raise PlacementError(
-                        f"{where}: duplicate hardware configs on node {n}: {raw!r} is given "
-                        "twice; each entry is one unit"
+                        f"{_duplicate_configs_text(self.hardware_configs)}{where}: {raw!r} is "
+                        f"given twice on node {n}; each entry is one unit"
                     )
                 seen.add(key)
                 configs.append(config)
@@ -284,7 +291,10 @@ class NodeGroup:
         """
         cfg = to_plain(cfg)
         if not isinstance(cfg, dict):
-            raise PlacementError(f"node_groups entries must be mappings, got {cfg!r}")
+            raise PlacementError(
+                f"Each node yaml config must be a dictionary. But got {type(cfg)}: {cfg}; "
+                "a node group is a mapping with a label and node_ranks"
+            )
         label = cfg.get("label")
         where = f"node group {label!r}"
         if label is None:
@@ -331,11 +341,15 @@ class NodeGroup:
                 for i, unit in enumerate(units):
                     if not isinstance(unit, dict):
                         raise PlacementError(
-                            f"{where}: each hardware config must be a mapping, got {unit!r}"
+                            f"{where}: Each hardware config must be a dictionary. But got "
+                            f"{type(unit)}: {unit}; hardware configs entry {i} must be a "
+                            "mapping with a node_rank"
                         )
                     if "node_rank" not in unit:
                         raise PlacementError(
-                            f"{where}: hardware configs entry {i} needs a node_rank"
+                            f"{where}: Missing fields '['node_rank']' detected in cluster "
+                            f"node_group hardware yaml config. Only got: {unit.keys()}. "
+                            f"Hardware configs entry {i} needs a node_rank"
                         )
                     n = unit["node_rank"]
                     if isinstance(n, bool) or not isinstance(n, int):
@@ -416,6 +430,15 @@ class NodeGroup:
         return self.hardware.on_node(node_rank) if self.hardware is not None else []
 
 
+def _duplicate_configs_text(configs: Mapping[int, list[dict[str, Any]]]) -> str:
+    """RLinf's message for duplicate hardware entries: the text, then every entry of the
+    group as YAML (each ends with a newline)."""
+    import yaml  # omegaconf's dependency; imported only on this error path
+
+    dumps = [yaml.dump(dict(c), sort_keys=False) for units in configs.values() for c in units]
+    return "Duplicate hardware configs found in node hardware config: \n" + "\n".join(dumps)
+
+
 def _unit_key(config: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((str(k), repr(v)) for k, v in config.items()))
 
@@ -455,7 +478,10 @@ class ClusterSpec:
         profiling: ProfilingConfig | Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
-            raise PlacementError(f"num_nodes must be a positive integer, got {num_nodes!r}")
+            raise PlacementError(
+                f"'num_nodes' must be a positive integer. But got {num_nodes} of type "
+                f"{type(num_nodes)}."
+            )
         self.num_nodes = num_nodes
         if isinstance(accelerators_per_node, bool):
             raise PlacementError("accelerators_per_node must be an int or a list of ints")
@@ -482,12 +508,7 @@ class ClusterSpec:
                 )
             if group.label in self._groups:
                 raise PlacementError(f"node group label {group.label!r} is declared twice")
-            for n in group.node_ranks:
-                if n >= num_nodes:
-                    raise PlacementError(
-                        f"node group {group.label!r}: node rank {n} is out of range; the "
-                        f"cluster has {num_nodes} node(s) (0-{num_nodes - 1})"
-                    )
+            self._check_node_ranks(group, g, num_nodes)
             self._groups[group.label] = group
         self.profiling: ProfilingConfig | None = (
             profiling if isinstance(profiling, ProfilingConfig) or profiling is None
@@ -503,6 +524,24 @@ class ClusterSpec:
             for n in group.node_ranks:
                 units = self._hardware_units.setdefault((group.hardware_type.lower(), n), [])
                 units.extend(k for k in group.unit_keys(n) if k not in units)
+
+    @staticmethod
+    def _check_node_ranks(group: NodeGroup, given: Any, num_nodes: int) -> None:
+        """Every node of ``group`` exists; RLinf's message quotes the ranks as written."""
+        outside = [n for n in group.node_ranks if n >= num_nodes]
+        if not outside:
+            return
+        text: Any = format_ranks(group.node_ranks)
+        if isinstance(given, Mapping) and given.get("node_ranks") is not None:
+            text = to_plain(given["node_ranks"])
+        everyone = list(range(num_nodes))
+        detail = rank_out_of_range_message(text, everyone, "node") or (
+            f"Rank {outside[0]} must be within the available node ranks {everyone}."
+        )
+        raise PlacementError(
+            f"Error parsing node_ranks {text} in node group '{group.label}'. {detail} "
+            f"The cluster has {num_nodes} node(s) (0-{num_nodes - 1})"
+        )
 
     def hardware_unit_index(self, hardware_type: str, node_rank: int, key: tuple[Any, ...],
                             default: int) -> int:
@@ -547,8 +586,9 @@ class ClusterSpec:
         for i, group in enumerate(groups):
             if not isinstance(group, Mapping):
                 raise PlacementError(
-                    f"cluster.node_groups entry {i} must be a mapping (a node group with a "
-                    f"label and node_ranks), got {group!r}"
+                    f"Each node yaml config must be a dictionary. But got {type(group)}: "
+                    f"{group}; cluster.node_groups entry {i} must be a node group with a "
+                    "label and node_ranks"
                 )
         return cls(
             num_nodes=num_nodes,

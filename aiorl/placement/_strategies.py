@@ -202,10 +202,10 @@ def _build(
         nodes = sorted({r.node_rank for r in res})
         if len(nodes) > 1:
             raise PlacementError(
-                f"{where(rank)}: process {rank} would span nodes "
-                f"{', '.join(map(str, nodes[:-1]))} and {nodes[-1]} (resource ranks "
-                f"{format_ranks(res_ranks)}); "
-                "a process must stay on one node"
+                f"{where(rank)}: All hardware ranks {list(res_ranks)} for a process must be on "
+                f"the same node. Instead, the hardware exist across node ranks "
+                f"{{{', '.join(map(str, nodes))}}}; process {rank} would span nodes "
+                f"{', '.join(map(str, nodes[:-1]))} and {nodes[-1]}"
             )
         groups = list(dict.fromkeys(r.group.label for r in res))
         if len(groups) > 1:
@@ -408,7 +408,8 @@ class FlexiblePlacementStrategy(PlacementStrategy):
         where = repr(self)
         if not lists:
             raise PlacementError(
-                f"{where}: hardware_ranks_list is empty; give one list per process"
+                f"{where}: The hardware_ranks_list must not be empty. Give one list of "
+                "resource ranks per process"
             )
         owner: dict[int, int] = {}
         for proc, ranks in enumerate(lists):
@@ -416,11 +417,15 @@ class FlexiblePlacementStrategy(PlacementStrategy):
                 raise PlacementError(f"{where}: process {proc} has an empty resource list")
             for r in ranks:
                 _check_int(r, f"resource rank of process {proc}", 0, where)
+                if r in owner and owner[r] == proc:
+                    raise PlacementError(
+                        f"{where}: All hardware ranks {ranks} for a process must be unique. "
+                        f"Resource rank {r} of process {proc} is given twice"
+                    )
                 if r in owner:
-                    who = "itself" if owner[r] == proc else f"process {owner[r]}"
                     raise PlacementError(
                         f"{where}: resource rank {r} of process {proc} is already used by "
-                        f"{who}; each resource may appear once"
+                        f"process {owner[r]}; each resource may appear once"
                     )
                 owner[r] = proc
         # RLinf's order: ranks ascending within a process, processes by their first rank.
@@ -700,7 +705,9 @@ class RankStringPlacementStrategy(PlacementStrategy):
                 if clash is not None:
                     raise self._fail(
                         seg.text,
-                        f"{_ranks_text('resource', first, last)} "
+                        f"Duplicate resource ranks found in placement string: "
+                        f"{self.placement}. Resource ranks must be unique. "
+                        f"{_ranks_text('Resource', first, last)} "
                         f"{'overlaps' if first == last else 'overlap'} "
                         f"{_ranks_text('resource', clash[0], clash[1])} of segment "
                         f"{clash[2]!r}; each resource may appear in one segment only",
@@ -747,18 +754,19 @@ class RankStringPlacementStrategy(PlacementStrategy):
             done.append((first, last, seg.text))
         return assignments
 
-    @staticmethod
-    def _continuity_rule(p_first: int, p_last: int, expected: int) -> str:
+    def _continuity_rule(self, p_first: int, p_last: int, expected: int) -> str:
         if expected == 0:
             return f"process ranks must start at 0, but this segment starts at {p_first}"
         if p_first < expected:
             return (
-                f"process ranks {_range_text(p_first, p_last)} repeat ranks already placed by "
-                f"earlier segments (0-{expected - 1}); each process rank must appear once"
+                f"Duplicate process ranks found in placement string: {self.placement}. "
+                f"Process ranks must be unique. Process ranks {_range_text(p_first, p_last)} "
+                f"repeat ranks already placed by earlier segments (0-{expected - 1})"
             )
         return (
-            f"process ranks must be continuous: this segment must start at process rank "
-            f"{expected}, not {p_first}"
+            f"Process ranks must be in ascending order and continuous in placement string: "
+            f"{self.placement}. This segment must start at process rank {expected}, not "
+            f"{p_first}"
         )
 
     def _segment_of(self, assignments_per_segment: list[int]) -> Callable[[int], str]:
