@@ -19,8 +19,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from aiorl.errors import (
+    AddressError,
     AiorlError,
     AuthenticationError,
+    ClusterClosedError,
     ConflictError,
     GroupExistsError,
     GroupNotFoundError,
@@ -94,6 +96,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AddressError",
     "AiorlError",
     "AsyncChannelWork",
     "AsyncCollWork",
@@ -102,6 +105,7 @@ __all__ = [
     "AuthenticationError",
     "Channel",
     "Cluster",
+    "ClusterClosedError",
     "ConflictError",
     "EventKind",
     "GroupEvent",

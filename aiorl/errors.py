@@ -16,6 +16,8 @@ names one kind of problem::
     │           └── NodeRankTakenError
     ├── WaitTimeout          a wait ran out of time (also TimeoutError)
     ├── PeerLostError        the peer died or became unreachable
+    ├── ClusterClosedError   the Cluster is closed, or its embedded registry died (also RuntimeError)
+    ├── AddressError         not a registry address (also ValueError)
     ├── PlacementError       an invalid placement string or strategy (also ValueError)
     ├── QueueFull            ``put_nowait`` on a full channel queue
     ├── QueueEmpty           ``get_nowait`` on an empty channel queue
@@ -39,8 +41,10 @@ import traceback
 from typing import Any, TypeVar
 
 __all__ = [
+    "AddressError",
     "AiorlError",
     "AuthenticationError",
+    "ClusterClosedError",
     "ConflictError",
     "GroupExistsError",
     "GroupNotFoundError",
@@ -270,6 +274,39 @@ class PeerLostError(AiorlError):
         except aiorl.PeerLostError as exc:
             print(exc)                    # worker rollout:3 (pid ...) was killed by SIGKILL ...
             group.close()
+    """
+
+
+class ClusterClosedError(AiorlError, RuntimeError):
+    """The :class:`~aiorl.Cluster` this operation goes through is closed (also a
+    :class:`RuntimeError`): ``close()`` or the end of its ``with`` block stopped it, or its
+    embedded registry died (then the Cluster closed itself and stopped its workers).
+
+    Every call, wait for readiness, channel operation and launch on a closed Cluster raises it
+    at once; work that was still pending when it closed failed with
+    :class:`PeerLostError` naming the same reason (docs/failures.md).
+
+    Example::
+
+        cluster.close()
+        try:
+            group.step().wait()
+        except aiorl.ClusterClosedError as exc:
+            print(exc)                    # this Cluster is closed (...); create a new aiorl.Cluster()
+    """
+
+
+class AddressError(AiorlError, ValueError):
+    """A registry address that cannot be one (also a :class:`ValueError`); the message quotes
+    it, says where it came from and shows the forms accepted: ``tcp://HOST:PORT``,
+    ``HOST:PORT`` (meaning ``tcp://HOST:PORT``) and ``ipc://PATH``.
+
+    Example::
+
+        try:
+            aiorl.Cluster(registry="head")            # no port
+        except aiorl.AddressError as exc:
+            print(exc)                    # registry='head' is not a registry address: ...
     """
 
 

@@ -11,8 +11,8 @@ import aiorl
 pytestmark = pytest.mark.timeout(60)
 
 TOP_LEVEL = [
-    "AiorlError", "AsyncChannelWork", "AsyncCollWork", "AsyncFuncWork", "AsyncWork",
-    "AuthenticationError", "Channel", "Cluster", "ConflictError", "EventKind", "GroupEvent",
+    "AddressError", "AiorlError", "AsyncChannelWork", "AsyncCollWork", "AsyncFuncWork",
+    "AsyncWork", "AuthenticationError", "Channel", "Cluster", "ClusterClosedError", "ConflictError", "EventKind", "GroupEvent",
     "GroupExistsError", "GroupNotFoundError", "MappingThread", "NodeRankTakenError", "NotFoundError", "PeerLostError",
     "PlacementError", "PollResult", "PollingWorker", "ProtocolError", "QueueEmpty", "QueueFull",
     "RegistryError", "RegistryUnavailable", "RemoteError", "WaitTimeout", "Worker",

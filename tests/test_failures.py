@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import msgpack
@@ -193,6 +195,56 @@ def test_node_agent_killed_node_declared_dead_and_callers_fail_fast(processes):
         assert c.num_nodes == 1, "node 1 was not declared dead within 5 s"
         with pytest.raises(aiorl.PeerLostError):
             group.echo(1).wait(5)
+
+
+def test_a_driver_started_before_its_registry_waits_for_it(tmp_path, monkeypatch):
+    """A job script starts the registry and the driver together: the driver keeps asking
+    (one attempt per REGISTER_ATTEMPT_S, shortened here) until Cluster(timeout=...) instead
+    of failing after one attempt, and says that it waits."""
+    from aiorl.cluster import driver as driver_module
+
+    monkeypatch.setattr(driver_module, "REGISTER_ATTEMPT_S", 1.0)
+    key_file = str(tmp_path / "cluster.key")
+    ClusterKeys.generate().save(key_file)
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    waiting = threading.Event()
+
+    class _Waiting(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "no answer from the registry" in record.getMessage():
+                waiting.set()
+
+    handler = _Waiting()
+    logging.getLogger("aiorl.cluster").addHandler(handler)
+    outcome: list[object] = []
+
+    def drive() -> None:
+        try:
+            with aiorl.Cluster(registry=address, num_nodes=1, key_file=key_file,
+                               timeout=60) as c:
+                group = Node.create_group().launch(c, name="late-registry")
+                outcome.append(group.echo(7).wait(60))
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=drive)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        thread.start()
+        assert waiting.wait(30), f"the driver did not say that it waits: {outcome}"
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "aiorl.registry.service", "--host", "127.0.0.1", "--port",
+             str(port), "--log-level", "WARNING", "--key-file", key_file]))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "aiorl.node.agent", "--registry", address, "--node-rank",
+             "0", "--log-level", "WARNING", "--key-file", key_file]))
+        thread.join(120)
+        assert outcome == [[7]]
+    finally:
+        logging.getLogger("aiorl.cluster").removeHandler(handler)
+        thread.join(120)
+        stop_processes(procs)
 
 
 DRIVER = textwrap.dedent("""

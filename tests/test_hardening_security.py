@@ -150,31 +150,50 @@ def _start_squatter(address: str, marker: Path, as_user: int) -> subprocess.Pope
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the squatter as another user")
 def test_squatter_on_a_dead_registrys_address_gets_no_secret_and_runs_no_code(tmp_path):
+    # An attached driver and agent on a registry's Unix socket (PLAIN, the local mechanism):
+    # they outlive the registry and keep knocking at its address. (An embedded Cluster closes
+    # itself when its registry dies, so its driver would never meet the squatter.)
     os.chmod(tmp_path, 0o755)  # the unprivileged squatter must be able to start here
     marker = tmp_path / "pwned"
-    cluster = aiorl.Cluster(num_nodes=1)
-    squatter = None
+    key_file = str(tmp_path / "cluster.key")
+    keys = ClusterKeys.generate()
+    keys.save(key_file)
+    sockets = make_private_directory("aiorl-squatted-")
+    registry = subprocess.Popen(
+        [sys.executable, "-m", "aiorl.registry.service", "--host", f"ipc://{sockets}",
+         "--port", "0", "--print-address", "--key-file", key_file, "--log-level", "ERROR"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    agent = squatter = None
     try:
-        secret = cluster.keys.secret.decode()
-        registry = cluster._embedded.children[0]
-        registry.kill()
-        registry.wait()
-        # Another (unprivileged) local user takes the address the moment it is free.
-        squatter = _start_squatter(cluster.registry_address, marker, as_user=NOBODY)
-        time.sleep(4)  # heartbeats of the driver and the agent, every 0.5 s, reach whoever is there
-        # The driver's registry calls fail cleanly instead of running the squatter's pickle.
-        with pytest.raises(aiorl.AiorlError):
-            cluster.runtime.run_sync(cluster.runtime.registry.request("ping", timeout=1), 5)
-        squatter.kill()
-        output, _ = squatter.communicate(timeout=10)
-        assert secret not in output, "the squatter received the cluster secret"
-        assert "SECRET" not in output
-        assert not marker.exists(), "a squatter's ERROR reply ran code"
-    finally:
-        if squatter is not None and squatter.poll() is None:
+        assert registry.stdout is not None
+        address = registry.stdout.readline().decode().strip().split("=", 1)[1]
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "aiorl.node.agent", "--registry", address, "--node-rank",
+             "0", "--log-level", "ERROR", "--key-file", key_file])
+        with aiorl.Cluster(registry=address, num_nodes=1, key_file=key_file) as cluster:
+            secret = keys.secret.decode()
+            registry.kill()
+            registry.wait()
+            # Another (unprivileged) local user takes the address the moment it is free.
+            squatter = _start_squatter(address, marker, as_user=NOBODY)
+            time.sleep(4)  # heartbeats of the driver and the agent, every 0.5 s, reach it
+            # The driver's registry calls fail cleanly instead of running the squatter's pickle.
+            with pytest.raises(aiorl.AiorlError) as failed:
+                cluster.runtime.run_sync(cluster.runtime.registry.request("ping", timeout=1), 5)
+            assert not isinstance(failed.value, aiorl.ClusterClosedError)
             squatter.kill()
-            squatter.wait()
-        cluster.close()
+            output, _ = squatter.communicate(timeout=10)
+            assert secret not in output, "the squatter received the cluster secret"
+            assert "SECRET" not in output
+            assert not marker.exists(), "a squatter's ERROR reply ran code"
+    finally:
+        for p in (squatter, agent, registry):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        if registry.stdout is not None:
+            registry.stdout.close()
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def test_error_replies_are_data_and_never_unpickled(tmp_path):

@@ -45,6 +45,15 @@ class Reward(aiorl.Worker):
     async def forgot_await(self) -> Any:
         return self.recv("nobody", 0)  # an AsyncWork, returned instead of awaited
 
+    async def forgot_to_await_a_receive(self, src_rank: int) -> Any:
+        return self.recv("reward", src_rank)  # posted, returned instead of awaited
+
+    async def send_to(self, obj: Any, dst_rank: int) -> None:
+        await self.send(obj, "reward", dst_rank)
+
+    async def receive_from(self, src_rank: int) -> Any:
+        return await self.recv("reward", src_rank)
+
     async def launch_again(self) -> None:
         session = WorkerSession.current()
         await session.refresh()
@@ -156,6 +165,15 @@ def test_an_unawaited_asyncwork_can_be_neither_returned_nor_sent(reward) -> None
                        "did you forget `await`"):
         reward.score(pending)
     pending.wait(30)
+
+
+def test_a_receive_returned_unawaited_consumes_nothing(reward) -> None:
+    """The worker answers "did you forget await" and cancels the receive it returned: the
+    next message from that sender goes to the next receive, not to the forgotten one."""
+    with pytest.raises(aiorl.RemoteError, match="did you forget `await`"):
+        reward.execute_on(0).forgot_to_await_a_receive(1).wait(30)
+    reward.execute_on(1).send_to("first", 0).wait(30)
+    assert reward.execute_on(0).receive_from(1).wait(20) == ["first"]
 
 
 def test_a_duplicate_group_name_is_a_value_error(cluster, reward) -> None:

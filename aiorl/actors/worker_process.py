@@ -35,6 +35,7 @@ from aiorl.protocol.spawn import WorkerSpawn
 from aiorl.registry.client import RegistryClient
 from aiorl.runtime import Runtime, set_current_runtime
 from aiorl.runtime.loop import LoopThread
+from aiorl.runtime.work import UnawaitedWorkError
 from aiorl.trace import recorder as _trace
 from aiorl.transport import security, serialization
 from aiorl.transport.code import loads_with_sources
@@ -93,11 +94,10 @@ class WorkerServer:
         """Runs on the method thread: call ``fn`` and answer from this thread."""
         try:
             result = fn(*args, **kwargs)
-            frames = [] if result is None else serialization.dumps(result)
         except BaseException as exc:  # noqa: BLE001 - goes back to the caller
             self._reply_error(msg, exc)
             return
-        msg.reply(None, frames)
+        self._reply_value(msg, result)
 
     def _start_async(self, msg: Incoming, coro: Any) -> None:
         """Run an ``async def`` method as a task and answer when it ends.
@@ -136,12 +136,26 @@ class WorkerServer:
         try:
             frames = [] if result is None else serialization.dumps(result)
         except Exception as ser_exc:
+            _drop_unawaited_work(ser_exc)
             self._reply_error(msg, ser_exc)
             return
         msg.reply(None, frames)
 
     def _reply_error(self, msg: Incoming, exc: BaseException) -> None:
         msg.reply_error(exc, error="RemoteError", worker=self.info.name, rank=self.info.rank)
+
+
+def _drop_unawaited_work(exc: BaseException | None) -> None:
+    """A method returned an AsyncWork it forgot to await (``return self.recv(...)``): the
+    caller gets the error, and the work is cancelled, so that a receive it stands for does not
+    stay posted and silently consume the next message (pickling stops at the first one)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, UnawaitedWorkError):
+            exc.work.cancel()
+            return
+        exc = exc.__cause__ or exc.__context__
 
 
 #: ``asyncio.Task(..., eager_start=True)`` exists from Python 3.12 on.
@@ -167,6 +181,13 @@ def _register_ext_modules() -> None:
 
 
 def _load_class(spec: WorkerSpawn) -> tuple[type, tuple[Any, ...], dict[str, Any]]:
+    """The worker class and its arguments, after the ``AIORL_EXT_MODULE`` registrations.
+
+    The driver's ``sys.path`` entries go *after* the worker's own (its interpreter's:
+    ``PYTHONPATH``, the standard library, site-packages, then the directory it started in,
+    moved last by :func:`aiorl.node.zygote.demote_working_directory`): a module beside the
+    driver's script or in its working directory is found when nothing installed has its
+    name, and never shadows an installed one."""
     for p in spec.launch.sys_path:
         if p not in sys.path:
             sys.path.append(p)

@@ -16,13 +16,23 @@ def resolve_target(args: argparse.Namespace) -> tuple[str, Any, str | None] | No
 
     ``--registry`` or ``$AIORL_REGISTRY`` (keys from ``--key-file``, else as every aiorl
     process finds them); otherwise this user's running embedded cluster in process
-    ``--pid`` when given, else the newest, found through its runtime file. None (after saying why) when there is nothing to look at.
+    ``--pid`` when given, else the newest, found through its runtime file. None (after saying
+    why, in one line) when there is nothing to look at, or the address is not one
+    (:func:`~aiorl.transport.address.normalize_address`: ``HOST:PORT`` means ``tcp://HOST:PORT``).
     """
     from aiorl.cluster.embedded import running_embedded_clusters
+    from aiorl.errors import AddressError
     from aiorl.transport import security
+    from aiorl.transport.address import normalize_address
 
     address = args.registry or os.environ.get("AIORL_REGISTRY")
     if address:
+        try:
+            address = normalize_address(address, "--registry" if args.registry
+                                        else "$AIORL_REGISTRY")
+        except AddressError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return None
         keys = (security.ClusterKeys.load(args.key_file) if args.key_file
                 else security.keys_from_environment())
         return address, keys, None

@@ -3,9 +3,12 @@
 Embedded mode (no registry address anywhere): start a registry and
 ``num_nodes`` node agents as child processes on loopback, owned by this
 ``Cluster`` and stopped by :meth:`Cluster.close` with every worker they
-spawned. Attach mode (``registry=``, ``$AIORL_REGISTRY`` or
+spawned; if that registry dies, the Cluster closes itself. Attach mode
+(``registry=`` or Ray's ``address=``, ``$AIORL_REGISTRY`` or
 ``cluster_cfg.cluster.registry``): join a running registry and wait until
 ``num_nodes`` agents have joined.
+
+A closed Cluster refuses everything at once with :class:`~aiorl.ClusterClosedError`.
 
 Either way the driver registers itself and sends heartbeats; if it dies, the
 registry tears down the groups it launched.
@@ -18,6 +21,7 @@ import atexit
 import json
 import logging
 import os
+import threading
 import weakref
 from typing import Any
 
@@ -25,11 +29,13 @@ from aiorl.actors.inspection import serve_inspection
 from aiorl.cluster import doctor as _doctor
 from aiorl.cluster.driver import DriverSession
 from aiorl.cluster.embedded import EmbeddedProcesses
+from aiorl.errors import AddressError, ClusterClosedError
 from aiorl.placement import ClusterSpec
 from aiorl.protocol.registry import GroupSpec
 from aiorl.runtime import Runtime
 from aiorl.trace import recorder as _trace
 from aiorl.transport import security
+from aiorl.transport.address import normalize_address
 
 __all__ = ["Cluster"]
 
@@ -48,6 +54,10 @@ def _close_all_at_exit() -> None:
 
 atexit.register(_close_all_at_exit)
 
+#: What operations on a Cluster closed by its user raise (ClusterClosedError).
+CLOSED = ("this Cluster is closed (close() or the end of its `with` block stopped it); "
+          "create a new aiorl.Cluster()")
+
 
 class Cluster:
     """The driver's handle on a set of nodes: what groups and channels are launched into.
@@ -57,7 +67,10 @@ class Cluster:
     child processes on this machine and stop with :meth:`close`, or when this process dies
     however it dies. With an address it **attaches** to a running registry and waits up to
     ``timeout`` seconds until ``num_nodes`` agents have joined. An embedded cluster is
-    announced to ``aiorl status`` through a per-user runtime file.
+    announced to ``aiorl status`` through a per-user runtime file. If an embedded cluster's
+    registry dies, the Cluster closes itself (its agents stop the workers): pending work
+    fails with ``PeerLostError`` and later operations raise ``ClusterClosedError``, both
+    naming the reason.
 
     A Cluster is a :class:`DriverSession` (this driver's registration, runtime and
     node list) plus, in embedded mode, the :class:`EmbeddedProcesses` it started.
@@ -65,7 +78,11 @@ class Cluster:
     Args:
         cluster_cfg: an omegaconf ``DictConfig`` or dict shaped like RLinf's ``cluster:``
             section (``num_nodes``, ``node_groups``, ``component_placement``, ``registry``).
-        registry: the registry's address, ``tcp://host:port``.
+        registry: the registry's address: ``tcp://HOST:PORT``, ``HOST:PORT`` (the same) or
+            ``ipc://PATH``; anything else raises :class:`~aiorl.AddressError` (a
+            ``ValueError``) showing these forms.
+        address: Ray's name for ``registry`` (``ray.init(address=...)``); giving both with
+            different values raises :class:`~aiorl.AddressError`.
         num_nodes: node agents to start (embedded) or wait for (attached); default 1.
         accelerators_per_node: embedded only: declare this many accelerators per node, so
             placement and ``CUDA_VISIBLE_DEVICES`` can be tried on a machine without GPUs.
@@ -83,6 +100,7 @@ class Cluster:
 
         cluster = aiorl.Cluster(registry="tcp://head:6380", num_nodes=2,
                                 key_file="~/.aiorl/cluster.key")   # attached
+        cluster = aiorl.Cluster(address="head:6380")   # the same registry, Ray's spelling
 
         async with aiorl.Cluster(accelerators_per_node=8) as cluster:
             ...
@@ -93,6 +111,7 @@ class Cluster:
         cluster_cfg: Any = None,
         *,
         registry: str | None = None,
+        address: str | None = None,
         num_nodes: int | None = None,
         accelerators_per_node: int | None = None,
         key_file: str | None = None,
@@ -102,10 +121,12 @@ class Cluster:
     ) -> None:
         self._cfg = _cluster_section(cluster_cfg)
         self._closed = False
+        self._closed_reason = CLOSED
+        self._close_lock = threading.Lock()
         self._stop_tracing_on_close = False
         self._embedded: EmbeddedProcesses | None = None
         self._session: DriverSession | None = None
-        address = registry or os.environ.get("AIORL_REGISTRY") or self._cfg.get("registry")
+        address = _registry_address(registry, address, self._cfg)
         wanted = int(num_nodes if num_nodes is not None else self._cfg.get("num_nodes") or 1)
         self.embedded = not address
         if accelerators_per_node is None:
@@ -133,6 +154,9 @@ class Cluster:
             else:
                 _trace.enable_from_environment()  # AIORL_TRACE=1
             serve_inspection(self._session.runtime)  # aiorl doctor / trace from anywhere
+            if self._embedded is not None:
+                me = weakref.ref(self)
+                self._embedded.on_registry_exit(self._session.runtime, lambda: _registry_died(me))
         except BaseException:
             self.close()
             raise
@@ -140,17 +164,18 @@ class Cluster:
     # ------------------------------------------------------------------ the session
     @property
     def session(self) -> DriverSession:
-        """This driver's registration; raises ``RuntimeError`` at once on a closed Cluster."""
+        """This driver's registration; raises :class:`~aiorl.ClusterClosedError` (a
+        ``RuntimeError``) at once on a closed Cluster."""
         if self._closed:
-            raise RuntimeError("this Cluster is closed (close() or the end of its `with` block "
-                               "stopped it); create a new aiorl.Cluster()")
+            raise ClusterClosedError(self._closed_reason)
         if self._session is None:
             raise RuntimeError("this Cluster is not connected (it failed to start)")
         return self._session
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` has run; a closed Cluster launches nothing."""
+        """Whether the Cluster is closed (:meth:`close` ran, or its embedded registry died);
+        a closed Cluster launches, calls and queues nothing (``ClusterClosedError``)."""
         return self._closed
 
     @property
@@ -251,17 +276,35 @@ class Cluster:
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
-        """Stop everything this Cluster started (and, in attach mode, its groups)."""
-        if self._closed:
-            return
-        self._closed = True
-        _live_clusters.discard(self)
-        if self._stop_tracing_on_close:
-            _trace.disable()
-        if self._session is not None:
-            self._session.close(close_owned_groups=not self.embedded)
-        if self._embedded is not None:
-            self._embedded.stop()
+        """Stop everything this Cluster started (and, in attach mode, its groups).
+
+        Work still pending fails with ``PeerLostError``; every later call, channel operation
+        or launch through this Cluster raises :class:`~aiorl.ClusterClosedError` at once.
+        """
+        self._close(None)
+
+    def _close(self, registry_died: str | None) -> None:
+        """:meth:`close`; ``registry_died`` says how the embedded registry ended, when that
+        is why (then pending work and later operations name it, and the registry is not
+        asked anything). One close at a time: a second caller waits for the first."""
+        with self._close_lock:
+            if self._closed:
+                return
+            if registry_died is not None:
+                self._closed_reason = (
+                    f"the embedded registry of this Cluster {registry_died}, so the Cluster "
+                    "closed itself and its node agents stopped its workers; create a new "
+                    "aiorl.Cluster()")
+            self._closed = True
+            _live_clusters.discard(self)
+            if self._stop_tracing_on_close:
+                _trace.disable()
+            if self._session is not None:
+                self._session.close(close_owned_groups=not self.embedded,
+                                    reason=self._closed_reason,
+                                    registry_alive=registry_died is None)
+            if self._embedded is not None:
+                self._embedded.stop()
 
     def __enter__(self) -> Cluster:
         return self
@@ -280,6 +323,43 @@ class Cluster:
         if self._closed or self._session is None:
             return f"<Cluster {mode} {'closed' if self._closed else '(not connected)'}>"
         return f"<Cluster {mode} {self._session.registry_address} nodes={self.num_nodes}>"
+
+
+def _registry_died(ref: weakref.ref[Cluster]) -> None:
+    """The embedded registry of the Cluster ``ref`` ended (on the runtime loop): close the
+    Cluster from a thread of its own (closing stops this loop)."""
+    cluster = ref()
+    if cluster is None or cluster._closed or cluster._embedded is None:
+        return
+    embedded = cluster._embedded
+
+    def close() -> None:
+        how = embedded.registry_exit()
+        log.error("the embedded registry %s: closing the Cluster", how)
+        cluster._close(how)
+
+    threading.Thread(target=close, name="aiorl-registry-lost", daemon=True).start()
+
+
+def _registry_address(registry: str | None, address: str | None,
+                      cfg: dict[str, Any]) -> str | None:
+    """The registry to attach to (normalised), or None for an embedded cluster.
+
+    ``address=`` is Ray's name for ``registry=``; then ``$AIORL_REGISTRY``, then the config.
+    """
+    if registry and address:
+        mine = normalize_address(registry, "Cluster(registry=...)")
+        if normalize_address(address, "Cluster(address=...)") != mine:
+            raise AddressError(
+                f"Cluster() got registry={registry!r} and address={address!r}, two different "
+                "registries: address= is Ray's name for registry=, so give one of them")
+        return mine
+    for value, source in ((registry, "Cluster(registry=...)"), (address, "Cluster(address=...)"),
+                          (os.environ.get("AIORL_REGISTRY"), "$AIORL_REGISTRY"),
+                          (cfg.get("registry"), "cluster_cfg's cluster.registry")):
+        if value:
+            return normalize_address(value, source)
+    return None
 
 
 def _cluster_section(cfg: Any) -> dict[str, Any]:

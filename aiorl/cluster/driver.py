@@ -9,6 +9,7 @@ groups and channels see of the cluster.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -30,6 +31,10 @@ from aiorl.util.collector import tune_collector
 __all__ = ["DriverSession", "tune_driver_collector"]
 
 log = logging.getLogger("aiorl.cluster")
+
+#: One registration attempt waits this long for the registry's answer; attempts go on until
+#: the Cluster's ``timeout`` while the registry is silent but no handshake broke off.
+REGISTER_ATTEMPT_S = 10.0
 
 _collector_tuned = False
 
@@ -73,16 +78,33 @@ class DriverSession:
             registry_address, "driver", keys=keys, **({"host": host} if host else {}))
         self.runtime.submit(self.runtime.endpoint.handle, DriverOp.WORKER_OUTPUT, _print_output)
         set_current_runtime(self.runtime)
-        self.runtime.run_sync(self._register(), timeout=timeout)
+        self.runtime.run_sync(self._register(timeout), timeout=timeout + REGISTER_ATTEMPT_S)
 
     # ------------------------------------------------------------------ registration
     def _driver_info(self) -> DriverInfo:
         return DriverInfo(self.driver_id, os.getpid(), os.uname().nodename,
                           self.runtime.endpoint.address)
 
-    async def _register(self) -> None:
+    async def _register(self, timeout: float) -> None:
+        """Register with the registry, waiting up to ``timeout`` for one that is still starting
+        (a job script often starts the registry and the driver together; on a loaded machine
+        its start takes seconds). Handshakes that keep breaking off mean a key mismatch, not a
+        slow start: that fails after one attempt instead of waiting out ``timeout``."""
         reg = self.runtime.registry
-        lease = await reg.register_driver(self._driver_info(), timeout=10)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            attempt = min(REGISTER_ATTEMPT_S, max(deadline - loop.time(), 0.1))
+            try:
+                lease = await reg.register_driver(self._driver_info(), timeout=attempt)
+                break
+            except RegistryUnavailable:
+                broken = self.runtime.endpoint.handshakes_breaking(reg.address)
+                if broken or loop.time() + 0.1 >= deadline:
+                    raise
+                log.warning("no answer from the registry at %s yet; waiting up to %.0f s more "
+                            "(Cluster(timeout=...))", self.registry_address,
+                            deadline - loop.time())
         reg.start_heartbeats(self.driver_id, lease.heartbeat_interval, self._reregister)
         await reg.watch_nodes(self._on_nodes)
 
@@ -141,17 +163,23 @@ class DriverSession:
         return spec_from_nodes(self._node_list(), self._cfg)
 
     # ------------------------------------------------------------------ shutdown
-    def close(self, close_owned_groups: bool) -> None:
-        """Close the groups this driver owns (when asked), unregister, stop the runtime."""
+    def close(self, close_owned_groups: bool, reason: str | None = None,
+              registry_alive: bool = True) -> None:
+        """Close the groups this driver owns (when asked), unregister, stop the runtime.
+
+        ``reason`` is what later operations raise (:class:`~aiorl.ClusterClosedError`) and
+        pending ones fail with; with ``registry_alive=False`` (it died) nothing is asked of
+        the registry, so closing takes no registry timeout."""
         runtime = self.runtime
         try:
-            if close_owned_groups:
+            if registry_alive and close_owned_groups:
                 runtime.run_sync(self._close_owned_groups(), timeout=10)
-            runtime.run_sync(runtime.registry.unregister_driver(self.driver_id, timeout=2),
-                             timeout=3)
+            if registry_alive:
+                runtime.run_sync(runtime.registry.unregister_driver(self.driver_id, timeout=2),
+                                 timeout=3)
         except Exception as exc:  # the registry may be gone already: its expiry cleans up
             log.debug("unregistering driver %s: %s", self.driver_id, exc)
-        runtime.stop()
+        runtime.stop(reason)
 
     async def _close_owned_groups(self) -> None:
         status = await self.runtime.registry.status(timeout=5)

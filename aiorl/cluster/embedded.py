@@ -15,6 +15,18 @@ So that ``aiorl status`` can find a running embedded cluster, each one is announ
 the registry's address, the session directory and the path of its key file, never the key
 itself. :meth:`EmbeddedProcesses.stop` removes it; a file left by a killed driver is
 removed by the next :func:`running_embedded_clusters` that finds its process gone.
+
+The session directory names its owner too: ``owner.json`` inside it holds the driver's pid,
+the process's start time and pid namespace. A driver killed by SIGTERM or SIGKILL cannot
+remove its directory (key file, sockets, worker logs); the next embedded cluster this user
+starts on the machine does (:func:`remove_abandoned_sessions`): only directories of this
+user (mode 0700, not links) whose owner file names a process that is gone. A live owner's
+directory, one without an owner file, and one whose owner ran in another pid namespace are
+never touched.
+
+The registry is watched too: its stdout is a pipe of which it holds the only write end, so
+end-of-file there means it exited (:meth:`EmbeddedProcesses.on_registry_exit`); the Cluster
+then closes itself instead of leaving calls to wait for workers nobody reports.
 """
 
 from __future__ import annotations
@@ -25,18 +37,30 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aiorl.errors import AuthenticationError, RegistryUnavailable
+from aiorl.runtime import Runtime
 from aiorl.transport import security
-from aiorl.util.processes import pid_alive
+from aiorl.util.processes import pid_alive, process_start_time
 
-__all__ = ["EmbeddedClusterFile", "EmbeddedProcesses", "running_embedded_clusters"]
+__all__ = [
+    "OWNER_FILE", "EmbeddedClusterFile", "EmbeddedProcesses", "remove_abandoned_sessions",
+    "running_embedded_clusters",
+]
 
 log = logging.getLogger("aiorl.cluster")
+
+#: The prefix of an embedded cluster's session directory (under the user's runtime dir).
+SESSION_PREFIX = "aiorl-"
+#: The file in a session directory naming the driver that owns it (see the module docstring).
+OWNER_FILE = "owner.json"
 
 
 class EmbeddedProcesses:
@@ -44,10 +68,12 @@ class EmbeddedProcesses:
 
     def __init__(self, num_nodes: int, accelerators_per_node: int | None, insecure: bool) -> None:
         self.children: list[subprocess.Popen[bytes]] = []
-        self.session_dir = security.make_private_directory("aiorl-")
+        remove_abandoned_sessions()  # a killed driver could not remove its own
+        self.session_dir = security.make_private_directory(SESSION_PREFIX)
         self.keys = None if insecure else security.ClusterKeys.generate("plain")
         self.runtime_file: str | None = None
         try:
+            _write_owner(self.session_dir)
             self.registry_address = self._start(num_nodes, accelerators_per_node)
             self.runtime_file = _announce(EmbeddedClusterFile(
                 self.registry_address, self.session_dir,
@@ -97,6 +123,43 @@ class EmbeddedProcesses:
                 subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env))
         return address
 
+    def on_registry_exit(self, runtime: Runtime, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` on ``runtime``'s loop once the registry process has exited:
+        end-of-file on its stdout, whose only write end it holds. Nothing is polled."""
+        stream = self.children[0].stdout
+        assert stream is not None
+        fd = stream.fileno()
+        loop = runtime.loop
+
+        def readable() -> None:
+            try:
+                data = os.read(fd, 4096)
+            except OSError:
+                data = b""
+            if not data:  # (anything it prints is read and dropped)
+                loop.remove_reader(fd)
+                callback()
+
+        def forget() -> None:  # before stop() closes the pipe
+            loop.remove_reader(fd)
+
+        def install() -> None:
+            loop.add_reader(fd, readable)
+            runtime.on_close(forget)
+
+        runtime.submit(install)
+
+    def registry_exit(self) -> str:
+        """How the registry process ended, in words (it has exited or is exiting)."""
+        registry = self.children[0]
+        try:
+            code = registry.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            return f"(pid {registry.pid}) stopped answering"
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else (
+            f"exited with code {code}")
+        return f"(pid {registry.pid}) {how}"
+
     def check_alive(self) -> None:
         """Raise :class:`~aiorl.RegistryUnavailable` if a child exited (during startup)."""
         for child in self.children:
@@ -125,10 +188,100 @@ class EmbeddedProcesses:
                     if stream:
                         stream.close()
         if os.environ.get("AIORL_KEEP_LOGS") == "1":
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.key_file)
+            for kept in (self.key_file, os.path.join(self.session_dir, OWNER_FILE)):
+                with contextlib.suppress(FileNotFoundError):  # (kept logs have no owner)
+                    os.unlink(kept)
         else:
             shutil.rmtree(self.session_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- session dirs
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _write_owner(session_dir: str) -> None:
+    """Name this process as ``session_dir``'s owner (written whole, then renamed in place)."""
+    pid = os.getpid()
+    owner = {"pid": pid, "start": process_start_time(pid), "pidns": _pid_namespace(),
+             "keep_logs": os.environ.get("AIORL_KEEP_LOGS") == "1"}
+    partial = os.path.join(session_dir, OWNER_FILE + ".partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(owner, f)
+    os.replace(partial, os.path.join(session_dir, OWNER_FILE))
+
+
+def _read_owner(path: str) -> dict[str, Any] | None:
+    """The owner record of ``path`` if it is a session directory of this user: a directory
+    (not a link) of our uid, mode 0700, holding a regular ``owner.json`` of ours."""
+    try:
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            return None
+        fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            meta = os.fstat(f.fileno())
+            if not stat.S_ISREG(meta.st_mode) or meta.st_uid != os.getuid():
+                return None
+            owner = json.loads(f.read(4096))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(owner, dict):
+        return None
+    pid, start = owner.get("pid"), owner.get("start")
+    if type(pid) is not int or not 0 < pid < 1 << 31 or not (start is None or type(start) is int):
+        return None
+    return owner
+
+
+def _owner_gone(owner: dict[str, Any]) -> bool:
+    """Whether the process an owner record names has ended (False when we cannot tell)."""
+    if owner.get("pidns") != _pid_namespace():
+        return False  # another pid namespace (a container sharing /tmp): its pids are not ours
+    pid = owner["pid"]
+    if not pid_alive(pid):
+        return True
+    start = owner.get("start")
+    now = process_start_time(pid)
+    return start is not None and now is not None and now != start  # the pid was reused
+
+
+def remove_abandoned_sessions(base: str | None = None) -> list[str]:
+    """Remove the session directories of this user's embedded clusters whose driver is gone
+    (killed: it could not clean up); returns the paths removed.
+
+    Only directories named ``aiorl-*`` in ``base`` (default: the user's runtime directory)
+    that :func:`_read_owner` accepts and whose owner has ended. One kept with
+    ``AIORL_KEEP_LOGS=1`` loses its key and owner file, not its logs.
+
+    Example::
+
+        remove_abandoned_sessions()   # what every embedded aiorl.Cluster() does first
+    """
+    base = base or security.runtime_base()
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(SESSION_PREFIX)]
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        path = os.path.join(base, name)
+        owner = _read_owner(path)
+        if owner is None or not _owner_gone(owner):
+            continue
+        if owner.get("keep_logs") is True:
+            for secret in ("cluster.key", OWNER_FILE):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(path, secret))
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        log.info("removed %s, left by driver pid %s, which is gone", path, owner["pid"])
+        removed.append(path)
+    return removed
 
 
 # ---------------------------------------------------------------------------- runtime files

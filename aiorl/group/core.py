@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from aiorl.errors import PeerLostError, WorkerInitError
+from aiorl.errors import ClusterClosedError, PeerLostError, WorkerInitError
 from aiorl.group.supervision import HISTORY, EventKind, GroupEvent, GroupEvents, Supervision
 from aiorl.names import WorkerAddress
 from aiorl.protocol.ops import AgentOp, WorkerOp
@@ -227,13 +227,18 @@ class GroupCore:
         self._tasks: set[asyncio.Task[None]] = set()  # pending restarts (strong references)
         #: Tracing: what a traced call's records share, by method and rank list (on the loop).
         self._call_traces: dict[str, dict[tuple[int, ...], _CallTrace]] = {}
+        # The runtime stopping (its Cluster closed, or its embedded registry died) fails what
+        # is pending here, queued calls on ranks not ready yet included.
+        self.runtime.on_close(self._runtime_closed)
 
     def dispatch(self, work: AsyncWork[list[Any]], method: str, ranks: tuple[int, ...],
                   frames: list[Any], off_loop: bool) -> None:
         if off_loop:
             link_threads(work)  # link now, on the loop, so wait() needs no extra wake-up
         if self.closed:
-            reject(work, PeerLostError(f"worker group {self.name} is closed"))
+            stopped = self.runtime.closed_reason
+            reject(work, ClusterClosedError(stopped) if stopped is not None
+                   else PeerLostError(f"worker group {self.name} is closed"))
             return
         if not ranks:
             resolve(work, [])
@@ -317,6 +322,8 @@ class GroupCore:
             await self._wait_for_nodes({p.node_rank for p in placements})
             await self._plan(placements, len(placements))
             await self._spawn([p.rank for p in placements])
+        except ClusterClosedError as exc:  # closed while launching: not a failed launch
+            self._mark_closed(f"worker group {self.name} can no longer be reached: {exc}")
         except Exception as exc:  # noqa: BLE001 - every rank learns why
             self._launch_failed([p.rank for p in placements], exc)
 
@@ -731,10 +738,17 @@ class GroupCore:
         finally:
             self._mark_closed(f"worker group {self.name} was closed")
 
+    def _runtime_closed(self) -> None:
+        """The runtime is stopping (a runtime closer, on the loop): nothing will be sent or
+        answered any more, so what is pending or queued fails now with the reason."""
+        self._mark_closed(f"worker group {self.name} can no longer be reached: "
+                          f"{self.runtime.closed_reason}")
+
     def _mark_closed(self, reason: str) -> None:
         """The group is over: what is pending or queued on any rank fails, and subscribers
         hear CLOSED (once)."""
         self.closed = True
+        self.runtime.discard_closer(self._runtime_closed)
         for st in self.ranks:
             if st.address is not None:
                 self.runtime.endpoint.mark_peer_lost(st.address, reason)

@@ -45,7 +45,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from aiorl.errors import AiorlError, ProtocolError, RegistryUnavailable
+from aiorl.errors import AddressError, AiorlError, ProtocolError, RegistryUnavailable
 from aiorl.names import WorkerInfo
 from aiorl.node.visible_devices import physical_visible_devices
 from aiorl.node.zygote import encode_message, read_message, write_message
@@ -63,13 +63,18 @@ from aiorl.protocol.registry import (
 from aiorl.protocol.spawn import HostNode, SpawnReply, SpawnRequest, WorkerLaunch, WorkerSpawn
 from aiorl.registry.client import INCARNATION_VARIABLE, RegistryClient
 from aiorl.transport import security
+from aiorl.transport.address import normalize_address
 from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.transport.sockets import local_ip
+from aiorl.util.limits import raise_open_file_limit
 from aiorl.util.processes import pid_alive
+from aiorl.util.ratelimit import RateLimitedLog
 
 __all__ = ["NodeAgent", "detect_accelerators", "main"]
 
 log = logging.getLogger("aiorl.node")
+#: What members can repeat (a malformed message) is logged once a second at most, with a count.
+_warn = RateLimitedLog(log)
 
 STDERR_TAIL_LINES = 20
 OUTPUT_INTERVAL_S = 0.2
@@ -277,7 +282,7 @@ class NodeAgent:
         try:
             info = parse_worker_info(Fields(msg.meta, "worker_ready").nested("info"))
         except ProtocolError as exc:
-            log.warning("ignored a malformed worker_ready: %s", exc)
+            _warn.warning("worker_ready", "ignored a malformed worker_ready: %s", exc)
             return
         child = self.children.get(info.pid)
         if child is None or child.name != info.name:
@@ -562,7 +567,8 @@ def default_log_dir() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aiorl-node", description="Run an aiorl node agent.")
     parser.add_argument("--registry", default=os.environ.get("AIORL_REGISTRY"),
-                        help="registry address, tcp://HOST:PORT (default: $AIORL_REGISTRY)")
+                        help="registry address, tcp://HOST:PORT or HOST:PORT (default: "
+                             "$AIORL_REGISTRY)")
     parser.add_argument("--ipc-dir", default=None,
                         help="bind this agent's and its workers' sockets as Unix sockets in DIR, "
                              "a 0700 directory of this user (how an embedded Cluster runs)"),
@@ -601,12 +607,18 @@ def main(argv: list[str] | None = None) -> int:
     security.set_process_keys(keys)
     if not args.registry:
         parser.error("--registry (or $AIORL_REGISTRY) is required")
+    try:
+        args.registry = normalize_address(args.registry, "--registry")  # HOST:PORT is tcp://
+    except AddressError as exc:
+        parser.error(str(exc))
     host = args.host or (
         "127.0.0.1" if args.registry.startswith(("tcp://127.", "tcp://localhost", "ipc://"))
         else local_ip()
     )
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s [node {host}] %(levelname)s %(message)s")
+    soft, hard = raise_open_file_limit()
+    log.info("open file limit: %d (hard limit %d)", soft, hard)
     log_dir = args.log_dir or default_log_dir()
     log.info("worker logs go to %s", log_dir)
     agent = NodeAgent(

@@ -52,7 +52,8 @@ class _Session(NamedTuple):
     keys: ClusterKeys | None
     listen: str
 
-__all__ = ["read_message", "set_parent_death_signal", "write_message"]
+__all__ = ["demote_working_directory", "read_message", "set_parent_death_signal",
+           "write_message"]
 
 _LEN = struct.Struct("!I")
 PR_SET_PDEATHSIG = 1
@@ -169,7 +170,9 @@ def _child(
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
-        log_fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        # O_NOFOLLOW: a link at the log's name is refused, never written through.
+        log_fd = os.open(spec.log_path,
+                         os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         os.close(log_fd)
@@ -201,10 +204,30 @@ def _extend_sys_path(pythonpath: str) -> None:
 
     The interpreter reads ``PYTHONPATH`` only when it starts, and a forked worker never
     starts: without this, ``env_configs: [{PYTHONPATH: /opt/ext}]`` would show in
-    ``os.environ`` and import nothing. New entries go where the interpreter puts them,
-    after the script directory and before the standard library."""
+    ``os.environ`` and import nothing. New entries go where the interpreter puts them:
+    first, before the standard library (the zygote has no script-directory entry ahead of
+    them, :func:`demote_working_directory`)."""
     new = [e for e in dict.fromkeys(pythonpath.split(os.pathsep)) if e and e not in sys.path]
-    sys.path[1:1] = new
+    sys.path[0:0] = new
+
+
+def demote_working_directory() -> None:
+    """Move the entry ``python -m`` put first on ``sys.path`` to the end.
+
+    That entry is the directory the process started in: the node agent's, which for an
+    embedded cluster is the driver's working directory. First, a ``json.py`` or a package
+    named like an installed one lying there shadowed the installed module in every worker,
+    for ``AIORL_EXT_MODULE`` imports and the worker's own alike. Last, modules that exist
+    only there still import (a driver started from a REPL ships no entry for it), and
+    installed ones win. The driver's own entries are appended after it when a worker loads
+    its class (:mod:`aiorl.actors.worker_process`). Call before importing user code."""
+    if getattr(sys.flags, "safe_path", False) or not sys.path:
+        return  # python -P / PYTHONSAFEPATH=1 (3.11+): nothing was put first
+    first = sys.path[0]
+    if first and os.path.abspath(first) == os.getcwd():
+        del sys.path[0]
+        if first not in sys.path:
+            sys.path.append(first)
 
 
 def _needs_exec(spec: WorkerSpawn) -> bool:
@@ -320,4 +343,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # python -m put the working directory first: installed modules must win over what
+    # lies there (before any user code is imported: the preload, the worker class).
+    demote_working_directory()
     main()

@@ -96,6 +96,8 @@ from aiorl.protocol.registry import (
     root_of,
 )
 from aiorl.transport.endpoint import Endpoint, Incoming
+from aiorl.util.limits import raise_open_file_limit
+from aiorl.util.ratelimit import RateLimitedLog
 
 __all__ = ["DEFAULT_GRACE", "RegistryService", "main"]
 
@@ -120,28 +122,6 @@ def _some(items: Iterable[str]) -> str:
     listed = list(items)
     more = f" and {len(listed) - _NAMED_LOSSES} more" if len(listed) > _NAMED_LOSSES else ""
     return ", ".join(listed[:_NAMED_LOSSES]) + more
-
-
-class _RateLimitedLog:
-    """At most one warning per ``interval`` per kind of trouble, then a count of the rest.
-
-    5,000 malformed heartbeats must not become 5,000 tracebacks: the log would be
-    the denial of service."""
-
-    def __init__(self, interval: float = 1.0) -> None:
-        self.interval = interval
-        self._next: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def warning(self, kind: str, message: str, *, exc_info: BaseException | None = None) -> None:
-        now = time.monotonic()
-        if now < self._next.get(kind, 0.0):
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return
-        more = self._suppressed.pop(kind, 0)
-        suffix = f" (and {more} more like it since the last warning)" if more else ""
-        log.warning("%s%s", message, suffix, exc_info=exc_info)
-        self._next[kind] = now + self.interval
 
 
 @dataclass
@@ -199,7 +179,7 @@ class RegistryService:
         #: (name, pid) of ended workers dropped when a new group took their group's name.
         self._retired: dict[tuple[str, int], None] = {}
         self.started = time.time()
-        self._warn = _RateLimitedLog()
+        self._warn = RateLimitedLog(log)
         self.handlers: dict[RegistryOp, Handler] = {
             RegistryOp.REGISTER_NODE: self._register_node,
             RegistryOp.UNREGISTER_NODE: self._unregister_node,
@@ -566,7 +546,7 @@ class RegistryService:
 
 async def serve(host: str, port: int, *, expiry: float, ready_line: bool, keys: Any,
                 exit_on_stdin_close: bool = False, grace: float = DEFAULT_GRACE,
-                metrics_port: int | None = None) -> None:
+                metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + 10
     while True:
         try:
@@ -601,8 +581,10 @@ async def serve(host: str, port: int, *, expiry: float, ready_line: bool, keys: 
 
         metrics = await serve_metrics(endpoint, lambda: [
             w.record for w in service.workers.values() if w.record.state == WorkerState.READY],
-            "127.0.0.1" if host.startswith("ipc://") else host, metrics_port)
-        log.info("metrics on http://%s:%d/metrics", host, metrics.sockets[0].getsockname()[1])
+            metrics_host, metrics_port)
+        bound = metrics.sockets[0].getsockname()
+        log.info("metrics on http://%s:%d/metrics (no key: anyone who can reach that address "
+                 "reads worker, group and channel names)", bound[0], bound[1])
     await stop.wait()
     service.close()
 
@@ -626,11 +608,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve per-worker metrics in the Prometheus text format on this "
-                             "HTTP port (GET /metrics)")
+                             "HTTP port (GET /metrics; 0 = any free port); it asks for no key")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="interface the metrics port listens on (default: 127.0.0.1, this "
+                             "machine only; 0.0.0.0 lets anyone who reaches the host read "
+                             "the cluster's worker, group and channel names)")
     parser.add_argument("--exit-on-stdin-close", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s [registry] %(levelname)s %(message)s", stream=sys.stderr)
+    soft, hard = raise_open_file_limit()
+    log.info("open file limit: %d (hard limit %d)", soft, hard)
     import uvloop
 
     from aiorl.transport import security
@@ -645,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
             args.key_file or os.environ.get(security.ENV_KEY_FILE) or security.DEFAULT_KEY_FILE)
     uvloop.run(serve(args.host, args.port, expiry=args.expiry, ready_line=args.print_address,
                      keys=keys, exit_on_stdin_close=args.exit_on_stdin_close, grace=args.grace,
-                     metrics_port=args.metrics_port))
+                     metrics_port=args.metrics_port, metrics_host=args.metrics_host))
     return 0
 
 

@@ -12,6 +12,12 @@ thread, a waiter thread) reaches the loop only through this class:
   for its result; on the loop thread it refuses (blocking there would stop the loop).
 * :meth:`LoopThread.on_loop` says whether the caller is on the loop thread: a thread-id
   comparison, as cheap as asyncio's private running-loop check.
+
+Once :meth:`LoopThread.refuse` has run (the runtime is stopping: its Cluster closed, or its
+embedded registry died), ``submit`` and ``run_sync`` from other threads raise the error it
+names at once instead of queueing work that no loop will run; a ``run_sync`` still blocked
+when the loop stops gets that error too, and a submission that raced with the stop is run
+where it can still fail its work (the services are closed by then).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from aiorl.errors import WaitTimeout
+from aiorl.errors import ClusterClosedError, WaitTimeout
 
 __all__ = ["LoopThread", "loop_thread_of"]
 
@@ -52,6 +58,12 @@ class LoopThread:
         self._submissions: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = (
             collections.deque())
         self._wake_pending = False
+        #: Set by :meth:`refuse`: makes the error that work offered from now on raises.
+        self.refusal: Callable[[], BaseException] | None = None
+        #: True once a loop thread we started has left its loop for good.
+        self._stopped = False
+        #: The futures of ``run_sync`` calls still blocked: failed with the refusal at the end.
+        self._blocked: set[concurrent.futures.Future[Any]] = set()
         _by_loop[loop] = self
 
     # ------------------------------------------------------------------ construction
@@ -87,6 +99,7 @@ class LoopThread:
                 loop.run_forever()
             finally:
                 _by_loop.pop(loop, None)
+                lt._after_loop()
 
         threading.Thread(target=main, name=f"aiorl-io-{name}", daemon=True).start()
         return ready.result(timeout=10)
@@ -97,10 +110,17 @@ class LoopThread:
         return threading.get_ident() == self.thread_id
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop: now when on the loop thread, else soon, in order."""
+        """Run ``fn(*args)`` on the loop: now when on the loop thread, else soon, in order.
+
+        Raises the refusal's error (:meth:`refuse`) at once from another thread once the
+        loop is being stopped for good.
+        """
         if threading.get_ident() == self.thread_id:
             fn(*args)
             return
+        refusal = self.refusal
+        if refusal is not None:
+            raise refusal()
         self._submissions.append((fn, args))
         if not self._wake_pending:
             self._wake_pending = True
@@ -108,6 +128,8 @@ class LoopThread:
                 self.loop.call_soon_threadsafe(self._run_submissions)
             except RuntimeError:  # the loop is closed: nothing will run any more
                 self._submissions.clear()
+        if self._stopped:  # lost a race with the stop: no loop turn will come for it
+            self._run_submissions()
 
     def _run_submissions(self) -> None:
         # Clear the flag before draining: a submission racing with the drain either
@@ -131,7 +153,14 @@ class LoopThread:
             coro.close()
             raise RuntimeError("a blocking aiorl call was made on the aiorl event loop's thread; "
                                "use the async form (await) there")
+        refusal = self.refusal
+        if refusal is not None:
+            coro.close()
+            raise refusal()
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        self._blocked.add(fut)
+        if self._stopped:  # lost a race with the stop: nothing will run the coroutine
+            self._fail_blocked()
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -139,6 +168,8 @@ class LoopThread:
                 raise  # the coroutine's own TimeoutError
             fut.cancel()
             raise WaitTimeout(f"operation did not finish within {timeout} s") from None
+        finally:
+            self._blocked.discard(fut)
 
     async def run_here(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` on this loop from a coroutine running on any loop."""
@@ -146,13 +177,38 @@ class LoopThread:
             return await coro
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
+    def refuse(self, make_error: Callable[[], BaseException]) -> None:
+        """From now on, ``submit`` and ``run_sync`` from other threads raise ``make_error()``
+        at once (the first refusal stays: it names why the runtime stopped)."""
+        if self.refusal is None:
+            self.refusal = make_error
+
+    def _after_loop(self) -> None:
+        """The loop thread left its loop for good: run what was submitted too late (the
+        closed services fail it) and fail every ``run_sync`` still blocked on it."""
+        self._stopped = True
+        if self.refusal is None:
+            self.refusal = lambda: ClusterClosedError("this process's aiorl runtime has stopped")
+        self._run_submissions()
+        self._fail_blocked()
+
+    def _fail_blocked(self) -> None:
+        refusal = self.refusal
+        assert refusal is not None
+        for fut in list(self._blocked):
+            if not fut.done():
+                try:
+                    fut.set_exception(refusal())
+                except concurrent.futures.InvalidStateError:
+                    pass  # it finished meanwhile
+
     def stop(self, before: Callable[[], None], settle_turns: int = 3) -> None:
         """Run ``before`` on the loop, let its callbacks settle, then stop the loop thread.
 
         Closing fails pending operations; their callbacks (a group call's collect, a
         work's mirror to a waiting thread) run over the next few loop turns. The loop
         stops only after them, so every waiter hears "closed" and nothing is left with
-        an unread exception.
+        an unread exception. Call :meth:`refuse` first so that nothing new is accepted.
         """
 
         def stop_after(turns: int) -> None:

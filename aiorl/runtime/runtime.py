@@ -19,6 +19,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from aiorl.errors import (
+    ClusterClosedError,
     GroupNotFoundError,
     PeerLostError,
     WaitTimeout,
@@ -64,6 +65,8 @@ class Runtime:
         self._peer_watch: dict[str, asyncio.Future[dict[str, Any]]] = {}  # name -> info when ready
         self._peer_address: dict[str, str] = {}
         self._closers: list[Callable[[], None]] = []
+        #: Why this runtime stopped (None while it runs): what closers tell pending work.
+        self.closed_reason: str | None = None
         #: One instance per service class built on this runtime (the P2P engine, ...), made
         #: through :meth:`service`; services close through ``on_close``.
         self.services: dict[type, object] = {}
@@ -111,9 +114,16 @@ class Runtime:
         """Run ``closer`` (on the loop) when the runtime stops, before the endpoint closes.
 
         Services built on the runtime (the P2P engine, channel clients) register here;
-        they close in reverse order of registration.
+        they close in reverse order of registration; :attr:`closed_reason` says why.
         """
         self._closers.append(closer)
+
+    def discard_closer(self, closer: Callable[[], None]) -> None:
+        """Forget a closer registered with :meth:`on_close` (its service closed on its own)."""
+        try:
+            self._closers.remove(closer)
+        except ValueError:
+            pass
 
     # ------------------------------------------------------------------ peers
     async def resolve_worker(
@@ -218,11 +228,20 @@ class Runtime:
         return serialization.loads(payload) if payload else None
 
     # ------------------------------------------------------------------ shutdown
-    def stop(self) -> None:
-        """Close the services, the registry client and the endpoint; stop a driver's I/O thread."""
+    def stop(self, reason: str | None = None) -> None:
+        """Close the services, the registry client and the endpoint; stop a driver's I/O thread.
+
+        From now on, work offered from other threads (a call, a channel operation, a blocking
+        registry request) raises :class:`~aiorl.ClusterClosedError` with ``reason`` at once;
+        the closers fail what is pending with ``reason`` (:attr:`closed_reason`).
+        """
+        why = reason or f"the aiorl runtime of {self.name} is stopped"
+        if self.closed_reason is None:
+            self.closed_reason = why
+        self.loop_thread.refuse(lambda: ClusterClosedError(why))
 
         def close_all() -> None:
-            for closer in reversed(self._closers):
+            for closer in list(reversed(self._closers)):  # a closer may discard itself
                 try:
                     closer()
                 except Exception:

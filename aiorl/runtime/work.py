@@ -32,11 +32,11 @@ import threading
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Generic, TypeVar
 
-from aiorl.errors import WaitTimeout
+from aiorl.errors import ClusterClosedError, WaitTimeout
 from aiorl.runtime.loop import LoopThread, loop_thread_of
 from aiorl.runtime.waiter import BlockingWaiter, Job
 
-__all__ = ["AsyncChannelWork", "AsyncCollWork", "AsyncFuncWork", "AsyncWork"]
+__all__ = ["AsyncChannelWork", "AsyncCollWork", "AsyncFuncWork", "AsyncWork", "UnawaitedWorkError"]
 
 T = TypeVar("T")
 
@@ -44,6 +44,18 @@ T = TypeVar("T")
 # one lock for all works, not a lock per work on the hot path.
 _mirror_lock = threading.Lock()
 _allocate_lock = _thread.allocate_lock
+
+
+class UnawaitedWorkError(TypeError):
+    """An :class:`AsyncWork` met where a value must travel (a result, a send's payload).
+
+    ``work`` is the work that was met: a worker whose method returned it cancels it, as
+    nobody can await it any more (docs/failures.md).
+    """
+
+    def __init__(self, message: str, work: AsyncWork[Any]) -> None:
+        super().__init__(message)
+        self.work = work
 
 
 class AsyncWork(Generic[T]):
@@ -122,7 +134,11 @@ class AsyncWork(Generic[T]):
                 lock = _allocate_lock()
                 lock.acquire()
                 self._cf = lock
-                self._call_on_loop(self._fut.add_done_callback, self._wake_threads)
+                try:
+                    self._call_on_loop(self._fut.add_done_callback, self._wake_threads)
+                except BaseException:  # the runtime is closed: nothing will release it
+                    self._cf = None
+                    raise
             return lock
 
     def _wake_threads(self, _fut: asyncio.Future[T]) -> None:
@@ -205,7 +221,10 @@ class AsyncWork(Generic[T]):
             return False
         if not self._on_loop():
             self._cancelling = True  # visible to other threads now, before the loop gets to it
-        self._call_on_loop(self._fut.cancel)
+        try:
+            self._call_on_loop(self._fut.cancel)
+        except ClusterClosedError:
+            pass  # the runtime is closed: no loop is left to tell, and nothing waits there
         return True
 
     def exception(self) -> BaseException | None:
@@ -257,9 +276,9 @@ class AsyncWork(Generic[T]):
     def __reduce__(self) -> Any:
         # A work is a handle on a future in this process: it cannot travel. Met in a
         # return value or a send, it is almost always a missing ``await``.
-        raise TypeError(
+        raise UnawaitedWorkError(
             f"an {type(self).__name__} cannot be returned from a worker method or sent: it is a "
-            "handle on a result in this process; did you forget `await` (or `.wait()`)?")
+            "handle on a result in this process; did you forget `await` (or `.wait()`)?", self)
 
     def __repr__(self) -> str:
         state = "pending"

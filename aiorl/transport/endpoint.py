@@ -62,7 +62,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -99,10 +98,12 @@ from aiorl.transport.wire import (
     unpack,
 )
 from aiorl.util.batching import TurnBatcher
+from aiorl.util.ratelimit import RateLimitedLog
 
 __all__ = ["Endpoint", "Incoming", "Reply"]
 
 log = logging.getLogger("aiorl.transport")
+_dispatch_errors = RateLimitedLog(log)
 
 # Plain ints on the hot path: comparing IntEnum members costs more than the send itself.
 _REQUEST, _REPLY, _ERROR, _ONEWAY, _EVENT, _BATCH, _PACKED = (
@@ -165,25 +166,18 @@ EventHandler = Callable[[str, Any, list[Any]], None]
 
 
 class _DropLog:
-    """Warn about dropped messages at most once a second, with a count of the rest.
+    """Warn about dropped messages at most once a second, with a count of the rest
+    (:class:`~aiorl.util.ratelimit.RateLimitedLog`).
 
     A flood of garbage must not become a flood of log lines (that would be a
     denial of service of its own)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.suppressed = 0
-        self.next_at = 0.0
+        self._log = RateLimitedLog(log)
 
     def __call__(self, what: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now < self.next_at:
-            self.suppressed += 1
-            return
-        more = f" (and {self.suppressed} more dropped messages)" if self.suppressed else ""
-        log.warning("%s: dropped " + what + more, self.name, *args)
-        self.suppressed = 0
-        self.next_at = now + 1.0
+        self._log.warning("dropped", "%s: dropped " + what, self.name, *args)
 
 
 class Incoming:
@@ -286,8 +280,9 @@ class _Watched:
                 frames = recv_parts(sock)
             try:
                 self.on_message(frames)
-            except Exception:
-                log.exception("unhandled error while dispatching a message")
+            except Exception as exc:  # a bug a peer's message can reach: once a second at most
+                _dispatch_errors.warning("dispatch", "unhandled error while dispatching a "
+                                         "message", exc_info=exc)
         # Batch used up and input may remain: continue after other callbacks ran.
         self.schedule_drain()
 
@@ -763,6 +758,13 @@ class Endpoint:
 
     def is_lost(self, address: str) -> bool:
         return address in self._lost
+
+    def handshakes_breaking(self, address: str) -> int:
+        """How many handshakes in a row with ``address`` broke off (0: none, or the last one
+        succeeded). Under CURVE that is what a peer that does not hold our key looks like;
+        a peer still starting refuses the connection instead, which counts nothing here."""
+        p = self._peers.get(address)
+        return 0 if p is None else p.broken_handshakes
 
     def mark_peer_lost(self, address: str, reason: str) -> None:
         """Fail all pending and future requests to ``address`` with PeerLostError(reason)."""

@@ -46,6 +46,7 @@ from typing import Any
 import zmq
 
 from aiorl.errors import AuthenticationError
+from aiorl.util.ratelimit import RateLimitedLog
 
 __all__ = [
     "ClusterKeys",
@@ -60,6 +61,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("aiorl.security")
+#: Refused handshakes are logged at most once a second per mechanism, with a count of the
+#: rest: anyone who can reach a port can make one per try (docs/security.md).
+_refusals = RateLimitedLog(log)
 
 ENV_PUBLIC = "AIORL_CURVE_PUBLIC"
 ENV_SECRET = "AIORL_CURVE_SECRET"
@@ -94,7 +98,8 @@ class ClusterKeys:
         """Write the key file, readable by its owner only."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # O_NOFOLLOW: a link planted at this name is refused, never written through.
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(f"public={self.public.decode()}\nsecret={self.secret.decode()}\n"
                     f"mechanism={self.mechanism}\n")
@@ -198,11 +203,21 @@ def make_private_directory(prefix: str) -> str:
 def check_private_directory(path: str) -> None:
     """Raise :class:`AuthenticationError` unless ``path`` is a directory owned by this
     user that nobody else can enter: then nobody else can create, replace or connect
-    to a Unix socket inside it."""
+    to a Unix socket inside it.
+
+    ``path`` itself must not be a symbolic link (``lstat``): in a shared directory such as
+    /tmp another user can plant ``aiorl-clusters-<uid>`` as a link to one of *our* private
+    directories, which would pass a check that follows it and have us write, list and
+    remove files there."""
     try:
-        info = os.stat(path)
+        # A trailing slash would make lstat follow a link: look at the name itself.
+        info = os.lstat(os.fspath(path).rstrip("/") or "/")
     except OSError as exc:
         raise AuthenticationError(f"cannot use {path} for private sockets: {exc}") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise AuthenticationError(
+            f"{path} is a symbolic link (owner uid {info.st_uid}), not a private directory: "
+            "someone may have planted it; remove it if it is not yours")
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
         raise AuthenticationError(
             f"{path} is not a private directory (a directory of uid {os.getuid()} with mode "
@@ -236,8 +251,8 @@ def _authenticator_class() -> type:
             got = password.encode() if isinstance(password, str) else password
             if expected is not None and hmac.compare_digest(expected, got):
                 return True, b"OK"
-            log.warning("refused a connection from %s that did not present this cluster's "
-                        "secret", _zap_peer or "a local process")
+            _refusals.warning("plain", "refused a connection from %s that did not present "
+                              "this cluster's secret", _zap_peer or "a local process")
             return False, b"not a member of this cluster"
 
     return ClusterAuthenticator
@@ -249,8 +264,8 @@ class _ClusterKeyCheck:
     def callback(self, domain: str, key: bytes) -> bool:
         if key in _allowed:
             return True
-        log.warning("refused a connection from %s that did not present this cluster's key",
-                    _zap_peer)
+        _refusals.warning("curve", "refused a connection from %s that did not present this "
+                          "cluster's key", _zap_peer)
         return False
 
 

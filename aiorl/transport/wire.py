@@ -88,6 +88,12 @@ def encode_header(kind: int, request_id: int, op: str, meta: Any = None) -> byte
     return header
 
 
+def _shown(value: Any) -> str:
+    """A header field in an error message: an int as is, anything else by its type only
+    (a field may be a megabyte-long map)."""
+    return repr(value) if value.__class__ is int else f"of type {type(value).__name__}"
+
+
 def decode_header(frame: bytes | memoryview) -> Header:
     """Parse a header frame, raising :class:`ProtocolError` on anything malformed."""
     if len(frame) > MAX_HEADER_BYTES:
@@ -99,13 +105,14 @@ def decode_header(frame: bytes | memoryview) -> Header:
     if not isinstance(fields, list) or len(fields) != 5:
         raise ProtocolError("header must be a 5-element msgpack array")
     version, kind, request_id, op, meta = fields
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})"
-        )
-    if kind not in _KINDS:
-        raise ProtocolError(f"unknown message kind {kind!r}")
-    if not isinstance(request_id, int) or not isinstance(op, str):
+    if version.__class__ is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {_shown(version)} is not supported (this side "
+                            f"speaks {PROTOCOL_VERSION})")
+    # Exact class checks: msgpack gives int and str; a map or a list (unhashable: ``in``
+    # would raise TypeError), a float or a bool is malformed, and so is a header with one.
+    if kind.__class__ is not int or kind not in _KINDS:
+        raise ProtocolError(f"unknown message kind {_shown(kind)}")
+    if request_id.__class__ is not int or op.__class__ is not str:
         raise ProtocolError("header request id must be an int and op a string")
     # tuple.__new__ directly: a NamedTuple's own __new__ is an extra Python frame per message.
     return _new_tuple(Header, (kind, request_id, op, meta))
