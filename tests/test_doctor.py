@@ -77,6 +77,7 @@ def _cli(cluster: aiorl.Cluster, *args: str) -> subprocess.CompletedProcess[str]
 def test_a_receive_cycle_is_a_deadlock(cluster):
     pair = Pair.create_group().launch(cluster, num_workers=2, name="pair")
     try:
+        pair.wait_ready(120)  # the doctor's time starts once both ranks run (slow under load)
         stuck = pair.wait_for_other()
 
         def found() -> aiorl.cluster.doctor.DoctorReport | None:

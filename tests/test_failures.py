@@ -368,7 +368,9 @@ def test_zygote_that_cannot_start_fails_launches_fast(monkeypatch):
         start = time.monotonic()
         with pytest.raises(aiorl.WorkerInitError, match="zygote"):
             group.pid().wait(30)
-        assert time.monotonic() - start < 15
+        # The zygote dies right after its own `import torch`: seconds on a quiet machine, more
+        # under make test-stress; a zygote death not seen would run into wait(30) instead.
+        assert time.monotonic() - start < 25
 
 
 def test_unknown_workers_and_groups_are_clear_errors_at_once(cluster):

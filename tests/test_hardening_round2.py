@@ -390,7 +390,9 @@ def test_refused_plain_handshakes_are_rate_limited(caplog):
             for _ in range(200):
                 s = zmq.Context.instance().socket(zmq.DEALER)
                 s.linger = 0
-                s.reconnect_ivl = -1
+                # Reconnecting: 200 connections at once overflow the listen backlog (100) on
+                # a loaded machine, and a refused connect must try again to be refused by ZAP.
+                s.reconnect_ivl = 200
                 s.plain_username, s.plain_password = keys.public, b"not the secret"
                 s.connect(server.address)
                 sockets.append(s)
@@ -590,3 +592,55 @@ def test_a_planted_symlink_is_not_a_private_directory(monkeypatch):
         assert Path(target).read_text() == "mine\n"
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- 28.1: liveness and user work
+_SLOW_RESULT_DRIVER = textwrap.dedent("""\
+    import sys, time
+    sys.path.insert(0, {modules!r})
+    import aiorl
+
+    class Maker(aiorl.Worker):
+        def make(self):
+            import slow_result  # its import takes 5 s (in the method thread here)
+            return slow_result.Result(7)
+
+        def ping(self):
+            return "pong"
+
+    with aiorl.Cluster(num_nodes=1) as cluster:
+        slow = Maker.create_group().launch(cluster, name="slow")
+        bystander = Maker.create_group().launch(cluster, name="bystander")
+        assert bystander.ping().wait(120) == ["pong"]
+        started = time.monotonic()
+        # The driver decodes the result: importing its class holds the driver's event loop
+        # for 5 s, longer than the registry's 3 s expiry.
+        (result,) = slow.make().wait(120)
+        print("decoded", result.value, "after", round(time.monotonic() - started, 1), flush=True)
+        print("bystander", bystander.ping().wait(30), flush=True)
+        print("slow", slow.ping().wait(30), flush=True)
+    """)
+
+
+def test_a_driver_busy_importing_a_results_class_is_not_declared_dead(tmp_path) -> None:
+    """Liveness does not depend on user work: the driver's heartbeats come from a thread of
+    their own, so a result whose class takes longer than the expiry to import (on the
+    driver's loop) kills no group of that driver."""
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "slow_result.py").write_text(textwrap.dedent("""\
+        import time
+        time.sleep(5)
+
+        class Result:
+            def __init__(self, value):
+                self.value = value
+        """))
+    script = _SLOW_RESULT_DRIVER.format(modules=str(modules))
+    env = {k: v for k, v in os.environ.items() if k != "AIORL_REGISTRY"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=170, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "decoded 7 after" in out.stdout
+    assert "bystander ['pong']" in out.stdout and "slow ['pong']" in out.stdout, out.stdout
+    assert "missed heartbeats" not in out.stderr and "declared the driver dead" not in out.stderr

@@ -66,7 +66,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from aiorl.cli import observe, plan
+    from aiorl.cli import observe, plan, slurm
 
     parser = argparse.ArgumentParser(prog="aiorl", description="aiorl command-line tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--count", type=int, default=0, help="--watch: stop after N refreshes")
     st.set_defaults(func=_status)
     plan.add_parser(sub)
+    slurm.add_parser(sub)
     observe.add_parsers(sub)
     try:
         from aiorl.cli import demo

@@ -122,7 +122,9 @@ class DriverSession:
                           if root_of(name) == spec.group and not record.state.is_final)
             await reg.create_group(dataclasses.replace(spec, restore=True, workers=alive))
         await reg.resubscribe()
-        log.warning("re-registered with the restarted registry at %s", self.registry_address)
+        log.warning("the registry at %s did not know this driver (it restarted, or it declared "
+                    "the driver dead after missed heartbeats): registered again, with %d "
+                    "group(s)", self.registry_address, len(self.groups))
 
     # ------------------------------------------------------------------ nodes
     def _on_nodes(self, nodes: list[dict[str, Any]]) -> None:

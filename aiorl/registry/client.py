@@ -58,6 +58,7 @@ from aiorl.protocol.registry import (
     root_of,
 )
 from aiorl.transport.endpoint import Endpoint
+from aiorl.transport.pulse import Pulse
 
 __all__ = ["DEFAULT_TIMEOUT", "INCARNATION_VARIABLE", "RegistryClient", "WorkerEvent",
            "own_incarnation"]
@@ -90,7 +91,12 @@ class RegistryClient:
         self._watch_callbacks: dict[str, list[WorkerEvent]] = {}
         self._node_callbacks: list[Callable[[list[dict[str, Any]]], None]] = []
         self.known: dict[str, WorkerRecord] = {}  # worker name -> the last record seen
-        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._pulse: Pulse | None = None  # the heartbeat thread, once started
+        self._on_unknown: Callable[[], Any] | None = None
+        self._reregister_task: asyncio.Task[None] | None = None
+        self._reregistering = False
+        self._reregister_pending = False  # the last re-registration failed halfway
+        self._beats_failing = False  # error replies to heartbeats since the last answer
         #: When (``time.monotonic()``) the registry last answered a heartbeat: a node agent
         #: fences its workers when this grows older than its lease's expiry.
         self.last_answered = time.monotonic()
@@ -327,44 +333,60 @@ class RegistryClient:
     def start_heartbeats(
         self, my_id: str, interval: float, on_unknown: Callable[[], Any] | None = None
     ) -> None:
-        """Send heartbeats for ``my_id``; call ``on_unknown`` (a coroutine function) when the
-        registry no longer knows us (it restarted), so the caller can register again."""
+        """Send heartbeats for ``my_id`` every ``interval`` seconds from a thread of their own
+        (:class:`~aiorl.transport.pulse.Pulse`): a loop busy with user work (a slow import
+        while decoding a result, a huge result) does not stop them. When the registry no
+        longer knows us (it restarted, or it declared us dead), ``on_unknown`` (a coroutine
+        function) runs on the loop, so the caller can register again; one that failed halfway
+        runs again after each later beat until it succeeds (the registry may know us by then
+        while our watches are still missing)."""
+        self._on_unknown = on_unknown
+        self._pulse = Pulse(self.endpoint.name, self.address, self.endpoint.keys,
+                            RegistryOp.HEARTBEAT, Heartbeat(my_id).to_wire(), interval,
+                            self._beat_answered, self._beat_refused)
+        self._pulse.start()
 
-        async def beat() -> None:
-            failing = False  # one warning per run of failed beats, not one per beat
-            # A re-registration that failed halfway (the registry died again, or timed out)
-            # is retried on every beat until it succeeds, even if the registry knows us by
-            # then: its watches may be missing, and without them no news would reach us.
-            reregister = False
-            while True:
-                await asyncio.sleep(interval)
-                try:
-                    # A short timeout: after a registry restart the next beat should not wait
-                    # behind one sent to the old process.
-                    known = await self.heartbeat(my_id, timeout=max(interval * 2, 0.5))
-                except RegistryUnavailable:
-                    log.debug("heartbeat to %s got no answer", self.address)
-                    continue
-                except Exception as exc:  # an ERROR reply: keep beating, the next may pass
-                    if not failing:
-                        log.warning("heartbeat to %s failed: %s; still trying", self.address,
-                                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-                    failing = True
-                    continue
-                failing = False
-                self.last_answered = time.monotonic()
-                if (reregister or not known) and on_unknown is not None:
-                    try:
-                        await on_unknown()
-                        reregister = False
-                    except Exception as exc:  # noqa: BLE001 - tried again on the next beat
-                        reregister = True
-                        log.warning("re-registering with the registry failed (%s: %s); "
-                                    "trying again", type(exc).__name__,
-                                    str(exc).splitlines()[0] if str(exc) else "")
+    def _beat_answered(self, meta: Any) -> None:
+        """A heartbeat's reply (on the pulse thread)."""
+        try:
+            known = HeartbeatReply.from_wire(meta).known
+        except ProtocolError:
+            return
+        self.last_answered = time.monotonic()
+        self._beats_failing = False
+        if (not known or self._reregister_pending) and self._on_unknown is not None:
+            self.endpoint.loop.call_soon_threadsafe(self._reregister)
 
-        self._heartbeat_task = self.endpoint.loop.create_task(beat())
+    def _beat_refused(self, meta: Any) -> None:
+        """A heartbeat's error reply (on the pulse thread): one warning per run of them."""
+        if not self._beats_failing:
+            text = meta.get("message") if isinstance(meta, dict) else None
+            log.warning("heartbeat to %s failed: %s; still trying", self.address,
+                        str(text or meta).splitlines()[0] if (text or meta) else "an error")
+        self._beats_failing = True
+
+    def _reregister(self) -> None:
+        """On the loop: run ``on_unknown`` once at a time."""
+        if self._reregistering or self._on_unknown is None or self.endpoint.closed:
+            return
+        self._reregistering = True
+        on_unknown = self._on_unknown
+
+        async def once() -> None:
+            try:
+                await on_unknown()
+                self._reregister_pending = False
+            except Exception as exc:  # noqa: BLE001 - tried again after the next beat
+                self._reregister_pending = True
+                log.warning("re-registering with the registry failed (%s: %s); trying again",
+                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            finally:
+                self._reregistering = False
+
+        self._reregister_task = self.endpoint.loop.create_task(once())
 
     def close(self) -> None:
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
+        if self._pulse is not None:
+            self._pulse.stop()
+        if self._reregister_task is not None:
+            self._reregister_task.cancel()

@@ -1,0 +1,123 @@
+"""Requests sent on a schedule from a thread of their own: heartbeats that user work cannot stop.
+
+A process's :class:`~aiorl.transport.endpoint.Endpoint` lives on its event loop, and so did its
+heartbeats. A driver decodes results on that loop: a result whose class takes seconds to import,
+the first tensor (``import torch``), or a 2 GiB tensor held it for seconds, the registry heard no
+heartbeat for its expiry and tore down every group of a driver that was alive (issue 28). Liveness
+must not depend on user code, so a :class:`Pulse` sends its requests from a thread of its own,
+over a DEALER socket of its own (same keys, its own routing id), and hands each answer to a
+callback on that thread. The thread waits in :meth:`zmq.Socket.poll`, which releases the GIL, and
+needs the GIL only for a moment per beat: a loop busy in Python code (an import) leaves it the
+interpreter's switch interval (5 ms) every so often, which is plenty.
+
+What a beat means stays with the caller (:class:`~aiorl.registry.client.RegistryClient`): this
+module only sends ``op``/``meta`` as a request every ``interval`` seconds and reports replies and
+error replies; answers to beats sent before a registry restarted count the same as fresh ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from aiorl.errors import ProtocolError
+from aiorl.transport.security import ClusterKeys
+from aiorl.transport.sockets import make_socket
+from aiorl.transport.wire import Kind, decode_header, encode_header, split_batch, unpack
+
+__all__ = ["Pulse"]
+
+log = logging.getLogger("aiorl.transport")
+
+#: How often the thread looks at its stop flag while it waits for the next beat or an answer.
+_STOP_CHECK_S = 0.1
+
+
+def _messages(frames: list[Any]) -> list[list[Any]]:
+    """The messages in what arrived: one, or those of a (possibly PACKED) BATCH of replies
+    (a registry that was slow answers several beats in one loop turn)."""
+    header = decode_header(frames[0])
+    if header.kind == Kind.PACKED:
+        frames = unpack(header.meta, frames[1:])
+        header = decode_header(frames[0])
+    if header.kind == Kind.BATCH:
+        return split_batch(header.meta, frames[1:])
+    return [frames]
+
+
+class Pulse:
+    """Send ``op`` with ``meta`` to ``address`` every ``interval`` seconds from a thread.
+
+    ``on_reply(meta)`` runs on the pulse thread for each reply, ``on_error(meta)`` for each
+    error reply; both must be quick and thread-safe (hand work to a loop with
+    ``call_soon_threadsafe``). :meth:`stop` ends the thread and closes its socket.
+    """
+
+    def __init__(self, name: str, address: str, keys: ClusterKeys | None, op: str, meta: Any,
+                 interval: float, on_reply: Callable[[Any], None],
+                 on_error: Callable[[Any], None]) -> None:
+        self.address = address
+        self._keys = keys
+        self._request = (op, meta)
+        self._interval = interval
+        self._on_reply = on_reply
+        self._on_error = on_error
+        self._identity = f"{name}-pulse-{os.getpid()}-{id(self):x}".encode()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"aiorl-pulse-{name}",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread (within about 0.1 s) and close its socket."""
+        self._stopping.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(2)
+
+    def _run(self) -> None:
+        sock = make_socket(zmq.DEALER, identity=self._identity, keys=self._keys)
+        sock.setsockopt(zmq.LINGER, 0)  # a beat nobody took is worth nothing once we stop
+        try:
+            sock.connect(self.address)
+            self._beat(sock)
+        except Exception:  # noqa: BLE001 - logged; the owner's expiry logic takes over
+            log.exception("heartbeats to %s stopped", self.address)
+        finally:
+            sock.close()
+
+    def _beat(self, sock: zmq.Socket[Any]) -> None:
+        op, meta = self._request
+        request_id = 0
+        next_beat = time.monotonic() + self._interval
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                request_id += 1
+                try:
+                    sock.send(encode_header(Kind.REQUEST, request_id, op, meta), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # not connected yet: the next beat tries again
+                next_beat = now + self._interval
+            if sock.poll(int(1000 * min(_STOP_CHECK_S, max(next_beat - now, 0.0))) + 1):
+                self._answers(sock.recv_multipart(zmq.NOBLOCK))
+
+    def _answers(self, frames: list[Any]) -> None:
+        try:
+            messages = _messages(frames)
+            headers = [decode_header(m[0]) for m in messages]
+        except ProtocolError as exc:
+            log.debug("a malformed answer to a heartbeat from %s: %s", self.address, exc)
+            return
+        for header in headers:
+            if header.kind == Kind.REPLY:
+                self._on_reply(header.meta)
+            elif header.kind == Kind.ERROR:
+                self._on_error(header.meta)
