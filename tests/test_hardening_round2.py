@@ -644,3 +644,47 @@ def test_a_driver_busy_importing_a_results_class_is_not_declared_dead(tmp_path) 
     assert "decoded 7 after" in out.stdout
     assert "bystander ['pong']" in out.stdout and "slow ['pong']" in out.stdout, out.stdout
     assert "missed heartbeats" not in out.stderr and "declared the driver dead" not in out.stderr
+
+
+# ---------------------------------------------------------------- 28.2: one message, one turn
+def _answered_ids(client: RawClient, until_id: int, within: float) -> list[int]:
+    """Request ids of the replies that reach ``client`` until the one for ``until_id``."""
+    ids: list[int] = []
+    deadline = time.monotonic() + within
+    while until_id not in ids:
+        assert client.sock.poll(max(1, int((deadline - time.monotonic()) * 1000))), \
+            f"no answer to request {until_id} within {within} s"
+        frames = client.sock.recv_multipart()
+        header = decode_header(frames[0])
+        if header.kind == Kind.PACKED:
+            frames = unpack(header.meta, frames[1:])
+            header = decode_header(frames[0])
+        parts = split_batch(header.meta, frames[1:]) if header.kind == Kind.BATCH else [frames]
+        ids += [decode_header(part[0]).request_id for part in parts]
+    return ids
+
+
+def test_a_batch_longer_than_senders_make_is_refused_whole(registry) -> None:
+    """One BATCH of a million pings from a member (1 MB of header) held the registry's loop
+    for seconds, long enough for every agent to give it up. Senders batch at most
+    MAX_BATCH_MESSAGES: a longer batch is dropped whole, unread, and the registry answers the
+    next request at once; a batch as long as senders make is served."""
+    from aiorl.transport.wire import MAX_BATCH_MESSAGES, encode_batch
+
+    client = RawClient(registry.address, registry.keys)
+    try:
+        client.request("ping")  # connected and authenticated
+        for count in (100_000, MAX_BATCH_MESSAGES):
+            client.send_raw(*encode_batch([[encode_header(Kind.REQUEST, i + 1, "ping", None)]
+                                           for i in range(count)]))
+            started = time.monotonic()
+            client.sock.send_multipart([encode_header(Kind.REQUEST, 10**9, "ping", None)])
+            answered = _answered_ids(client, 10**9, within=30)
+            if count > MAX_BATCH_MESSAGES:
+                assert answered == [10**9], f"{len(answered) - 1} pings of a refused batch"
+                assert time.monotonic() - started < 2, "the registry was held by the batch"
+            else:
+                assert sorted(answered) == [*range(1, count + 1), 10**9]
+    finally:
+        client.close()
+    assert "a BATCH of 100000 messages" in registry.log()

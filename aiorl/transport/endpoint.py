@@ -88,6 +88,7 @@ from aiorl.transport.sockets import (
     monitor_handshakes,
 )
 from aiorl.transport.wire import (
+    MAX_BATCH_MESSAGES,
     PACK_MIN_FRAMES,
     Kind,
     decode_header,
@@ -153,7 +154,7 @@ _DRAIN_BATCH = 4
 #: At most this many messages to one peer leave as one BATCH (a burst larger than this
 #: leaves as several, in order); bytes are not counted: held messages are small control
 #: messages.
-_MAX_HELD_MESSAGES = 64
+_MAX_HELD_MESSAGES = MAX_BATCH_MESSAGES  # what receivers accept (wire.py)
 _MAX_HELD_BYTES = 1 << 62
 
 _FROM_ENVIRONMENT = object()

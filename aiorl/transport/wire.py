@@ -39,7 +39,8 @@ import msgpack
 from aiorl.errors import ProtocolError
 
 __all__ = [
-    "PACK_MIN_FRAMES", "PROTOCOL_VERSION", "Header", "Kind", "decode_header", "encode_batch",
+    "MAX_BATCH_MESSAGES", "PACK_MIN_FRAMES", "PROTOCOL_VERSION", "Header", "Kind",
+    "decode_header", "encode_batch",
     "encode_header", "pack", "split_batch", "unpack",
 ]
 
@@ -49,6 +50,10 @@ PROTOCOL_VERSION = 3
 
 #: Headers larger than this are rejected before they are parsed.
 MAX_HEADER_BYTES = 1 << 20
+#: A BATCH holds at most this many messages: what endpoints send (a longer burst leaves as
+#: several batches). A receiver refuses a longer one whole: a million messages in one BATCH
+#: would hold its event loop for seconds in one turn, long enough to silence its heartbeats.
+MAX_BATCH_MESSAGES = 64
 #: A message of at least this many frames is packed into one (when its frames are small).
 PACK_MIN_FRAMES = 3
 #: Frames from this size on are never packed: ZMQ sends them by reference, without a copy.
@@ -128,6 +133,8 @@ def encode_batch(messages: list[list[Any]]) -> list[Any]:
 
 def split_batch(counts: Any, frames: list[Any]) -> list[list[Any]]:
     """The messages inside a BATCH (``frames`` = what follows its header)."""
+    if isinstance(counts, list) and len(counts) > MAX_BATCH_MESSAGES:
+        raise ProtocolError(f"a BATCH of {len(counts)} messages (at most {MAX_BATCH_MESSAGES})")
     if (not isinstance(counts, list) or not all(isinstance(c, int) and c > 0 for c in counts)
             or sum(counts) != len(frames)):
         raise ProtocolError("BATCH frame counts do not match its frames")
