@@ -115,3 +115,37 @@ def test_a_directory_that_does_not_come_back_fails_wait_for_within_the_bound(
     assert time.monotonic() - start < 15
     # Pulls keep returning the last version the subscribers knew, complete.
     assert readers.pull(name).wait(60) == [(1, [1.0])] * 2
+
+
+# ---------------------------------------------------------------- a publisher replaced
+def test_a_name_reused_by_a_new_publisher_never_goes_back(cluster2) -> None:
+    """A group publishes "reused" up to version 5 and closes; a new group's subscriber waits
+    (it never gets the gone publisher's segment as an OSError); the new group's publisher
+    may not count from 1 again (versions of a name never go back: a ValueError naming the
+    floor), and its version 6 is what the subscriber pulls, whole."""
+    name = "reused"
+    first = Trainer.create_group().launch(cluster2, NodePlacementStrategy([0]), name="first-pub")
+    try:
+        for version in range(1, 6):
+            assert first.publish(name, version).wait(60) == [version]
+    finally:
+        first.close()
+    second = Trainer.create_group().launch(cluster2, NodePlacementStrategy([0]),
+                                           name="second-pub")
+    fresh = Rollout.create_group().launch(cluster2, NodePlacementStrategy([0]),
+                                          name="fresh-sub")
+    try:
+        fresh.wait_ready(120)
+        pending = fresh.pull(name)  # no readable source: it waits (no ShmUnavailable)
+        with pytest.raises(aiorl.RemoteError, match=r"version 1 of weights 'reused' is not "
+                           r"newer than version 5, which an earlier publisher .* never go "
+                           r"back") as refused:
+            second.publish(name, 1).wait(60)
+        assert isinstance(refused.value, ValueError)
+        assert not pending.done()
+        assert second.publish(name, 6).wait(60) == [6]
+        assert pending.wait(60) == [(6, [6.0])]
+        assert fresh.latest(name).wait(30) == [6]
+    finally:
+        second.close()
+        fresh.close()

@@ -60,7 +60,7 @@ def directory_group(name: str) -> str:
 @dataclass(frozen=True)
 class ShardSource:
     """One copy of a shard on one node: the worker writing it, its segment, version -> slot,
-    and for a publisher on a GPU its GPU slots (:mod:`aiorl.weights.cuda`)."""
+    and for a publisher on a GPU its GPU slots (`aiorl.weights.cuda`)."""
 
     shard: int
     worker: str
@@ -91,8 +91,8 @@ class NodeView:
     (pass both back to wait for a change).
 
     For a subscriber that pulls into a GPU other than a GPU publisher's
-    (:meth:`WeightDirectory.gpu_subscribe`): ``gpu_sources`` holds, per shard, the copy of
-    that shard on the subscriber's GPU (its representative's, :mod:`aiorl.weights.nccl`;
+    (`WeightDirectory.gpu_subscribe`): ``gpu_sources`` holds, per shard, the copy of
+    that shard on the subscriber's GPU (its representative's, `aiorl.weights.nccl`;
     None where there is none, or none needed), and ``gpu_jobs`` the publishers (their
     sources) of the shards for which the subscriber itself is its GPU's representative.
     """
@@ -133,6 +133,8 @@ class WeightDirectory:
         # (node, shard) -> the publisher segment the relay's copy came from.
         self._relay_origins: dict[tuple[str, int], SegmentRef] = {}
         self._lost: dict[int, str] = {}  # shard -> why its publisher is gone
+        #: The newest version a publisher of this name announced: replacements start above.
+        self._floor: int | None = None
         # GPU representatives (aiorl.weights.nccl), by (node, GPU UUID, shard).
         self._gpu_of: dict[str, str] = {}  # subscriber -> the UUID of the GPU it pulls into
         self._gpu_reps: dict[tuple[str, str, int], str] = {}  # -> elected representative
@@ -145,8 +147,12 @@ class WeightDirectory:
 
     # ------------------------------------------------------------------ publishers
     async def register_publisher(self, source: ShardSource, num_shards: int, node_id: str,
-                                 layout: Layout) -> None:
-        """Shard ``source.shard`` of ``num_shards`` is published by ``source.worker``."""
+                                 layout: Layout) -> int | None:
+        """Shard ``source.shard`` of ``num_shards`` is published by ``source.worker``.
+
+        Returns the newest version any publisher of this name completed (None: none yet): a
+        publisher that replaces another (a restarted rank, a new group reusing the name)
+        must publish above it, so that versions never go back (docs/weights.md, rule 2)."""
         if self.num_shards is None:
             self.num_shards = num_shards
         elif num_shards != self.num_shards:
@@ -166,7 +172,7 @@ class WeightDirectory:
             raise ValueError(f"shard {source.shard} of weights {self.name!r} is already "
                              f"published by {old.source.worker}")
         if old is not None and old.source.ref == source.ref:
-            return  # registered again (its restore after our restart raced its first call)
+            return self._floor  # registered again (its restore after our restart raced it)
         self._publishers[source.shard] = _Publisher(source, node_id, layout)
         self._lost.pop(source.shard, None)
         # Relays of another publisher's segment hold its layout: start them afresh.
@@ -179,6 +185,7 @@ class WeightDirectory:
             self._gpu_copies.pop(gpu_key, None)
         self._watch(source.worker)
         self._bump()
+        return self._floor
 
     async def announce(self, worker: str, shard: int, version: int, slot: int,
                        ref: SegmentRef | None = None, node_id: str = "") -> None:
@@ -189,6 +196,7 @@ class WeightDirectory:
             raise LookupError(f"shard {shard} of weights {self.name!r} has no publisher")
         if worker == pub.source.worker:
             source = pub.source
+            self._floor = version if self._floor is None else max(self._floor, version)
         else:
             if self._relay_workers.get((node_id, shard)) != worker or ref is None:
                 return  # a relay that was replaced meanwhile

@@ -24,6 +24,7 @@ from aiorl.errors import PeerLostError
 from aiorl.runtime import AsyncWork
 from aiorl.runtime.promise import trace_until_settled
 from aiorl.trace import recorder as _trace
+from aiorl.transport._shm import ShmUnavailable
 from aiorl.weights import cuda
 from aiorl.weights._directory import NodeView, RelayJob, ShardSource
 from aiorl.weights._layout import Layout, tensor_bytes
@@ -45,7 +46,14 @@ class SubscriberStatistics:
     retried after a torn copy, versions skipped between pulls, as its node's relay,
     versions and bytes it received from publishers on other nodes, and as its GPU's
     representative, versions and bytes it received by NCCL from a publisher's GPU
-    (:mod:`aiorl.weights.nccl`)."""
+    (`aiorl.weights.nccl`).
+
+    Example:
+        ```python
+        stats = self.weight_subscriber("policy").statistics()
+        print(stats.pulls, stats.bytes_copied, stats.torn_retries)
+        ```
+    """
 
     pulls: int
     bytes_copied: int
@@ -58,7 +66,25 @@ class SubscriberStatistics:
 
 
 class WeightSubscriber:
-    """Pulls complete versions of the weights ``name`` (see docs/weights.md)."""
+    """Pulls complete versions of the weights ``name`` (see docs/weights.md).
+
+    Get one with [`Worker.weight_subscriber`][aiorl.Worker.weight_subscriber] rather than
+    building it: [`pull`][aiorl.weights.WeightSubscriber.pull] copies the newest complete
+    version into your tensors, [`wait_for`][aiorl.weights.WeightSubscriber.wait_for] waits
+    for a version, [`latest_version`][aiorl.weights.WeightSubscriber.latest_version] says
+    which is newest without waiting.
+
+    Args:
+        service: This process's weights service.
+        name: The weight name.
+
+    Example:
+        ```python
+        sub = self.weight_subscriber("policy")
+        await sub.wait_for(step)                        # at least version step
+        version = await sub.pull(into=self.model.state_dict())
+        ```
+    """
 
     def __init__(self, service: WeightsService, name: str) -> None:
         self.service = service
@@ -94,12 +120,28 @@ class WeightSubscriber:
     def pull(self, into: Mapping[str, Any]) -> AsyncWork[int]:
         """Copy the newest complete version into ``into`` (name -> tensor) and return it.
 
-        "Newest" is :attr:`latest_version` (or newer), which follows the publisher by one
-        directory message: to pull at least version v, ``await wait_for(v)`` first.
+        "Newest" is [`latest_version`][aiorl.weights.WeightSubscriber.latest_version] (or
+        newer), which follows the publisher by one directory message: to pull at least
+        version v, ``await wait_for(v)`` first.
         Every published tensor must be in ``into`` with the same dtype and shape; the copy
         is in place. Waits only when no version exists yet; never for a publish in
         progress. A pull returns one complete version: a copy the publisher overwrote
         meanwhile is retried with the newest version.
+
+        Args:
+            into: Name -> tensor, one for every published tensor, with its dtype and shape
+                (a model's ``state_dict()``); the version is copied into them in place.
+
+        Returns:
+            An [`AsyncWork`][aiorl.AsyncWork] completing with the version copied.
+
+        Raises:
+            TypeError: ``into`` is not a mapping.
+            KeyError: (the work fails with it) ``into`` lacks a published tensor.
+            ValueError: (the work fails with it) a tensor's dtype or shape differs from the
+                published one.
+            PeerLostError: (the work fails with it) no version exists and the publisher or
+                the directory is gone.
         """
         if not isinstance(into, Mapping):
             raise TypeError(f"into must be a mapping of names to tensors, "
@@ -113,9 +155,20 @@ class WeightSubscriber:
     def wait_for(self, min_version: int, timeout: float | None = None) -> AsyncWork[int]:
         """Wait until a version >= ``min_version`` is complete on this node; return it.
 
-        Raises :class:`~aiorl.PeerLostError` when a publisher is gone before that version
-        exists, or the directory is gone and not restarted within its bound (a directory
-        being restarted is waited for), and :class:`~aiorl.WaitTimeout` after ``timeout`` s.
+        A directory being restarted is waited for.
+
+        Args:
+            min_version: The oldest version that will do.
+            timeout: Seconds to wait at most; None waits for ever.
+
+        Returns:
+            An [`AsyncWork`][aiorl.AsyncWork] completing with the newest complete version,
+                ``>= min_version``.
+
+        Raises:
+            PeerLostError: (the work fails with it) a publisher is gone before that version
+                exists, or the directory is gone and not restarted within its bound.
+            WaitTimeout: (the work fails with it) no such version after ``timeout`` s.
         """
         return self.service.run(self._wait_for(min_version, timeout))
 
@@ -124,6 +177,10 @@ class WeightSubscriber:
 
         For code that must not miss a version published just before it asks, such as a
         final report: ``latest_version`` alone may lag by one directory round trip.
+
+        Returns:
+            An [`AsyncWork`][aiorl.AsyncWork] completing with the newest complete version on
+                this node, or None when there is none yet.
         """
         return self.service.run(self._refresh())
 
@@ -137,6 +194,11 @@ class WeightSubscriber:
         return self._latest
 
     def statistics(self) -> SubscriberStatistics:
+        """What this subscriber did so far: pulls, bytes copied, retries, relaying.
+
+        Returns:
+            A [`SubscriberStatistics`][aiorl.weights.SubscriberStatistics] snapshot.
+        """
         return SubscriberStatistics(**self._stats)
 
     # ------------------------------------------------------------------ following the directory
@@ -233,13 +295,27 @@ class WeightSubscriber:
                     raise PeerLostError(self._lost)
                 await self._next_change()
                 continue
-            if await self.service.copy(functools.partial(self._copy, view, into)):
+            copied = await self.service.copy(functools.partial(self._copy, view, into))
+            if copied:
                 self._account(view, into)
                 return int(view.version)
-            self._stats["torn_retries"] += 1
-            tried = view
+            if copied is not None:
+                self._stats["torn_retries"] += 1
+            tried = view  # torn, or unreadable: the next view (a newer version) is waited for
 
-    def _copy(self, view: NodeView, into: Mapping[str, Any]) -> bool:
+    def _copy(self, view: NodeView, into: Mapping[str, Any]) -> bool | None:
+        """Copy ``view``'s version into ``into``: True, False if a copy came out torn (the
+        slot was overwritten meanwhile), None if a source cannot be read any more: its
+        segment went with its process (a publisher that died before this process mapped its
+        segment; docs/weights.md), so pulls wait for a version someone alive holds."""
+        try:
+            return self._copy_sources(view, into)
+        except ShmUnavailable as exc:
+            log.info("weights %r version %s: a source is gone (%s); waiting for a newer "
+                     "version", self.name, view.version, exc)
+            return None
+
+    def _copy_sources(self, view: NodeView, into: Mapping[str, Any]) -> bool:
         version = view.version
         assert version is not None
         check_into(view.layouts, into)
@@ -386,7 +462,7 @@ class WeightSubscriber:
                      job.shard, job.version, exc)
 
     async def _fetch(self, job: RelayJob, layout: Layout, dst: Any) -> bool:
-        """Every bucket of the version into ``dst``, :data:`FETCH_DEPTH` requests in flight."""
+        """Every bucket of the version into ``dst``, ``FETCH_DEPTH`` requests in flight."""
         endpoint = self.service.runtime.endpoint
         buckets = list(layout.buckets)
         pending: list[tuple[int, int, asyncio.Future[Any]]] = []
