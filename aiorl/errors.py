@@ -1,6 +1,6 @@
 """The one exception tree of aiorl.
 
-Every error that aiorl raises on purpose derives from :class:`AiorlError`, so a
+Every error that aiorl raises on purpose derives from [`AiorlError`][aiorl.AiorlError], so a
 caller can catch the whole family with one ``except`` clause, and each subclass
 names one kind of problem::
 
@@ -25,10 +25,10 @@ names one kind of problem::
     ├── AuthenticationError  a peer failed authentication
     └── ProtocolError        a malformed or incompatible message
 
-Errors cross process boundaries as data, never as pickles: :func:`to_wire`
+Errors cross process boundaries as data, never as pickles: `to_wire`
 describes an exception as a msgpack-able dict (class name, module, message,
-traceback text, and a :class:`RemoteError`'s worker and rank), and
-:func:`from_wire` rebuilds it. Unpickling an error reply would run whatever
+traceback text, and a [`RemoteError`][aiorl.RemoteError]'s worker and rank), and
+`from_wire` rebuilds it. Unpickling an error reply would run whatever
 code the sender chose, and an error can come from a peer that has not proven
 who it is (an ``--insecure`` cluster, or whoever answers a socket address).
 """
@@ -69,12 +69,13 @@ __all__ = [
 class AiorlError(Exception):
     """Base class of every error aiorl raises on purpose.
 
-    Example::
-
+    Example:
+        ```python
         try:
             group.step().wait(60)
         except aiorl.AiorlError as exc:   # any aiorl failure: remote, lost peer, timeout, ...
             log.error("step failed: %s", exc)
+        ```
     """
 
 
@@ -86,12 +87,13 @@ class RemoteError(AiorlError):
     errors are, so code written for the local case keeps working; the remote traceback is
     kept either way.
 
-    Example::
-
+    Example:
+        ```python
         try:
             group.lookup("missing").wait()
         except KeyError as exc:          # a RemoteError too
             print(exc.rank, exc.remote_traceback)
+        ```
 
     Attributes:
         worker_name: the address of the worker that raised, e.g. ``"rollout:3"``.
@@ -99,7 +101,7 @@ class RemoteError(AiorlError):
         exc_type: the qualified name of the original exception type.
         remote_traceback: the formatted traceback from the worker process.
         cause: the original exception, only where it was raised in this process;
-            errors from other processes arrive as text (see :func:`to_wire`).
+            errors from other processes arrive as text (see `to_wire`).
     """
 
     def __init__(
@@ -137,13 +139,14 @@ class WorkerInitError(RemoteError):
 
     Every call to that rank fails with it, carrying ``__init__``'s traceback.
 
-    Example::
-
+    Example:
+        ```python
         group = Trainer.create_group(bad_cfg).launch(cluster, num_workers=2)
         try:
             group.wait_ready(60)
         except aiorl.WorkerInitError as exc:
             print(exc.rank, exc.remote_traceback)
+        ```
     """
 
 
@@ -153,16 +156,17 @@ _R = TypeVar("_R", bound="RegistryError")
 class RegistryError(RemoteError):
     """The registry refused a request; the message says why.
 
-    It is a :class:`RemoteError` raised by the worker named ``"registry"`` at
+    It is a [`RemoteError`][aiorl.RemoteError] raised by the worker named ``"registry"`` at
     rank -1, so code that caught ``RemoteError`` around registry calls keeps
-    working. Build one with :meth:`from_message`.
+    working. Build one with [`from_message`][aiorl.RegistryError.from_message].
 
-    Example::
-
+    Example:
+        ```python
         try:
             Reward.create_group().launch(cluster, name="reward")
         except aiorl.RegistryError as exc:   # GroupExistsError here
             print(exc)                       # the registry's reason, alone
+        ```
     """
 
     @classmethod
@@ -175,64 +179,69 @@ class RegistryError(RemoteError):
 
 
 class NotFoundError(RegistryError, LookupError):
-    """The registry has no such group, worker or node (also a :class:`LookupError`).
+    """The registry has no such group, worker or node (also a `LookupError`).
 
-    Example::
-
+    Example:
+        ```python
         try:
             reward = WorkerGroup.from_group_name(cluster, Reward, "reward")
         except LookupError:               # aiorl.NotFoundError and its subclasses
             reward = Reward.create_group().launch(cluster, name="reward")
+        ```
     """
 
 
 class GroupNotFoundError(NotFoundError):
     """No live worker group has this name.
 
-    Example::
-
+    Example:
+        ```python
         try:
             self.recv("nobody", 0).wait(5)
         except aiorl.GroupNotFoundError as exc:
             print(exc)                    # ... no worker group named 'nobody' exists ...
+        ```
     """
 
 
 class WorkerNotFoundError(NotFoundError):
     """The group exists, but has no worker of this name or rank.
 
-    Example::
-
+    Example:
+        ```python
         try:
             await self.send(batch, "trainer", 99)   # trainer has 2 ranks
         except aiorl.WorkerNotFoundError as exc:
             print(exc)
+        ```
     """
 
 
 class ConflictError(RegistryError, ValueError):
     """The request conflicts with the registry's state (a name or rank already taken); also a
-    :class:`ValueError`.
+    `ValueError`.
 
-    Example::
-
+    Example:
+        ```python
         try:
             Reward.create_group().launch(cluster, name="reward")
         except ValueError:                # aiorl.ConflictError: the name is taken
             ...
+        ```
     """
 
 
 class GroupExistsError(ConflictError):
-    """A live worker group already has this name (a :class:`ValueError`).
+    """A live worker group already has this name (a `ValueError`).
 
-    Example::
-
+    Example:
+        ```python
         Reward.create_group().launch(cluster, name="reward")
         try:
             Reward.create_group().launch(cluster, name="reward")
         except aiorl.GroupExistsError as exc:
             print(exc)                    # a worker group named 'reward' already exists
+        ```
     """
 
 
@@ -242,23 +251,25 @@ class NodeRankTakenError(ConflictError):
     The registry refuses an ``aiorl-node --node-rank R`` while another live agent holds
     rank ``R``; leave ``--node-rank`` out to get the lowest free rank.
 
-    Example::
-
+    Example:
+        ```console
         $ aiorl-node --registry tcp://head:6380 --node-rank 0 --key-file cluster.key
         ... NodeRankTakenError: node rank 0 is already taken by another live node
+        ```
     """
 
 
 class WaitTimeout(AiorlError, TimeoutError):
     """A wait (``AsyncWork.wait``, a blocking call, resolving a worker) ran out of time; also a
-    :class:`TimeoutError`. The work is cancelled locally; remote code already running goes on.
+    `TimeoutError`. The work is cancelled locally; remote code already running goes on.
 
-    Example::
-
+    Example:
+        ```python
         try:
             group.slow_step().wait(timeout=5)
         except TimeoutError:              # aiorl.WaitTimeout
             ...
+        ```
     """
 
 
@@ -267,83 +278,89 @@ class PeerLostError(AiorlError):
 
     The message names the worker, how it died and its last output lines (docs/failures.md).
 
-    Example::
-
+    Example:
+        ```python
         try:
             results = group.step().wait()
         except aiorl.PeerLostError as exc:
             print(exc)                    # worker rollout:3 (pid ...) was killed by SIGKILL ...
             group.close()
+        ```
     """
 
 
 class ClusterClosedError(AiorlError, RuntimeError):
-    """The :class:`~aiorl.Cluster` this operation goes through is closed (also a
-    :class:`RuntimeError`): ``close()`` or the end of its ``with`` block stopped it, or its
+    """The [`Cluster`][aiorl.Cluster] this operation goes through is closed (also a
+    `RuntimeError`): ``close()`` or the end of its ``with`` block stopped it, or its
     embedded registry died (then the Cluster closed itself and stopped its workers).
 
     Every call, wait for readiness, channel operation and launch on a closed Cluster raises it
     at once; work that was still pending when it closed failed with
-    :class:`PeerLostError` naming the same reason (docs/failures.md).
+    [`PeerLostError`][aiorl.PeerLostError] naming the same reason (docs/failures.md).
 
-    Example::
-
+    Example:
+        ```python
         cluster.close()
         try:
             group.step().wait()
         except aiorl.ClusterClosedError as exc:
             print(exc)                    # this Cluster is closed (...); create a new aiorl.Cluster()
+        ```
     """
 
 
 class AddressError(AiorlError, ValueError):
-    """A registry address that cannot be one (also a :class:`ValueError`); the message quotes
+    """A registry address that cannot be one (also a `ValueError`); the message quotes
     it, says where it came from and shows the forms accepted: ``tcp://HOST:PORT``,
     ``HOST:PORT`` (meaning ``tcp://HOST:PORT``) and ``ipc://PATH``.
 
-    Example::
-
+    Example:
+        ```python
         try:
             aiorl.Cluster(registry="head")            # no port
         except aiorl.AddressError as exc:
             print(exc)                    # registry='head' is not a registry address: ...
+        ```
     """
 
 
 class PlacementError(AiorlError, ValueError):
-    """An invalid placement string, node group or strategy (also a :class:`ValueError`); the
+    """An invalid placement string, node group or strategy (also a `ValueError`); the
     message quotes the offending segment and the rule it breaks.
 
-    Example::
-
+    Example:
+        ```python
         try:
             Trainer.create_group().launch(cluster, "0-9")   # the cluster has 8 GPUs
         except aiorl.PlacementError as exc:
             print(exc)                    # '0-9': resource rank 9 is out of range; ...
+        ```
     """
 
 
 class QueueFull(AiorlError, asyncio.QueueFull):
-    """``put_nowait`` found the channel queue full (also an :class:`asyncio.QueueFull`).
+    """``put_nowait`` found the channel queue full (also an `asyncio.QueueFull`).
 
-    Example::
-
+    Example:
+        ```python
         try:
             channel.put_nowait(item)
         except aiorl.QueueFull:
             dropped += 1
+        ```
     """
 
 
 class QueueEmpty(AiorlError, asyncio.QueueEmpty):
-    """``get_nowait`` found the channel queue empty (also an :class:`asyncio.QueueEmpty`).
+    """``get_nowait`` found the channel queue empty (also an `asyncio.QueueEmpty`).
 
-    Example::
-
+    Example:
+        ```python
         try:
             item = channel.get_nowait()
         except aiorl.QueueEmpty:
             item = None
+        ```
     """
 
 
@@ -354,12 +371,13 @@ class RegistryUnavailable(AiorlError):
     when the registry rejected the handshake, "no answer from tcp://... (wrong address, or a
     key mismatch)" when it heard nothing (under CURVE, a wrong key is silence).
 
-    Example::
-
+    Example:
+        ```python
         try:
             cluster = aiorl.Cluster(registry="tcp://head:6380", key_file="cluster.key")
         except aiorl.RegistryUnavailable as exc:
             sys.exit(f"cannot reach the cluster: {exc}")
+        ```
     """
 
 
@@ -367,12 +385,13 @@ class AuthenticationError(AiorlError):
     """A peer failed authentication (e.g. wrong CURVE keys), or a key cannot be used here
     (PLAIN over TCP, a socket directory others can enter); docs/security.md.
 
-    Example::
-
+    Example:
+        ```python
         try:
             cluster = aiorl.Cluster(registry="tcp://head:6380", key_file="cluster.key")
         except (aiorl.AuthenticationError, aiorl.RegistryUnavailable) as exc:
             sys.exit(f"check the key file: {exc}")
+        ```
     """
 
 
@@ -382,12 +401,13 @@ class ProtocolError(AiorlError):
     Seen when processes of different aiorl versions meet, or something that is not aiorl
     talks to an aiorl port; the message names the field.
 
-    Example::
-
+    Example:
+        ```python
         try:
             group.step().wait()
         except aiorl.ProtocolError as exc:   # e.g. a worker started from another aiorl version
             print(exc)
+        ```
     """
 
 
@@ -406,7 +426,7 @@ _WIRE_CLASSES: dict[str, type[AiorlError]] = {
 def to_wire(exc: BaseException, **extra: Any) -> dict[str, Any]:
     """Describe ``exc`` as plain data for an ERROR reply.
 
-    A :class:`RemoteError` keeps its own worker, rank, original type and remote
+    A [`RemoteError`][aiorl.RemoteError] keeps its own worker, rank, original type and remote
     traceback (forwarded unchanged); ``extra`` (e.g. ``error="RemoteError"``,
     ``worker=``, ``rank=`` from a worker wrapping whatever its method raised)
     overrides any field.
@@ -427,7 +447,7 @@ def to_wire(exc: BaseException, **extra: Any) -> dict[str, Any]:
 
 
 def from_wire(meta: Any) -> BaseException:
-    """Rebuild the exception that :func:`to_wire` described, without running any code
+    """Rebuild the exception that `to_wire` described, without running any code
     the sender chose: only aiorl's classes are rebuilt as themselves."""
     if not isinstance(meta, dict):
         return ProtocolError(f"malformed error reply: {meta!r:.200}")
@@ -448,7 +468,8 @@ _DERIVED_REMOTE_CLASSES: dict[str, type[RemoteError]] = {}
 
 def remote_error(worker_name: str, rank: int, exc_type: str, message: str,
                  remote_traceback: str) -> RemoteError:
-    """A :class:`RemoteError` for a remote exception of type ``exc_type`` (a qualified name).
+    """A [`RemoteError`][aiorl.RemoteError] for a remote exception of type ``exc_type`` (a qualified
+    name).
 
     Where the type allows, the error is also an instance of the original type, as Ray's task
     errors are: ``except KeyError`` catches a worker's ``KeyError`` (``"builtins.KeyError"``),
@@ -461,10 +482,11 @@ def remote_error(worker_name: str, rank: int, exc_type: str, message: str,
     ``RemoteError``; so do ``StopIteration`` and ``StopAsyncIteration``, which would change
     control flow where they are raised.
 
-    Example::
-
+    Example:
+        ```python
         err = remote_error("rollout:3", 3, "builtins.KeyError", "'x'", "Traceback ...")
         assert isinstance(err, KeyError) and isinstance(err, RemoteError)
+        ```
     """
     fields = (worker_name, rank, exc_type, message, remote_traceback)
     cls = _DERIVED_REMOTE_CLASSES.get(exc_type)
@@ -476,7 +498,7 @@ def remote_error(worker_name: str, rank: int, exc_type: str, message: str,
 
 
 def _derive_remote_class(exc_type: str, fields: tuple[Any, ...]) -> type[RemoteError]:
-    """The class :func:`remote_error` caches for ``exc_type`` (``fields`` try it out)."""
+    """The class `remote_error` caches for ``exc_type`` (``fields`` try it out)."""
     module, _, name = exc_type.rpartition(".")
     if module == __name__ and name.startswith("RemoteError(") and name.endswith(")"):
         name = name[len("RemoteError("):-1]  # a worker passed on a derived error

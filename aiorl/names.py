@@ -13,7 +13,7 @@ Why so strict: a name travels into registry patterns (``"*"`` is the
 registry's wildcard, ``"@nodes"`` its node feed), file names (a worker's log
 is ``<log dir>/<group>_<rank>.log``, so ``/`` and ``..`` would escape the log
 directory), process environments and C strings (a NUL byte kills the worker
-at start). Everything outside the grammar raises :class:`ValueError` before
+at start). Everything outside the grammar raises `ValueError` before
 any process or registry state is touched.
 """
 
@@ -63,12 +63,13 @@ class WorkerAddress:
     Ordering compares the root name first, then the rank path numerically, so
     ``g:2 < g:10``. Addresses are immutable and hashable.
 
-    Example::
-
+    Example:
+        ```python
         addr = WorkerAddress("rollout", 3)
         addr.get_name()                                   # "rollout:3"
         WorkerAddress.from_name("rollout:3:0").rank_path  # [3, 0]
         addr.get_child_address(0).get_parent_address() == addr   # True
+        ```
     """
 
     __slots__ = ("_root", "_path")
@@ -159,12 +160,13 @@ class WorkerAddress:
 class WorkerInfo:
     """What the registry knows about one running worker.
 
-    Example::
-
+    Example:
+        ```python
         class Rollout(aiorl.Worker):
             def where(self):
                 info = self.worker_info
                 return info.name, info.node_rank, info.available_accelerators, info.pid
+        ```
     """
 
     address: WorkerAddress
@@ -204,7 +206,7 @@ class WorkerInfo:
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> WorkerInfo:
-        """Inverse of :meth:`to_wire`."""
+        """Inverse of [`to_wire`][aiorl.WorkerInfo.to_wire]."""
         d = dict(d)
         d["address"] = WorkerAddress.from_name(d["address"])
         known = cls.__dataclass_fields__.keys()

@@ -688,3 +688,39 @@ def test_a_batch_longer_than_senders_make_is_refused_whole(registry) -> None:
     finally:
         client.close()
     assert "a BATCH of 100000 messages" in registry.log()
+
+
+# ---------------------------------------------------------------- 28.5: a peer that never reads
+def test_a_peer_that_never_reads_its_replies_cannot_grow_the_registry(registry) -> None:
+    """A member sends a million pings and never reads a reply: the registry's queue to it is
+    bounded (ROUTER_HWM), the replies beyond are dropped and counted in one warning, its
+    memory stays put, and it answers everyone else."""
+    flooder = RawClient(registry.address, registry.keys)
+    other = RawClient(registry.address, registry.keys)
+    process = psutil.Process(registry.process.pid)
+    try:
+        flooder.request("ping")
+        other.request("ping")
+        before = process.memory_info().rss
+        head = encode_header(Kind.REQUEST, 1, "ping", None)
+        for _ in range(1_000_000):
+            flooder.sock.send(head)
+        # The registry has worked through the flood once its CPU time stops growing.
+        cpu, quiet_since = process.cpu_times(), time.monotonic()
+        peak = process.memory_info().rss
+        deadline = time.monotonic() + 120
+        while time.monotonic() - quiet_since < 1.5:
+            assert time.monotonic() < deadline, "the registry never finished the flood"
+            time.sleep(0.25)
+            peak = max(peak, process.memory_info().rss)
+            now = process.cpu_times()
+            if now.user + now.system - cpu.user - cpu.system > 0.05:
+                cpu, quiet_since = now, time.monotonic()
+        assert peak - before < 80 << 20, f"the registry grew by {(peak - before) >> 20} MB"
+        started = time.monotonic()
+        other.request("ping", timeout=10)
+        assert time.monotonic() - started < 2
+    finally:
+        flooder.close()
+        other.close()
+    assert "a peer does not read what it is sent" in registry.log()

@@ -370,3 +370,54 @@ def test_the_api_reference_covers_every_export() -> None:
     text = (root / "api.md").read_text() + (root / "errors.md").read_text()
     missing = [name for name in aiorl.__all__ if f"::: aiorl.{name}\n" not in text]
     assert not missing, f"docs/reference does not render {missing}"
+
+
+def test_every_export_documents_itself_in_the_style_the_site_renders() -> None:
+    """The reference is rendered by mkdocstrings from Google-style Markdown docstrings: a
+    Sphinx role (``:class:`X```) or an ``Example::`` literal block shows up as literal text
+    on the site. Scans everything in ``aiorl.__all__``, every object the reference pages
+    render (``::: name``), and the public members their classes define."""
+    import importlib
+    import inspect
+    import re
+
+    role = re.compile(r":(?:py:)?(?:class|func|meth|mod|data|attr|exc|obj|const):`[^`]*`?")
+    literal_example = re.compile(r"^\s*Examples?::\s*$", re.MULTILINE)
+    root = pathlib.Path(__file__).resolve().parent.parent / "docs" / "reference"
+    rendered = re.findall(r"^::: ([\w.]+)$", "\n".join(
+        page.read_text() for page in sorted(root.glob("*.md"))), re.MULTILINE)
+
+    def resolve(path: str) -> Any:
+        parts = path.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                obj: Any = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            for part in parts[i:]:
+                obj = getattr(obj, part)
+            return obj
+        raise ImportError(path)
+
+    objects = {f"aiorl.{name}": getattr(aiorl, name) for name in aiorl.__all__}
+    objects.update((path, resolve(path)) for path in rendered)
+    offenders = []
+    for path, obj in sorted(objects.items()):
+        docs = {path: inspect.getdoc(obj)}
+        if inspect.isclass(obj):
+            for cls in obj.__mro__:
+                if not cls.__module__.startswith("aiorl"):
+                    continue
+                for member, value in vars(cls).items():
+                    if member.startswith("_"):
+                        continue
+                    fn = value.fget if isinstance(value, property) else getattr(
+                        value, "__func__", value)
+                    docs.setdefault(f"{path}.{member}", inspect.getdoc(fn)
+                                    if callable(fn) or isinstance(value, property) else None)
+        for where, doc in docs.items():
+            for found in role.findall(doc or "") + literal_example.findall(doc or ""):
+                offenders.append(f"{where}: {found.strip()}")
+    assert not offenders, ("Sphinx markup the site shows as literal text; use [`X`][aiorl.X] "
+                           "(or `X`) and an 'Example:' section with a fenced code block: "
+                           + "; ".join(offenders))

@@ -1,16 +1,16 @@
 """What a process tells ``aiorl doctor`` and ``aiorl trace``: the ``inspect`` operation.
 
-Every worker process (and every driver's ``Cluster``) serves :data:`WorkerOp.INSPECT
-<aiorl.protocol.ops.WorkerOp>` on its endpoint. One request answers one action:
+Every worker process (and every driver's ``Cluster``) serves ``WorkerOp.INSPECT``
+(`aiorl.protocol.ops.WorkerOp`) on its endpoint. One request answers one action:
 
 * ``snapshot``: this process's pending operations, thread stacks, asyncio tasks and what
-  each awaits (at most :data:`MAX_TASKS` described, the rest counted by coroutine), the
+  each awaits (at most `MAX_TASKS` described, the rest counted by coroutine), the
   channels it hosts (sizes, waiting getters and putters, producers), and CPU/RSS. Pending
   operations are read from the services' own tables (the endpoint's unanswered requests,
   the P2P inboxes' posted receives and senders' unacknowledged sends, the channel client's
   parked operations), so they cost nothing while nobody asks; with tracing on, the open
   spans add each operation's age.
-* ``trace_pull``: the trace ring buffer, drained (:func:`aiorl.trace.recorder.drain`).
+* ``trace_pull``: the trace ring buffer, drained (`aiorl.trace.recorder.drain`).
 * ``trace_start`` / ``trace_stop``: switch tracing in this process.
 * ``metrics``: CPU, RSS, pending operations by kind, hosted channel depths and, while
   tracing is on, operations, errors and bytes per second (``aiorl status --watch`` and
@@ -103,7 +103,7 @@ def traced_execution(fn: Callable[..., Any], is_async: bool, msg: Incoming,
     A plain method is wrapped: its run on the method thread becomes a nested slice of that
     thread. An ``async def`` method is not wrapped (a wrapper coroutine per call measured
     ~10 % of in-flight throughput on no-op calls): its start is recorded as an instant
-    with the flow arrow (a compact record, :class:`_Caller`); its duration is the caller's
+    with the flow arrow (a compact record, `_Caller`); its duration is the caller's
     call span (or the user's own ``aiorl.span`` inside it).
     """
     methods = _callers.get(msg.identity)
@@ -123,7 +123,7 @@ def _traced_plain(fn: Callable[..., Any], method: str, caller: str,
                   flow: tuple[str, int]) -> Callable[..., Any]:
     """A plain method's run on the method thread, recorded as a nested slice of that thread.
 
-    Its own function, not a closure inside :func:`traced_execution`: the variables a nested
+    Its own function, not a closure inside `traced_execution`: the variables a nested
     function captures become cell objects made at every entry of the enclosing function,
     which the hotter ``async def`` path would pay for (about 6 % of a traced worker's profile
     samples on no-op calls)."""
@@ -184,7 +184,7 @@ def serve_inspection(runtime: Runtime, calls: Mapping[asyncio.Task[Any], Incomin
 
 class _CounterSampler:
     """While tracing is on: queue depths and pending operations as counter samples, every
-    :data:`SAMPLE_INTERVAL` seconds, on the loop (so recording adds nothing per operation)."""
+    `SAMPLE_INTERVAL` seconds, on the loop (so recording adds nothing per operation)."""
 
     def __init__(self, runtime: Runtime, instance: Callable[[], Any] | None) -> None:
         self.runtime = runtime
@@ -323,7 +323,7 @@ def _thread_stacks() -> list[dict[str, Any]]:
 
 def _tasks(loop: asyncio.AbstractEventLoop,
            first: Iterable[asyncio.Task[Any]] = ()) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """At most :data:`MAX_TASKS` tasks described (``first`` ones first: the calls being
+    """At most `MAX_TASKS` tasks described (``first`` ones first: the calls being
     served), and what was left out: how many, and the most common coroutines among them.
 
     Describing a task (its stack, formatted) costs ~10 µs on the loop, which serves no call

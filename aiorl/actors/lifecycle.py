@@ -1,8 +1,8 @@
-"""The :class:`~aiorl.PollingWorker` lifecycle as data: states, events, one pure table.
+"""The [`PollingWorker`][aiorl.PollingWorker] lifecycle as data: states, events, one pure table.
 
-The worker keeps its whole lifecycle in one :class:`Lifecycle` value and changes
-it only through :func:`transition`, which maps ``(state, event)`` to the next
-state and the :class:`Action` the worker must take. The table does no I/O and
+The worker keeps its whole lifecycle in one `Lifecycle` value and changes
+it only through `transition`, which maps ``(state, event)`` to the next
+state and the `Action` the worker must take. The table does no I/O and
 knows nothing of asyncio, so every rule of ``docs/lifecycle.md`` can be read
 here, tested pair by pair, and drawn as the diagram in that document.
 
@@ -39,7 +39,7 @@ __all__ = [
 
 
 class Lifecycle(Enum):
-    """Where a polling worker is in its life; :attr:`label` is ``stats()["state"]``."""
+    """Where a polling worker is in its life; `label` is ``stats()["state"]``."""
 
     UNCONFIGURED = "unconfigured"  #: no configure() succeeded or is in progress
     CONFIGURING = "configuring"  #: configure() in progress, not started
@@ -174,7 +174,7 @@ TRANSITIONS: Final[Mapping[tuple[Lifecycle, Event], Transition]] = _build_table(
 def transition(state: Lifecycle, event: Event) -> Transition:
     """The next state and action for ``event`` in ``state``.
 
-    Raises :class:`IllegalTransition` for a pair that cannot happen.
+    Raises `IllegalTransition` for a pair that cannot happen.
     """
     try:
         return TRANSITIONS[state, event]

@@ -11,20 +11,20 @@ thread produces, off the poll thread and the event loop::
 
 The thread takes an item from ``upstream_queue``, calls ``map_fn(item)`` and
 puts the result into ``downstream_queue`` (when one is given; otherwise
-``map_fn`` is called for its effect), until :meth:`stop`. Both queues are
-``queue.Queue``-like: ``get(timeout=...)`` raising :class:`queue.Empty`, and
-``put(item, timeout=...)`` raising :class:`queue.Full` (``torch.multiprocessing``
+``map_fn`` is called for its effect), until `stop`. Both queues are
+``queue.Queue``-like: ``get(timeout=...)`` raising `queue.Empty`, and
+``put(item, timeout=...)`` raising `queue.Full` (``torch.multiprocessing``
 queues qualify).
 
 Stopping is prompt: the thread waits on the queues with a short timeout
 (``poll_interval``) and checks the stop flag in between, so it ends within
-about ``poll_interval`` seconds of :meth:`stop`, or when the ``map_fn`` call in
+about ``poll_interval`` seconds of `stop`, or when the ``map_fn`` call in
 progress returns. ``stop`` does not drain: items still upstream stay there, and
 a result that could not be put downstream before the stop is dropped.
 
 Errors are never swallowed: an exception raised by ``map_fn`` (or by a queue,
 or by ``torch.cuda.set_device``) is logged with its traceback, stored in
-:attr:`MappingThread.error`, and ends the thread; :meth:`join` re-raises it.
+`MappingThread.error`, and ends the thread; `join` re-raises it.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ log = logging.getLogger("aiorl.mapping")
 
 class MappingThread:
     """A thread that takes items from ``upstream_queue``, maps them with ``map_fn`` and puts
-    the results into ``downstream_queue``, until :meth:`stop` (details: the module docstring).
+    the results into ``downstream_queue``, until [`stop`][aiorl.MappingThread.stop] (details: the
+    module docstring).
 
     Args:
         map_fn: called with each upstream item; its result goes downstream.
@@ -55,8 +56,8 @@ class MappingThread:
         daemon: whether the thread is a daemon (default True, so a thread left
             running does not keep its process alive).
 
-    Example::
-
+    Example:
+        ```python
         raw, ready = queue.Queue(maxsize=8), queue.Queue(maxsize=8)
         t = MappingThread(lambda batch: batch.to("cuda", non_blocking=True), raw, ready,
                           cuda_device=0)
@@ -65,6 +66,7 @@ class MappingThread:
         gpu_batch = ready.get()
         t.stop()
         t.join()          # re-raises what map_fn raised, if anything
+        ```
     """
 
     def __init__(
@@ -102,7 +104,7 @@ class MappingThread:
         return self._thread.name
 
     def start(self) -> None:
-        """Start the thread (once; a second call raises :class:`RuntimeError`)."""
+        """Start the thread (once; a second call raises `RuntimeError`)."""
         self._thread.start()
 
     def stop(self) -> None:
@@ -110,7 +112,7 @@ class MappingThread:
         self._stop.set()
 
     def stopped(self) -> bool:
-        """Whether :meth:`stop` was called or the thread ended on an error."""
+        """Whether [`stop`][aiorl.MappingThread.stop] was called or the thread ended on an error."""
         return self._stop.is_set()
 
     def is_alive(self) -> bool:
@@ -120,9 +122,10 @@ class MappingThread:
     def join(self, timeout: float | None = None) -> None:
         """Wait for the thread to end, then re-raise the exception that ended it, if any.
 
-        Like :meth:`threading.Thread.join`: returns with :meth:`is_alive` still
-        true if ``timeout`` expires first, and raises :class:`RuntimeError`
-        before :meth:`start`. Does not stop the thread; call :meth:`stop` first.
+        Like `threading.Thread.join`: returns with [`is_alive`][aiorl.MappingThread.is_alive] still
+        true if ``timeout`` expires first, and raises `RuntimeError`
+        before [`start`][aiorl.MappingThread.start]. Does not stop the thread; call
+        [`stop`][aiorl.MappingThread.stop] first.
         """
         self._thread.join(timeout)
         if not self._thread.is_alive() and self.error is not None:

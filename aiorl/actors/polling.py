@@ -1,6 +1,6 @@
 """``PollingWorker``: a worker whose life is a controller-driven poll loop.
 
-A controller (the driver, through a :class:`~aiorl.WorkerGroup`) drives it::
+A controller (the driver, through a [`WorkerGroup`][aiorl.WorkerGroup]) drives it::
 
     group = MyPoller.create_group().launch(cluster, name="rollout")
     group.configure(cfg).wait()   # _configure(cfg), then logging level and stats sinks
@@ -29,7 +29,7 @@ event loop; a plain method would wait behind ``run()`` on the single method
 thread. Subclasses that override them must keep them ``async def`` and await
 the base method (enforced when the subclass is defined).
 
-The lifecycle is one :class:`~aiorl.actors.lifecycle.Lifecycle` value, changed only
+The lifecycle is one `Lifecycle` value, changed only
 through the pure transition table in ``aiorl/actors/lifecycle.py``. State machine,
 timing guarantees and cancellation: ``docs/lifecycle.md``.
 """
@@ -67,11 +67,12 @@ DEFAULT_STATS_INTERVAL = 10.0
 class PollResult:
     """What one ``_poll()`` did: samples produced/consumed and batches completed.
 
-    Example::
-
+    Example:
+        ```python
         def _poll(self):
             batch = self.env.step()
             return aiorl.PollResult(sample_count=len(batch), batch_count=1)
+        ```
     """
 
     sample_count: int = 0
@@ -242,8 +243,8 @@ class _Sinks:
 class PollingWorker(Worker):
     """A worker with a ``configure`` / ``start`` / ``pause`` / ``exit`` / ``run`` lifecycle.
 
-    Subclasses implement :meth:`_configure`, :meth:`_poll` and optionally
-    :meth:`_stats`. Config keys read by the base class (all optional):
+    Subclasses implement `_configure`, `_poll` and optionally
+    `_stats`. Config keys read by the base class (all optional):
 
     * ``log_level``: level name or number for this process's ``aiorl`` loggers
       (the worker's own logger included);
@@ -253,8 +254,8 @@ class PollingWorker(Worker):
     * ``tensorboard``: true, or ``{"log_dir": ...}``, to also write them as
       TensorBoard scalars (when ``tensorboard`` is installed).
 
-    Example::
-
+    Example:
+        ```python
         class Actor(aiorl.PollingWorker):
             def _configure(self, config):
                 self.env = make_env(config["env"])
@@ -270,6 +271,7 @@ class PollingWorker(Worker):
         ...
         actors.exit().wait()
         running.wait()
+        ```
     """
 
     # Class-level defaults: the lifecycle works also in a subclass whose __init__
@@ -308,10 +310,10 @@ class PollingWorker(Worker):
 
     @functools.cached_property
     def _wake(self) -> asyncio.Event:
-        """Set while the state gives ``run()`` something to do (:attr:`Lifecycle.wakes_run`).
+        """Set while the state gives ``run()`` something to do (`Lifecycle.wakes_run`).
 
         Per instance, made on first use (an asyncio event binds to the loop that
-        first waits on it); :meth:`_apply` keeps it in step with the state.
+        first waits on it); `_apply` keeps it in step with the state.
         """
         wake = asyncio.Event()
         if self._lifecycle.wakes_run:
@@ -335,7 +337,8 @@ class PollingWorker(Worker):
         raise NotImplementedError(f"{type(self).__name__} must implement _poll()")
 
     def _stats(self) -> dict[str, Any]:
-        """Extra stats for reports and :meth:`stats` (called on the event loop thread)."""
+        """Extra stats for reports and [`stats`][aiorl.PollingWorker.stats] (called on the event
+        loop thread)."""
         return {}
 
     # ------------------------------------------------------------------ state (in the worker)
@@ -365,7 +368,7 @@ class PollingWorker(Worker):
         """Run ``_configure(config)``, then the common configuration (log level, stats sinks).
 
         May be called once; again only after a failed attempt. Raises
-        :class:`RuntimeError` after ``exit()`` and :class:`ValueError` for a bad
+        `RuntimeError` after ``exit()`` and `ValueError` for a bad
         ``log_level`` or ``stats_interval`` (checked before ``_configure`` runs).
         """
         step = transition(self._lifecycle, Event.CONFIGURE)
@@ -408,7 +411,7 @@ class PollingWorker(Worker):
 
         The state changes when the call arrives, so control calls from one caller
         take effect in the order sent, even while ``configure`` is still running.
-        Raises :class:`RuntimeError` before ``configure()`` or after ``exit()``,
+        Raises `RuntimeError` before ``configure()`` or after ``exit()``,
         and ``configure``'s own error if it failed.
         """
         step = transition(self._lifecycle, Event.START)
@@ -461,9 +464,9 @@ class PollingWorker(Worker):
     async def run(self) -> dict[str, Any]:
         """Poll while running, idle while paused or unconfigured, return when exiting.
 
-        Returns the final :meth:`stats`. An exception from ``_poll`` (or
+        Returns the final [`stats`][aiorl.PollingWorker.stats]. An exception from ``_poll`` (or
         ``_stats``) pauses the worker and is raised from ``run()``; a new
-        ``run()`` and ``start()`` may follow. Raises :class:`RuntimeError` if a
+        ``run()`` and ``start()`` may follow. Raises `RuntimeError` if a
         ``run()`` is already in progress.
         """
         if self._run_active:
@@ -523,7 +526,7 @@ class PollingWorker(Worker):
             await asyncio.wait([fut])
 
     async def _poll_once(self, poll_is_async: bool) -> object:
-        """Run one ``_poll``; what it returned (checked by :meth:`_account`)."""
+        """Run one ``_poll``; what it returned (checked by `_account`)."""
         self._poll_begun()
         if poll_is_async:
             try:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from aiorl.group import WorkerGroup, WorkerGroupBuilder
     from aiorl.runtime.runtime import Runtime
     from aiorl.runtime.work import AsyncWork
+    from aiorl.weights import WeightPublisher, WeightSubscriber
 
 __all__ = ["Worker", "WorkerContext"]
 
@@ -59,7 +60,8 @@ class _AnyPublicMethod(type):
 
 class _AnyWorker(metaclass=_AnyPublicMethod):
     """Stands for a group's worker class where the caller does not have it
-    (:meth:`Worker.group` without ``worker_cls``): any public method name is sent."""
+    ([`Worker.group`][aiorl.Worker.group] without ``worker_cls``): any public method name is
+    sent."""
 
 
 class Worker:
@@ -71,8 +73,8 @@ class Worker:
     ``super().__init__()`` first. Identity (``rank``, ``world_size``, ``worker_name``, ...)
     is known from the start of ``__init__``.
 
-    Example::
-
+    Example:
+        ```python
         class Rollout(aiorl.Worker):
             def __init__(self, hidden):
                 super().__init__()
@@ -85,6 +87,7 @@ class Worker:
                 return f"{self.worker_name} on node {self.worker_info.node_rank}"
 
         group = Rollout.create_group(16).launch(cluster, num_workers=4, name="rollout")
+        ```
     """
 
     _aiorl_ctx: WorkerContext | None
@@ -102,7 +105,8 @@ class Worker:
     # ------------------------------------------------------------------ identity
     @property
     def worker_info(self) -> WorkerInfo:
-        """Where this worker runs: node, accelerators, pid, endpoint (:class:`~aiorl.WorkerInfo`)."""
+        """Where this worker runs: node, accelerators, pid, endpoint
+        ([`WorkerInfo`][aiorl.WorkerInfo])."""
         return self._ctx().info
 
     @property
@@ -270,15 +274,50 @@ class Worker:
     # ------------------------------------------------------------------ weights
     # Implemented in aiorl.weights; see API.md section 8 and docs/weights.md.
     def weight_publisher(self, name: str, *, shard: int = 0, num_shards: int = 1,
-                         bucket_mb: int = 256) -> Any:
-        """The publisher of weights ``name`` (shard ``shard`` of ``num_shards``) in this worker."""
+                         bucket_mb: int = 256) -> WeightPublisher:
+        """The publisher of weights ``name`` (shard ``shard`` of ``num_shards``) in this worker.
+
+        Args:
+            name: The weight name (``"policy"``); subscribers pull it by this name.
+            shard: Which shard of the weights this worker publishes, ``0 .. num_shards - 1``.
+            num_shards: How many shards make one version (one publisher each).
+            bucket_mb: The size, in MiB, of the buckets a relay fetches a version in.
+
+        Returns:
+            This worker's [`WeightPublisher`][aiorl.weights.WeightPublisher] of the shard
+                (the same object on every call).
+
+        Raises:
+            ValueError: ``shard`` is outside ``0 .. num_shards - 1``, or this worker already
+                publishes the shard with another ``num_shards`` or ``bucket_mb``.
+
+        Example:
+            ```python
+            pub = self.weight_publisher("policy")
+            await pub.publish(self.model.state_dict(), version=step)
+            ```
+        """
         from aiorl.weights import weight_publisher
 
         return weight_publisher(self._runtime, self.worker_info, name, shard=shard,
                                 num_shards=num_shards, bucket_bytes=bucket_mb << 20)
 
-    def weight_subscriber(self, name: str) -> Any:
-        """This worker's subscriber of weights ``name``: ``pull``, ``latest_version``, ``wait_for``."""
+    def weight_subscriber(self, name: str) -> WeightSubscriber:
+        """This worker's subscriber of weights ``name``: ``pull``, ``latest_version``, ``wait_for``.
+
+        Args:
+            name: The weight name the publishers publish (``"policy"``).
+
+        Returns:
+            This worker's [`WeightSubscriber`][aiorl.weights.WeightSubscriber] of ``name``
+                (the same object on every call).
+
+        Example:
+            ```python
+            sub = self.weight_subscriber("policy")
+            version = await sub.pull(into=self.model.state_dict())
+            ```
+        """
         from aiorl.weights import weight_subscriber
 
         return weight_subscriber(self._runtime, self.worker_info, name)
@@ -288,8 +327,24 @@ class Worker:
     def create_group(cls: type[_W], *args: Any, **kwargs: Any) -> WorkerGroupBuilder[_W]:
         """Describe a group of this worker class, built with ``cls(*args, **kwargs)`` on each rank.
 
-        Raises :class:`ValueError` if a public method of the class would be
-        hidden by a :class:`~aiorl.WorkerGroup` attribute of the same name.
+        Nothing runs yet: the builder's [`launch`][aiorl.group.WorkerGroupBuilder.launch]
+        starts the processes.
+
+        Args:
+            *args: Positional arguments of the worker's ``__init__`` on every rank.
+            **kwargs: Keyword arguments of the worker's ``__init__`` on every rank.
+
+        Returns:
+            A [`WorkerGroupBuilder`][aiorl.group.WorkerGroupBuilder] of this class.
+
+        Raises:
+            ValueError: a public method of the class would be hidden by a
+                [`WorkerGroup`][aiorl.WorkerGroup] attribute of the same name.
+
+        Example:
+            ```python
+            trainer = Trainer.create_group(cfg).launch(cluster, "0-3", name="trainer")
+            ```
         """
         from aiorl.group import WorkerGroupBuilder
 
@@ -303,8 +358,8 @@ class Worker:
         name. ``worker_cls`` checks method names here; without it any public name is
         sent, and a misspelt one fails in the worker with ``AttributeError``.
 
-        Example::
-
+        Example:
+            ```python
             class Rollout(aiorl.Worker):
                 def __init__(self):
                     super().__init__()
@@ -313,10 +368,12 @@ class Worker:
                 async def step(self, batch):
                     scores = await self.reward.execute_on(self.rank % 2).score(batch)
                     return scores[0]
+            ```
 
         Raises:
             GroupNotFoundError: no live group has this name (a ``LookupError``).
-            RuntimeError: called on the worker's event loop (use :meth:`async_group`).
+            RuntimeError: called on the worker's event loop (use
+                [`async_group`][aiorl.Worker.async_group]).
         """
         runtime = self._runtime
         if runtime.on_loop_thread():
@@ -327,7 +384,8 @@ class Worker:
         return runtime.run_sync(self.async_group(name, worker_cls), timeout=30)
 
     async def async_group(self, name: str, worker_cls: type | None = None) -> WorkerGroup[Any]:
-        """:meth:`group` for ``async def`` methods: ``await self.async_group("reward")``."""
+        """[`group`][aiorl.Worker.group] for ``async def`` methods: ``await
+        self.async_group("reward")``."""
         from aiorl.group import WorkerGroup
         from aiorl.runtime.session import WorkerSession
 

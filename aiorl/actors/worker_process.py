@@ -9,7 +9,7 @@
 
 Calls to ``async def`` methods become tasks on the loop; calls to plain
 methods go, in arrival order, to the single method thread. Exceptions go back
-as :class:`~aiorl.errors.RemoteError` with this worker's name and rank.
+as [`RemoteError`][aiorl.RemoteError] with this worker's name and rank.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def _load_class(spec: WorkerSpawn) -> tuple[type, tuple[Any, ...], dict[str, Any
 
     The driver's ``sys.path`` entries go *after* the worker's own (its interpreter's:
     ``PYTHONPATH``, the standard library, site-packages, then the directory it started in,
-    moved last by :func:`aiorl.node.zygote.demote_working_directory`): a module beside the
+    moved last by `aiorl.node.zygote.demote_working_directory`): a module beside the
     driver's script or in its working directory is found when nothing installed has its
     name, and never shadows an installed one."""
     for p in spec.launch.sys_path:
@@ -244,7 +244,7 @@ async def _main(spec: WorkerSpawn, listen: str) -> int:
 def tune_process() -> None:
     """Process settings for a worker that moves data (measured in benchmarks/bench_channels.py).
 
-    * The garbage collector (:func:`aiorl.util.collector.tune_collector`): a worker
+    * The garbage collector (`aiorl.util.collector.tune_collector`): a worker
       inherits ~200k objects from the zygote's imports (torch), frozen, and creates
       short-lived ones per message; without the freeze every full collection walks all
       of them (~30 % of a busy channel worker's time), and with Python's young threshold

@@ -1,4 +1,4 @@
-"""The client side of channels: the :class:`Channel` handle and its per-process engine.
+"""The client side of channels: the [`Channel`][aiorl.Channel] handle and its per-process engine.
 
 Threads
     A handle can be used from any thread of a process that has an aiorl runtime
@@ -11,7 +11,7 @@ Threads
 Batching
     Operations issued to one channel during one turn of the loop leave as one
     ZMQ message, and the channel worker answers everything that arrived together
-    in one message too (see :mod:`aiorl.channels._protocol`). Many puts or gets
+    in one message too (see `aiorl.channels._protocol`). Many puts or gets
     in flight therefore cost a few messages, not a round trip each.
 
 Pipelining
@@ -19,7 +19,7 @@ Pipelining
     process holds a *credit* for its queue (room the channel worker promised);
     credits come back as the worker accepts items, and a full queue grants
     none, so backpressure holds. Gets that follow each other closely prefetch
-    items already queued (:class:`_GetStream`). So ``await ch.put(x)`` and
+    items already queued (`_GetStream`). So ``await ch.put(x)`` and
     ``await ch.get()`` in plain loops stream without a round trip per item.
 
 Ordering
@@ -28,25 +28,25 @@ Ordering
     the order they were made, and requests that observe the queue (``qsize``)
     see the puts issued before them and the items this process prefetched. The
     gets of one process on a queue receive items in queue order, in call order,
-    prefetch or not (:class:`_GetStream` says how). docs/ordering.md has the
+    prefetch or not (`_GetStream` says how). docs/ordering.md has the
     whole contract.
 
 Failure
     The process watches the channel worker through the registry
-    (:meth:`~aiorl.runtime.Runtime.resolve_worker`); when it dies the
+    (`resolve_worker`); when it dies the
     endpoint marks it lost and every pending operation fails with
-    :class:`~aiorl.errors.PeerLostError`, and so does the next operation if
+    [`PeerLostError`][aiorl.PeerLostError], and so does the next operation if
     pipelined puts had not yet reached their queue.
 
 Keys and distributed channels
     Each queue is named by a key: a ``str`` travels as it is, any other hashable
-    as its canonical bytes (:func:`wire_key`). Every channel worker has its own
-    :class:`_ChannelState`; a plain channel has one, a distributed channel one per
+    as its canonical bytes (`wire_key`). Every channel worker has its own
+    `_ChannelState`; a plain channel has one, a distributed channel one per
     replica, and everything below (outboxes, credits, prefetch, failure) works
     per replica unchanged. Replica 0's state also knows the channel's replicas
     and caches which replica holds each key; an operation on a key it does not
     know yet waits (in call order with the others on that key) for replica 0's
-    answer to a ``ROUTE`` (:meth:`_ClientCore.submit_routed`).
+    answer to a ``ROUTE`` (`_ClientCore.submit_routed`).
 
 Cancellation
     Cancelling a pending put or get (``work.cancel()``, ``wait(timeout)``
@@ -147,14 +147,15 @@ Combine = Callable[[list["_ChannelState"], list[Any]], Any]
 
 
 class _Op(asyncio.Future):  # type: ignore[type-arg]
-    """One operation: the future its :class:`~aiorl.AsyncChannelWork` wraps, and its wire data.
+    """One operation: the future its [`AsyncChannelWork`][aiorl.AsyncChannelWork] wraps, and its
+    wire data.
 
     Being the future itself (rather than an object holding one) saves an
     allocation per operation, and overriding ``cancel`` catches every way a work
     gets cancelled (``work.cancel()``, ``wait(timeout)`` expiring, a task
     cancelled while awaiting it) without a done callback per operation.
     Operations that nobody awaits (``CANCEL``, ``UNGET``, the ``GET`` and
-    ``PREFETCH`` slots of a :class:`_GetStream`) are never completed.
+    ``PREFETCH`` slots of a `_GetStream`) are never completed.
     """
 
     __slots__ = ("core", "state", "kind", "queue", "number", "payload", "frames", "token",
@@ -211,7 +212,7 @@ class _GetStream:
     each waiting user get that no prefetch in flight can serve. ``depth`` doubles
     while user gets still have to wait and halves when a prefetch finds the queue
     empty. Prefetched items go back to the queue (``UNGET``, at their places) after
-    :data:`~aiorl.channels._protocol.PREFETCH_IDLE` seconds without a get, and
+    `PREFETCH_IDLE` seconds without a get, and
     before any other operation on the queue that must see them (``get_batch``,
     ``get_nowait``, ``qsize``, ``statistics``).
 
@@ -225,20 +226,20 @@ class _GetStream:
     slot's newer items reach a user get first, and a slot sent after an item was
     taken but before it is back in the queue takes the items behind it. So:
 
-    * ``ready`` goes back only when no ``PREFETCH`` is out (:meth:`_ClientCore._idle`
+    * ``ready`` goes back only when no ``PREFETCH`` is out (`_ClientCore._idle`
       waits for it), or while ``held`` keeps every later operation back and the
-      prefetch's items follow them back (:meth:`_ClientCore._prefetch_returned`);
+      prefetch's items follow them back (`_ClientCore._prefetch_returned`);
     * only ``GET`` slots newer than every ``PREFETCH`` out are withdrawn, so an item
       a withdrawn slot gives back is newer than every item still to arrive;
     * while a withdrawn request (a slot, or a cancelled ``get_batch``) may still give
-      items back (``settling``), no new slot is sent (:meth:`_ClientCore._top_up`);
+      items back (``settling``), no new slot is sent (`_ClientCore._top_up`);
     * before held operations are released, the user gets waiting since before them
-      get their slots (:meth:`_ClientCore._settled`);
+      get their slots (`_ClientCore._settled`);
     * slots serve whichever user get is oldest, so a slot sent for a get that was then
       cancelled serves a later get; that must not cross a ``get_batch`` or
       ``get_nowait`` sent in between (it is behind the slot at the channel worker, but
       was made before the later get): cancelling a get made before such a *fence*
-      withdraws a GET slot ahead of it (:meth:`_ClientCore._withdraw_get`).
+      withdraws a GET slot ahead of it (`_ClientCore._withdraw_get`).
     """
 
     __slots__ = ("state", "queue", "waiting", "ready", "demand", "requested", "requested_total",
@@ -312,9 +313,9 @@ def encode_item(item: Any) -> tuple[Any, list[Any]]:
     """``(payload, frames)`` for an item: a small pickle inline, else ``(n, its n frames)``.
 
     The frames are the pickle and its out-of-band buffers from aiorl's one codec,
-    :func:`aiorl.transport.serialization.encode` (buffers of at least
+    `aiorl.transport.serialization.encode` (buffers of at least
     ``OOB_THRESHOLD`` bytes, e.g. tensor data, become zero-copy frames). Raises
-    :class:`~aiorl.transport.serialization.SerializationError`.
+    `SerializationError`.
     """
     data, buffers = serialization.encode(item)
     if not buffers and len(data) <= P.INLINE_MAX:
@@ -377,7 +378,7 @@ def wire_key(key: Hashable) -> QueueKey:
 
 
 def key_from_wire(key: QueueKey) -> Any:
-    """The key :func:`wire_key` made ``key`` from."""
+    """The key `wire_key` made ``key`` from."""
     if key.__class__ is str:
         return key
     return msgpack.unpackb(key, use_list=False, ext_hook=_unpickled_key)
@@ -396,7 +397,7 @@ def _process_node_rank() -> int:
 
 
 class _ClientCore:
-    """The per-process engine behind every :class:`Channel` handle (one per runtime)."""
+    """The per-process engine behind every [`Channel`][aiorl.Channel] handle (one per runtime)."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
@@ -452,10 +453,10 @@ class _ClientCore:
 
     def submit_routed(self, st: _ChannelState, kind: int, key: QueueKey, number: Any,
                       payload: Any = 0, frames: Sequence[Any] = ()) -> AsyncChannelWork[Any]:
-        """:meth:`submit` an operation on ``key`` of channel ``st`` (replica 0's state)
+        """`submit` an operation on ``key`` of channel ``st`` (replica 0's state)
         whose replica this process does not know yet: the channel is not resolved, or
         it is distributed and ``key`` is new here. The operation waits, in call order
-        with the others on ``key``, until the replica is known (:meth:`_route`)."""
+        with the others on ``key``, until the replica is known (`_route`)."""
         op = _Op(self, st, kind, key, number, payload, frames)
         work: AsyncChannelWork[Any] = AsyncChannelWork(self.loop, op)
         if self.runtime.on_loop_thread():
@@ -1162,7 +1163,7 @@ class _ClientCore:
     async def _lookup_ready(self, name: str, wait: float) -> dict[str, Any] | None:
         """The registry's info on worker ``name`` once ready (None if not within ``wait`` s).
 
-        Raises :class:`~aiorl.WorkerInitError` if it failed to start.
+        Raises [`WorkerInitError`][aiorl.WorkerInitError] if it failed to start.
         """
         deadline = self.loop.time() + wait
         delay = 0.01
@@ -1271,7 +1272,8 @@ def _check_weight(weight: Any, what: str) -> float:
 
 # ---------------------------------------------------------------------- the handle
 class ReplicaStatistics(NamedTuple):
-    """What :meth:`Channel.replica_statistics` reports for one channel worker."""
+    """What [`Channel.replica_statistics`][aiorl.Channel.replica_statistics] reports for one channel
+    worker."""
 
     rank: int  #: the replica (0 for a plain channel)
     node_rank: int  #: the node it runs on
@@ -1281,23 +1283,23 @@ class ReplicaStatistics(NamedTuple):
 class Channel:
     """A handle on a named, distributed set of weighted FIFO queues.
 
-    Get one with :meth:`Channel.create` / :meth:`Channel.connect` (driver) or
-    ``self.create_channel`` / ``self.connect_channel`` (inside a worker). A handle
-    is cheap, thread-safe and picklable: pass it to worker methods and use it
-    there (it binds to the receiving process's runtime).
+    Get one with [`Channel.create`][aiorl.Channel.create] /
+    [`Channel.connect`][aiorl.Channel.connect] (driver) or ``self.create_channel`` /
+    ``self.connect_channel`` (inside a worker). A handle is cheap, thread-safe and picklable: pass
+    it to worker methods and use it there (it binds to the receiving process's runtime).
 
     Every queue of the channel is named by a *key* (any hashable; ``"default"``
     when none is given; ``queue_name=`` is an alias of ``key=``) and created on
     first use with the channel's ``maxsize`` (0 = unbounded). ``put``/``get``/
-    ``get_batch``/``statistics`` return an :class:`~aiorl.AsyncChannelWork`
+    ``get_batch``/``statistics`` return an [`AsyncChannelWork`][aiorl.AsyncChannelWork]
     (``await`` it, or ``.wait()`` from synchronous code); with ``async_op=False``
     ``put``/``get``/``get_batch`` wait and return the result, as in RLinf.
     ``put_nowait``, ``get_nowait``, ``qsize``, ``empty``, ``full`` and
     ``peek_all`` return plain values when called from synchronous code; see each
     method for the event-loop thread. See ``docs/channels.md``.
 
-    Example::
-
+    Example:
+        ```python
         channel = aiorl.Channel.create(cluster, "trajectories", maxsize=32)   # driver
 
         class Trainer(aiorl.Worker):
@@ -1307,6 +1309,7 @@ class Channel:
 
             async def step(self):
                 batch = await self.channel.get_batch(4096)   # items until weights >= 4096
+        ```
     """
 
     def __init__(self, name: str, runtime: Runtime | None = None,
@@ -1342,10 +1345,11 @@ class Channel:
 
         ``restart="on_failure"`` starts an **empty** replacement under the same name when
         a channel worker dies (at most ``max_restarts`` times, after ``backoff`` seconds
-        doubling, as :meth:`WorkerGroupBuilder.launch`): every item queued in it then (up
-        to ``maxsize`` per queue, plus prefetched ones) is lost. Each client's operations
-        pending on the dead worker fail with :class:`~aiorl.PeerLostError` naming the
-        channel; later ones reach the replacement once it is ready (docs/failures.md).
+        doubling, as [`WorkerGroupBuilder.launch`][aiorl.group.WorkerGroupBuilder.launch]): every
+        item queued in it then (up to ``maxsize`` per queue, plus prefetched ones) is lost. Each
+        client's operations pending on the dead worker fail with
+        [`PeerLostError`][aiorl.PeerLostError] naming the channel; later ones reach the replacement
+        once it is ready (docs/failures.md).
 
         A plain channel's worker runs on the node of worker
         ``group_affinity:group_rank_affinity`` when given, else on ``node_rank``
@@ -1358,10 +1362,10 @@ class Channel:
         stay. Blocks until the channel is ready (from the runtime loop's thread it
         returns at once; operations then wait for readiness).
 
-        Raises :class:`~aiorl.PlacementError` for a node outside the cluster,
-        :class:`ValueError` for repeated ``node_ranks``,
-        :class:`~aiorl.WorkerInitError` if a channel worker cannot start and
-        :class:`TimeoutError` if it is not ready within ``timeout`` seconds.
+        Raises [`PlacementError`][aiorl.PlacementError] for a node outside the cluster,
+        `ValueError` for repeated ``node_ranks``,
+        [`WorkerInitError`][aiorl.WorkerInitError] if a channel worker cannot start and
+        `TimeoutError` if it is not ready within ``timeout`` seconds.
         """
         ch = cls(name, cluster.runtime, cluster)
         maxsize = _check_maxsize(maxsize)
@@ -1378,7 +1382,7 @@ class Channel:
 
         Waits up to ``timeout`` seconds for the channel to exist and be ready (so
         a consumer may connect before its producer created the channel), then
-        raises :class:`TimeoutError`.
+        raises `TimeoutError`.
         """
         ch = cls(name, cluster.runtime, cluster)
         ch._start_connect(timeout)
@@ -1453,7 +1457,7 @@ class Channel:
         """The channel's worker group (``channel.<name>``; one rank per replica), for
         ``world_size``, ``close()`` and the like. Blocks: synchronous code only.
 
-        Raises :class:`RuntimeError` for a handle that came to the driver as an
+        Raises `RuntimeError` for a handle that came to the driver as an
         argument or result (it knows no cluster there: use ``Channel.connect``).
         """
         if self._group is None:
@@ -1554,11 +1558,11 @@ class Channel:
         ``async_op=False`` this waits for the work and returns None (RLinf's
         default; synchronous code only).
 
-        Raises :class:`~aiorl.transport.serialization.SerializationError` at once
+        Raises `SerializationError` at once
         for an item that cannot be pickled; the work fails with
-        :class:`~aiorl.PeerLostError` if the channel worker dies. If a pipelined
+        [`PeerLostError`][aiorl.PeerLostError] if the channel worker dies. If a pipelined
         put cannot reach its queue, the next operation on the channel from this
-        process (or :meth:`flush`) fails with that error.
+        process (or [`flush`][aiorl.Channel.flush]) fails with that error.
         """
         payload, frames = encode_item(item)
         work = self._submit(P.PUT, _queue_key(key, queue_name), _check_weight(weight, "weight"),
@@ -1567,12 +1571,12 @@ class Channel:
 
     def put_nowait(self, item: Any, weight: float = 0, key: Hashable = DEFAULT_KEY, *,
                    queue_name: Hashable | None = None) -> Any:
-        """Put ``item`` only if its queue has room, else raise :class:`~aiorl.QueueFull`.
+        """Put ``item`` only if its queue has room, else raise [`QueueFull`][aiorl.QueueFull].
 
         From synchronous code this blocks for one round trip (none while this process
-        holds a credit for the queue, see :meth:`put`) and returns None.
+        holds a credit for the queue, see [`put`][aiorl.Channel.put]) and returns None.
         On the runtime loop's thread (``async`` worker methods) it returns an
-        :class:`~aiorl.AsyncChannelWork` to await, which raises ``QueueFull``.
+        [`AsyncChannelWork`][aiorl.AsyncChannelWork] to await, which raises ``QueueFull``.
         """
         core, _ = self._bind()
         payload, frames = encode_item(item)
@@ -1600,7 +1604,7 @@ class Channel:
             queue_name: Hashable | None = None) -> Any:
         """Take the first item of queue ``key``, waiting while the queue is empty.
 
-        Returns an :class:`~aiorl.AsyncChannelWork` of the item; with
+        Returns an [`AsyncChannelWork`][aiorl.AsyncChannelWork] of the item; with
         ``async_op=False`` it waits and returns the item itself (synchronous code).
         Waiting getters are served in the order their requests reached the channel.
         Gets that follow each other closely prefetch items already queued, so a
@@ -1616,11 +1620,11 @@ class Channel:
 
     def get_nowait(self, key: Hashable = DEFAULT_KEY, *,
                    queue_name: Hashable | None = None) -> Any:
-        """Take the first item at once, or raise :class:`~aiorl.QueueEmpty`.
+        """Take the first item at once, or raise [`QueueEmpty`][aiorl.QueueEmpty].
 
         From synchronous code this blocks for one round trip and returns the
         item; on the runtime loop's thread it returns an
-        :class:`~aiorl.AsyncChannelWork` to await.
+        [`AsyncChannelWork`][aiorl.AsyncChannelWork] to await.
         """
         core, _ = self._bind()
         work = self._submit(P.GET_NOWAIT, _queue_key(key, queue_name), 0)
@@ -1657,8 +1661,8 @@ class Channel:
         1, 2, 3 and ``batch_weight=3`` give the first two; one item heavier than
         ``batch_weight`` comes alone). Items of weight 0 never complete a batch.
         ``target_weight`` is RLinf's name of ``batch_weight``; ``async_op=False``
-        waits and returns the list. Raises :class:`ValueError` unless the weight
-        is > 0, and :class:`TypeError` if neither or both names are given.
+        waits and returns the list. Raises `ValueError` unless the weight
+        is > 0, and `TypeError` if neither or both names are given.
         """
         if (batch_weight is None) == (target_weight is None):
             raise TypeError("get_batch() takes batch_weight (or its alias target_weight), "
@@ -1677,8 +1681,8 @@ class Channel:
             key: s for answer in answers for key, s in answer.items()})
 
     def replica_statistics(self) -> AsyncChannelWork[list[ReplicaStatistics]]:
-        """:meth:`statistics` per channel worker, in replica order, with the node each
-        runs on: where the keys of a distributed channel live (one entry when plain)."""
+        """[`statistics`][aiorl.Channel.statistics] per channel worker, in replica order, with the
+        node each runs on: where the keys of a distributed channel live (one entry when plain)."""
         core, st = self._bind()
         return core.fan_out(st, P.STATS, lambda replicas, answers: [
             ReplicaStatistics(replica.rank, replica.node_rank or 0, answer)
@@ -1690,10 +1694,10 @@ class Channel:
         weight)``, without taking them (the first ``limit`` only, when given).
 
         Items a waiting ``get_batch`` has reserved are not shown (nor counted by
-        :meth:`qsize`). Each item is copied and unpickled here, so keep ``limit``
+        [`qsize`][aiorl.Channel.qsize]). Each item is copied and unpickled here, so keep ``limit``
         small for large queues. From synchronous code this blocks for one round trip
         and returns the list; on the runtime loop's thread it returns an
-        :class:`~aiorl.AsyncChannelWork` to await.
+        [`AsyncChannelWork`][aiorl.AsyncChannelWork] to await.
         """
         core, _ = self._bind()
         work = self._peek(_queue_key(key, queue_name), -1 if limit is None else max(0, int(limit)))
@@ -1726,7 +1730,7 @@ class Channel:
 
     def destroy(self) -> AsyncChannelWork[None]:
         """Stop the channel's workers: pending and later operations, everywhere, fail with
-        :class:`~aiorl.PeerLostError`. Items still queued are dropped."""
+        [`PeerLostError`][aiorl.PeerLostError]. Items still queued are dropped."""
         core, st = self._bind()
         work: AsyncChannelWork[None] = AsyncChannelWork(core.loop)
 
@@ -1838,7 +1842,7 @@ def create_channel_from_worker(
     runs on the node of ``group_affinity:group_rank_affinity`` (rank 0 if only the
     group is given, this worker's group if only the rank is), else on ``node_rank``,
     by default on this worker's node; a ``distributed`` one runs a replica on each
-    node of ``node_ranks`` (default: every node), see :meth:`Channel.create`. From
+    node of ``node_ranks`` (default: every node), see [`Channel.create`][aiorl.Channel.create]. From
     a plain method (the method thread) this blocks until the channel is ready and
     raises creation errors; from an ``async`` method (the event loop) it returns
     the handle at once, its operations wait for readiness, and ``await`` on the

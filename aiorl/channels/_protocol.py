@@ -4,7 +4,7 @@ Both directions carry *batches*: whatever a process issued to one channel during
 one turn of its event loop travels as one ZMQ message, which is what lets small
 items move at the one-way message rate instead of one round trip per item.
 
-Client to channel worker: a one-way message, op :data:`OPS`::
+Client to channel worker: a one-way message, op `OPS`::
 
     meta   = [[kind, token, queue_name, number, payload], ...]   # one entry per operation
     frames = the payload frames of every entry, concatenated
@@ -19,7 +19,7 @@ without an item have payload 0. Queue name, weight, token and item travel in
 the same entry, so two concurrent operations can never be paired with each
 other's data.
 
-Channel worker to client: a pushed event, op :data:`DONE`, sent once per loop
+Channel worker to client: a pushed event, op `DONE`, sent once per loop
 turn per client (split when the inline bytes grow large)::
 
     meta   = [[token, status, info], ...]
@@ -34,7 +34,7 @@ name -> counters; for ``INFO`` ``[qsize, maxsize]``; for ``ROUTE`` a replica ran
 Queue names (*keys*) travel as ``str`` when they are strings, the common case, and
 otherwise as bytes: the key's msgpack form (tuples as arrays, other objects as
 their pickle in an extension type), so equal keys of the plain types meet in one
-queue; see :func:`aiorl.channels._client.wire_key`.
+queue; see `aiorl.channels._client.wire_key`.
 
 Every parked operation is answered exactly once: with its result, or with
 ``CANCELLED`` after a ``CANCEL`` found it still parked. A ``CANCEL`` that finds

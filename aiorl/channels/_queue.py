@@ -1,8 +1,8 @@
 """The pure logic of one weighted FIFO queue with waiting putters and getters.
 
 Nothing here does I/O or knows about asyncio: every operation mutates the
-queue and returns the list of waiters it completed (:class:`Done`), and the
-caller (the channel worker, :mod:`aiorl.channels._server`) delivers them. That
+queue and returns the list of waiters it completed (`Done`), and the
+caller (the channel worker, `aiorl.channels._server`) delivers them. That
 keeps the rules testable in one process and the server free of races.
 
 The rules
@@ -20,7 +20,7 @@ The rules
     * Every accepted item gets the next *sequence number* of its queue, and the
       queue is always sorted by it. A cancelled getter gives its reserved items
       back; items handed out but refused by their receiver come back with
-      :meth:`WeightedQueue.unget`. Both are merged back by sequence number, so
+      `WeightedQueue.unget`. Both are merged back by sequence number, so
       nothing is lost and the FIFO order is restored whatever order the returns
       arrive in.
 """
@@ -149,7 +149,7 @@ class WeightedQueue(Generic[T]):
     def peek(self, limit: int = -1) -> list[Entry]:
         """The first ``limit`` queued entries (all when ``limit`` is negative), left in place.
 
-        Items reserved by a waiting batch getter are not shown: like :meth:`qsize`,
+        Items reserved by a waiting batch getter are not shown: like `qsize`,
         a peek shows what a new getter could still take.
         """
         if limit < 0 or limit >= len(self._items):
@@ -173,7 +173,8 @@ class WeightedQueue(Generic[T]):
         return done
 
     def put_nowait(self, item: T, weight: float) -> list[Done]:
-        """Put ``item`` at once or raise :class:`~aiorl.QueueFull`; returns getters it completed."""
+        """Put ``item`` at once or raise [`QueueFull`][aiorl.QueueFull]; returns getters it
+        completed."""
         if self.full():
             raise QueueFull(f"the queue is full ({self.maxsize} items)")
         self._append(item, weight)
@@ -192,7 +193,7 @@ class WeightedQueue(Generic[T]):
         return done
 
     def get_nowait(self) -> tuple[Entry, list[Done]]:
-        """Take the first item at once or raise :class:`~aiorl.QueueEmpty`.
+        """Take the first item at once or raise [`QueueEmpty`][aiorl.QueueEmpty].
 
         Returns ``((item, weight, seq), putters_admitted)``.
         """

@@ -1,20 +1,20 @@
 """The channel host: the worker process that holds one channel's queues.
 
 A channel is served by a worker group named ``channel.<name>``
-(:func:`group_name_for`), one rank for a plain channel and one per node for a
-distributed one, whose instances are each a :class:`ChannelHost`: a plain
-class (not an :class:`aiorl.Worker`, which lives in a layer above channels)
+(`group_name_for`), one rank for a plain channel and one per node for a
+distributed one, whose instances are each a `ChannelHost`: a plain
+class (not an [`aiorl.Worker`][aiorl.Worker], which lives in a layer above channels)
 that registers the channel operations on the process's endpoint, so items go
 straight from a producer's endpoint to this process and from here to a
 consumer's, one ZMQ message per direction per event-loop turn however many
-operations it carries (see :mod:`aiorl.channels._protocol`). Items are never
+operations it carries (see `aiorl.channels._protocol`). Items are never
 unpickled here: the server stores and forwards the producer's frames (pickle
 stream plus out-of-band tensor buffers) as they arrived.
 
 All state lives on the worker's event loop; the queue rules themselves are in
-:mod:`aiorl.channels._queue`. Besides answering operations, the server grants
+`aiorl.channels._queue`. Besides answering operations, the server grants
 producers *credits* (room it promises to accept) so that their puts complete
-without a round trip each; see :class:`ChannelServer`.
+without a round trip each; see `ChannelServer`.
 
 Distributed channels
     Every replica serves the queues of the keys assigned to it exactly as a plain
@@ -77,10 +77,10 @@ class _Chunk:
 
 
 class ChannelServer:
-    """Serves :data:`~aiorl.channels._protocol.OPS` on ``endpoint`` (its loop thread only).
+    """Serves `OPS` on ``endpoint`` (its loop thread only).
 
     Credits: every client that puts into a queue holds up to
-    :data:`~aiorl.channels._protocol.CREDIT_WINDOW` credits for it, topped up at
+    `CREDIT_WINDOW` credits for it, topped up at
     the end of each loop turn in which its puts entered the queue. In a bounded
     queue the credits of all clients together never exceed the free room
     (``maxsize`` minus queued items, parked puts and credits already out), so a

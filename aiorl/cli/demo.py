@@ -4,11 +4,11 @@ One command starts a cluster (embedded by default: a registry and node agents on
 machine), launches ``--rollouts`` rollout workers and ``--trainers`` trainer workers, and
 trains a CartPole policy with REINFORCE:
 
-* rollout workers (:class:`~aiorl.PollingWorker`) play episodes of varying length with
+* rollout workers ([`PollingWorker`][aiorl.PollingWorker]) play episodes of varying length with
   their current policy and ``put`` each trajectory into a channel, weight = its length;
 * trainers take ``get_batch(--batch-weight)`` in turn, compute policy gradients, average
   them on trainer 0 (P2P ``send``/``recv``), which steps Adam and publishes the new,
-  versioned weights once (:mod:`aiorl.weights`: written once into shared memory on its
+  versioned weights once (`aiorl.weights`: written once into shared memory on its
   node, relayed once to every other node); the other trainers pull each version before
   their next step, and rollouts pull the newest one in between episodes without ever
   waiting for it;
@@ -16,7 +16,7 @@ trains a CartPole policy with REINFORCE:
   cluster, also on errors, Ctrl-C and SIGTERM.
 
 See ``docs/demo.md``. Usable as a subcommand of the ``aiorl`` entry point
-(:func:`add_parser`, :func:`run`) or as ``python -m aiorl.cli.demo``.
+(`add_parser`, `run`) or as ``python -m aiorl.cli.demo``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """``aiorl plan CONFIG.yaml``: show where every component's processes would run.
 
-Reads the config's ``cluster:`` section, builds a :class:`~aiorl.placement.ClusterSpec`
+Reads the config's ``cluster:`` section, builds a [`ClusterSpec`][aiorl.placement.ClusterSpec]
 (no cluster is started), and prints one grid per ``component_placement`` rule: a row
 per node, a column per resource on the node, each cell the process ranks placed
 there. An invalid config prints ``error: <reason>`` to stderr and exits with 2.
 
-Usable as a subcommand of the ``aiorl`` entry point (:func:`add_parser` and
-:func:`run`) or on its own: ``python -m aiorl.cli.plan CONFIG.yaml``.
+Usable as a subcommand of the ``aiorl`` entry point (`add_parser` and
+`run`) or on its own: ``python -m aiorl.cli.plan CONFIG.yaml``.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ class Stopped(Exception):
 
 
 def _raise_on_stop_signals() -> None:
-    """The launcher's handling: the first stop signal raises :class:`Stopped` where the
+    """The launcher's handling: the first stop signal raises `Stopped` where the
     main thread waits (for the steps to start, for the driver to end)."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
@@ -226,7 +226,7 @@ class _Step:
 
 class SlurmLauncher:
     """The registry and node agents of one Slurm allocation, and the driver run against
-    them. :meth:`start`, :meth:`run_driver`, then always :meth:`stop`."""
+    them. `start`, `run_driver`, then always `stop`."""
 
     def __init__(self, *, accelerators: int | None, timeout: float, log_level: str) -> None:
         self.job_id = os.environ["SLURM_JOB_ID"]
@@ -386,9 +386,10 @@ def accelerator_options(env: Mapping[str, str], declared: int | None,
     ``declared`` is ``aiorl slurm --accelerators``; ``detected`` what the agent would find on
     its own without ``CUDA_VISIBLE_DEVICES`` (the ``/dev/nvidia*`` devices).
 
-    Example::
-
+    Example:
+        ```python
         accelerator_options({"CUDA_VISIBLE_DEVICES": "2,3"}, None, 8)  # ([], None): 2 GPUs
+        ```
     """
     if declared is not None:
         return ["--accelerators", str(declared)], None

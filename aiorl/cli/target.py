@@ -18,7 +18,7 @@ def resolve_target(args: argparse.Namespace) -> tuple[str, Any, str | None] | No
     process finds them); otherwise this user's running embedded cluster in process
     ``--pid`` when given, else the newest, found through its runtime file. None (after saying
     why, in one line) when there is nothing to look at, or the address is not one
-    (:func:`~aiorl.transport.address.normalize_address`: ``HOST:PORT`` means ``tcp://HOST:PORT``).
+    (`normalize_address`: ``HOST:PORT`` means ``tcp://HOST:PORT``).
     """
     from aiorl.cluster.embedded import running_embedded_clusters
     from aiorl.errors import AddressError

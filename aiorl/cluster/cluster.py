@@ -2,13 +2,13 @@
 
 Embedded mode (no registry address anywhere): start a registry and
 ``num_nodes`` node agents as child processes on loopback, owned by this
-``Cluster`` and stopped by :meth:`Cluster.close` with every worker they
+``Cluster`` and stopped by [`Cluster.close`][aiorl.Cluster.close] with every worker they
 spawned; if that registry dies, the Cluster closes itself. Attach mode
 (``registry=`` or Ray's ``address=``, ``$AIORL_REGISTRY`` or
 ``cluster_cfg.cluster.registry``): join a running registry and wait until
 ``num_nodes`` agents have joined.
 
-A closed Cluster refuses everything at once with :class:`~aiorl.ClusterClosedError`.
+A closed Cluster refuses everything at once with [`ClusterClosedError`][aiorl.ClusterClosedError].
 
 Either way the driver registers itself and sends heartbeats; if it dies, the
 registry tears down the groups it launched.
@@ -64,25 +64,25 @@ class Cluster:
 
     Without a registry address (no ``registry=``, no ``$AIORL_REGISTRY``, none in
     ``cluster_cfg``) it is **embedded**: a registry and ``num_nodes`` node agents start as
-    child processes on this machine and stop with :meth:`close`, or when this process dies
-    however it dies. With an address it **attaches** to a running registry and waits up to
-    ``timeout`` seconds until ``num_nodes`` agents have joined. An embedded cluster is
+    child processes on this machine and stop with [`close`][aiorl.Cluster.close], or when this
+    process dies however it dies. With an address it **attaches** to a running registry and waits up
+    to ``timeout`` seconds until ``num_nodes`` agents have joined. An embedded cluster is
     announced to ``aiorl status`` through a per-user runtime file. If an embedded cluster's
     registry dies, the Cluster closes itself (its agents stop the workers): pending work
     fails with ``PeerLostError`` and later operations raise ``ClusterClosedError``, both
     naming the reason.
 
-    A Cluster is a :class:`DriverSession` (this driver's registration, runtime and
-    node list) plus, in embedded mode, the :class:`EmbeddedProcesses` it started.
+    A Cluster is a `DriverSession` (this driver's registration, runtime and
+    node list) plus, in embedded mode, the `EmbeddedProcesses` it started.
 
     Args:
         cluster_cfg: an omegaconf ``DictConfig`` or dict shaped like RLinf's ``cluster:``
             section (``num_nodes``, ``node_groups``, ``component_placement``, ``registry``).
         registry: the registry's address: ``tcp://HOST:PORT``, ``HOST:PORT`` (the same) or
-            ``ipc://PATH``; anything else raises :class:`~aiorl.AddressError` (a
+            ``ipc://PATH``; anything else raises [`AddressError`][aiorl.AddressError] (a
             ``ValueError``) showing these forms.
         address: Ray's name for ``registry`` (``ray.init(address=...)``); giving both with
-            different values raises :class:`~aiorl.AddressError`.
+            different values raises [`AddressError`][aiorl.AddressError].
         num_nodes: node agents to start (embedded) or wait for (attached); default 1.
         accelerators_per_node: embedded only: declare this many accelerators per node, so
             placement and ``CUDA_VISIBLE_DEVICES`` can be tried on a machine without GPUs.
@@ -90,11 +90,12 @@ class Cluster:
             ``~/.aiorl/cluster.key``).
         log_to_driver: print workers' output here, each line prefixed with the worker's name.
         trace: record spans in this driver and every worker it launches (as ``AIORL_TRACE=1``
-            does); :meth:`trace_dump` writes them as one Perfetto trace (docs/debugging.md).
+            does); [`trace_dump`][aiorl.Cluster.trace_dump] writes them as one Perfetto trace
+            (docs/debugging.md).
         timeout: seconds to wait for the registry and the agents.
 
-    Example::
-
+    Example:
+        ```python
         with aiorl.Cluster() as cluster:                       # embedded, one node
             group = Rollout.create_group().launch(cluster, num_workers=4)
 
@@ -104,6 +105,7 @@ class Cluster:
 
         async with aiorl.Cluster(accelerators_per_node=8) as cluster:
             ...
+        ```
     """
 
     def __init__(
@@ -164,7 +166,7 @@ class Cluster:
     # ------------------------------------------------------------------ the session
     @property
     def session(self) -> DriverSession:
-        """This driver's registration; raises :class:`~aiorl.ClusterClosedError` (a
+        """This driver's registration; raises [`ClusterClosedError`][aiorl.ClusterClosedError] (a
         ``RuntimeError``) at once on a closed Cluster."""
         if self._closed:
             raise ClusterClosedError(self._closed_reason)
@@ -174,8 +176,9 @@ class Cluster:
 
     @property
     def closed(self) -> bool:
-        """Whether the Cluster is closed (:meth:`close` ran, or its embedded registry died);
-        a closed Cluster launches, calls and queues nothing (``ClusterClosedError``)."""
+        """Whether the Cluster is closed ([`close`][aiorl.Cluster.close] ran, or its embedded
+        registry died); a closed Cluster launches, calls and queues nothing
+        (``ClusterClosedError``)."""
         return self._closed
 
     @property
@@ -237,7 +240,8 @@ class Cluster:
 
     @property
     def spec(self) -> ClusterSpec:
-        """A :class:`~aiorl.placement.ClusterSpec` of the live nodes (and configured node groups)."""
+        """A [`ClusterSpec`][aiorl.placement.ClusterSpec] of the live nodes (and configured node
+        groups)."""
         return self.session.spec
 
     # ------------------------------------------------------------------ observability
@@ -279,13 +283,14 @@ class Cluster:
         """Stop everything this Cluster started (and, in attach mode, its groups).
 
         Work still pending fails with ``PeerLostError``; every later call, channel operation
-        or launch through this Cluster raises :class:`~aiorl.ClusterClosedError` at once.
+        or launch through this Cluster raises [`ClusterClosedError`][aiorl.ClusterClosedError] at
+        once.
         """
         self._close(None)
 
     def _close(self, registry_died: str | None) -> None:
-        """:meth:`close`; ``registry_died`` says how the embedded registry ended, when that
-        is why (then pending work and later operations name it, and the registry is not
+        """[`close`][aiorl.Cluster.close]; ``registry_died`` says how the embedded registry ended,
+        when that is why (then pending work and later operations name it, and the registry is not
         asked anything). One close at a time: a second caller waits for the first."""
         with self._close_lock:
             if self._closed:

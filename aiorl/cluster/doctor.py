@@ -5,7 +5,7 @@ asked the ``inspect`` operation (aiorl/actors/inspection.py) concurrently, with 
 from any endpoint (the driver's own for ``cluster.doctor()``, a private one for the
 command line). Nothing here runs inside the job's processes except that one handler.
 
-Analysis (:func:`diagnose`): the pending operations of all processes form a wait-for graph
+Analysis (`diagnose`): the pending operations of all processes form a wait-for graph
 whose nodes are processes and channels:
 
 * ``A -> B`` when A waits a receive from B, a call it made to B, or a send to B;

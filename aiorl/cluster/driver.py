@@ -3,7 +3,7 @@
 It starts the driver's runtime (an event loop on a private I/O thread), registers the
 driver and keeps it alive with heartbeats, follows the live node list, remembers the
 groups this driver launched (restored if the registry restarts) and, on close, closes what
-it owns and unregisters. It implements :class:`~aiorl.runtime.Session`, which is all that
+it owns and unregisters. It implements `Session`, which is all that
 groups and channels see of the cluster.
 """
 
@@ -40,7 +40,7 @@ _collector_tuned = False
 
 
 def tune_driver_collector() -> bool:
-    """Tune the driver's garbage collector (:func:`aiorl.util.collector.tune_collector`:
+    """Tune the driver's garbage collector (`aiorl.util.collector.tune_collector`:
     its heap frozen, a higher young threshold) once per process; returns whether it did.
 
     Every call in flight keeps a few small objects alive until its answer, so with
@@ -57,7 +57,7 @@ def tune_driver_collector() -> bool:
 
 
 class DriverSession:
-    """See the module docstring. Build it, then :meth:`wait_for_nodes`; :meth:`close` once."""
+    """See the module docstring. Build it, then `wait_for_nodes`; `close` once."""
 
     def __init__(self, registry_address: str, keys: security.ClusterKeys | None,
                  cluster_cfg: Mapping[str, Any], *, host: str | None, log_to_driver: bool,
@@ -161,7 +161,8 @@ class DriverSession:
 
     @property
     def spec(self) -> ClusterSpec:
-        """A :class:`~aiorl.placement.ClusterSpec` of the live nodes (and configured node groups)."""
+        """A [`ClusterSpec`][aiorl.placement.ClusterSpec] of the live nodes (and configured node
+        groups)."""
         return spec_from_nodes(self._node_list(), self._cfg)
 
     # ------------------------------------------------------------------ shutdown
@@ -169,8 +170,8 @@ class DriverSession:
               registry_alive: bool = True) -> None:
         """Close the groups this driver owns (when asked), unregister, stop the runtime.
 
-        ``reason`` is what later operations raise (:class:`~aiorl.ClusterClosedError`) and
-        pending ones fail with; with ``registry_alive=False`` (it died) nothing is asked of
+        ``reason`` is what later operations raise ([`ClusterClosedError`][aiorl.ClusterClosedError])
+        and pending ones fail with; with ``registry_alive=False`` (it died) nothing is asked of
         the registry, so closing takes no registry timeout."""
         runtime = self.runtime
         try:

@@ -13,19 +13,19 @@ So that ``aiorl status`` can find a running embedded cluster, each one is announ
 *runtime file*, ``<runtime dir>/aiorl-clusters-<uid>/<driver pid>-<session>.json`` (the directory
 0700, the file 0600; the runtime dir is ``$XDG_RUNTIME_DIR`` or the temporary directory):
 the registry's address, the session directory and the path of its key file, never the key
-itself. :meth:`EmbeddedProcesses.stop` removes it; a file left by a killed driver is
-removed by the next :func:`running_embedded_clusters` that finds its process gone.
+itself. `EmbeddedProcesses.stop` removes it; a file left by a killed driver is
+removed by the next `running_embedded_clusters` that finds its process gone.
 
 The session directory names its owner too: ``owner.json`` inside it holds the driver's pid,
 the process's start time and pid namespace. A driver killed by SIGTERM or SIGKILL cannot
 remove its directory (key file, sockets, worker logs); the next embedded cluster this user
-starts on the machine does (:func:`remove_abandoned_sessions`): only directories of this
+starts on the machine does (`remove_abandoned_sessions`): only directories of this
 user (mode 0700, not links) whose owner file names a process that is gone. A live owner's
 directory, one without an owner file, and one whose owner ran in another pid namespace are
 never touched.
 
 The registry is watched too: its stdout is a pipe of which it holds the only write end, so
-end-of-file there means it exited (:meth:`EmbeddedProcesses.on_registry_exit`); the Cluster
+end-of-file there means it exited (`EmbeddedProcesses.on_registry_exit`); the Cluster
 then closes itself instead of leaving calls to wait for workers nobody reports.
 """
 
@@ -64,7 +64,7 @@ OWNER_FILE = "owner.json"
 
 
 class EmbeddedProcesses:
-    """Start the registry and ``num_nodes`` agents; :meth:`stop` stops them and cleans up."""
+    """Start the registry and ``num_nodes`` agents; `stop` stops them and cleans up."""
 
     def __init__(self, num_nodes: int, accelerators_per_node: int | None, insecure: bool) -> None:
         self.children: list[subprocess.Popen[bytes]] = []
@@ -161,7 +161,8 @@ class EmbeddedProcesses:
         return f"(pid {registry.pid}) {how}"
 
     def check_alive(self) -> None:
-        """Raise :class:`~aiorl.RegistryUnavailable` if a child exited (during startup)."""
+        """Raise [`RegistryUnavailable`][aiorl.RegistryUnavailable] if a child exited (during
+        startup)."""
         for child in self.children:
             if child.poll() is not None:
                 raise RegistryUnavailable(
@@ -255,12 +256,13 @@ def remove_abandoned_sessions(base: str | None = None) -> list[str]:
     (killed: it could not clean up); returns the paths removed.
 
     Only directories named ``aiorl-*`` in ``base`` (default: the user's runtime directory)
-    that :func:`_read_owner` accepts and whose owner has ended. One kept with
+    that `_read_owner` accepts and whose owner has ended. One kept with
     ``AIORL_KEEP_LOGS=1`` loses its key and owner file, not its logs.
 
-    Example::
-
+    Example:
+        ```python
         remove_abandoned_sessions()   # what every embedded aiorl.Cluster() does first
+        ```
     """
     base = base or security.runtime_base()
     try:

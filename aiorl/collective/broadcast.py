@@ -1,6 +1,6 @@
 """``Worker.broadcast``: one object from one member to every member of a set of workers.
 
-One :class:`Broadcaster` per process runtime (:func:`get_broadcaster`), created when a worker
+One `Broadcaster` per process runtime (`get_broadcaster`), created when a worker
 process starts so that a broadcast message never finds nobody to take it.
 
 **Identity and order.** The members (``groups`` expanded) form a *member set*; its id does
@@ -13,14 +13,14 @@ strictly in number order (an *in-order pump* per set): the source's sends and a 
 landing of number k start after number k-1's, which keeps CUDA collectives issued in the same
 order on every member.
 
-**Where bytes go** (:func:`aiorl.collective.plan.relay_tree`). The object is encoded once, on
+**Where bytes go** (`aiorl.collective.plan.relay_tree`). The object is encoded once, on
 the source's calling thread, with the point-to-point codec (``aiorl.p2p.message``). Large CPU
 buffers for members on the source's node are written once into one shared segment; each such
 member maps it copy-on-write (``MAP_PRIVATE``): it reads the source's pages without copying,
 and a write by one member stays private to it. Each other node receives the bytes once, as ZMQ
 frames, at its relay (its lowest-ranked member), which writes them once into a segment of its
 own and passes the descriptor to the rest of its node. Small payloads travel inline. CUDA
-tensors take :mod:`aiorl.collective.nccl_broadcast`.
+tensors take `aiorl.collective.nccl_broadcast`.
 
 **Completion** (two phases). A member acknowledges to the source once it called the broadcast
 and holds the object; when every member has, the source says ``done`` and the broadcast
@@ -30,7 +30,7 @@ with its reason. A segment goes back to its owner's pool when every reader's vie
 
 **Loss.** Every member watches every other member through the registry. When one is lost,
 every broadcast over a set containing it that has not completed fails with
-:class:`~aiorl.errors.PeerLostError` on every surviving member, and later broadcasts over such a
+[`PeerLostError`][aiorl.PeerLostError] on every surviving member, and later broadcasts over such a
 set fail at once.
 """
 
@@ -134,7 +134,7 @@ class _MemberSet:
 
 
 def _chunks(bufs: Sequence[memoryview]) -> tuple[list[Any], list[Any]]:
-    """``bufs`` as ZMQ frames of at most :data:`CHUNK` bytes, and their ``FRAMES`` descriptor.
+    """``bufs`` as ZMQ frames of at most `CHUNK` bytes, and their ``FRAMES`` descriptor.
 
     The endpoint hands large frames to ZMQ without copying; the source keeps the buffers alive
     until the broadcast is done, by which time every frame has arrived.
@@ -151,7 +151,7 @@ def _chunks(bufs: Sequence[memoryview]) -> tuple[list[Any], list[Any]]:
 
 
 class Broadcaster:
-    """The broadcasts of one process. Obtain it with :func:`get_broadcaster`."""
+    """The broadcasts of one process. Obtain it with `get_broadcaster`."""
 
     def __init__(self, runtime: Runtime, node_id: str | None) -> None:
         self.runtime = runtime

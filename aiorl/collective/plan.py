@@ -1,8 +1,8 @@
 """What a broadcast is before any byte moves: its members, its source, its relay tree.
 
-Pure functions, no processes: :func:`plan_broadcast` checks a ``Worker.broadcast`` call's
+Pure functions, no processes: `plan_broadcast` checks a ``Worker.broadcast`` call's
 arguments the way RLinf does (same exception types, same messages) and names the member set;
-:func:`relay_tree` decides who sends to whom so that every node receives the payload once.
+`relay_tree` decides who sends to whom so that every node receives the payload once.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Terminal output of ``aiorl demo``: a live view while it runs and a summary at the end.
 
-Two renderers share one :class:`Snapshot` model, built by the driver a few times per
+Two renderers share one `Snapshot` model, built by the driver a few times per
 second from the workers' stats:
 
-* :class:`LiveDisplay` (stdout is a terminal): redraws a block of lines in place with
+* `LiveDisplay` (stdout is a terminal): redraws a block of lines in place with
   plain ANSI escapes (cursor up, erase line), no extra dependency;
-* :class:`LineDisplay` (stdout is a pipe or a file): one plain line per training step,
+* `LineDisplay` (stdout is a pipe or a file): one plain line per training step,
   from the step records of trainer rank 0, so logs and tests see every step.
 
 Rates (items/s, MB/s) are computed over a sliding window of recent snapshots.

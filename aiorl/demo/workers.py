@@ -7,13 +7,13 @@ Data flow (``docs/demo.md`` has the diagram)::
     trainer:0 --publish(weights, version)--> "policy" (aiorl.weights)
     every trainer:t (t > 0) and every rollout:r --pull("policy")--> its own policy
 
-* :class:`RolloutWorker` is a :class:`~aiorl.PollingWorker`: each poll plays one CartPole
+* `RolloutWorker` is a [`PollingWorker`][aiorl.PollingWorker]: each poll plays one CartPole
   episode with its current policy and puts the trajectory into the channel with
   ``weight`` = its length. A background task on the worker's event loop waits for a new
   weight version (``wait_for``) and flags it; the poll thread pulls the newest version
   into the policy before its next episode: generation never waits for weights, and a
   rollout that fell behind skips straight to the newest version.
-* :class:`TrainerWorker` runs :meth:`TrainerWorker.train`: take a batch with
+* `TrainerWorker` runs `TrainerWorker.train`: take a batch with
   ``get_batch(batch_weight)``, compute the REINFORCE gradients, average them on rank 0
   (P2P), take an Adam step there and publish the new version once (shared memory on its
   node, one relay per other node); every other trainer pulls it before its next step.
@@ -60,7 +60,7 @@ def _set_torch_threads(cfg: DemoConfig) -> None:
 class RolloutWorker(PollingWorker):
     """Generates CartPole trajectories with the newest policy and puts them in the channel.
 
-    Configure with the demo config (:data:`DemoConfig`). Extra stats (``stats()``):
+    Configure with the demo config (`DemoConfig`). Extra stats (``stats()``):
     ``activity`` (``generating``, ``waiting for room`` -- the previous trajectory is not yet
     accepted by the channel --, ``loading weights`` or ``idle``), ``version`` (the weight
     version in use), ``trajectories``, ``env_steps`` and ``bytes`` (accepted by the channel),
@@ -225,9 +225,9 @@ class RolloutWorker(PollingWorker):
 class TrainerWorker(Worker):
     """Trains the policy on batches from the channel; rank 0 owns the weights.
 
-    Built with the demo config (:data:`DemoConfig`). Call :meth:`train` on every rank (it
-    runs until ``steps`` optimizer steps are done or :meth:`request_stop` is called on
-    rank 0); :meth:`status` answers while it runs.
+    Built with the demo config (`DemoConfig`). Call `train` on every rank (it
+    runs until ``steps`` optimizer steps are done or `request_stop` is called on
+    rank 0); `status` answers while it runs.
     """
 
     def __init__(self, config: DemoConfig) -> None:

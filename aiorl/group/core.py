@@ -1,6 +1,6 @@
 """The shared state of one launched group: its ranks, their readiness, deaths and calls.
 
-Every :class:`~aiorl.WorkerGroup` view of a group shares one :class:`GroupCore`. The core
+Every [`WorkerGroup`][aiorl.WorkerGroup] view of a group shares one `GroupCore`. The core
 lives on the runtime loop: it is mutated only there (``dispatch``, registry events,
 ``close``), so views can be used from any thread without locks.
 """
@@ -119,8 +119,8 @@ class _TracedGroupCall(_GroupCall):
 
     Kept to a few stores and one buffer record per rank (issue 15: tracing a no-op call
     must cost a few percent of it): what a rank's record needs besides the times is made
-    once per rank list and method (:class:`_CallTrace`), and the record is a compact one
-    packed inline (:class:`~aiorl.trace.recorder.CompactShape`). The flow from the call to
+    once per rank list and method (`_CallTrace`), and the record is a compact one
+    packed inline (`CompactShape`). The flow from the call to
     its execution is named by the request's id, which the worker reads from the message
     header: neither end counts messages for it.
     """
@@ -183,7 +183,7 @@ class GroupCore:
     """Rank slots, readiness queues, deaths, restarts and membership of one group (loop only).
 
     Supervision (docs/failures.md): a rank's death fails what is pending on it
-    (``PeerLostError``), then the group's :class:`Supervision` decides: nothing more
+    (``PeerLostError``), then the group's `Supervision` decides: nothing more
     (``restart="never"``), a new process for the rank after a backoff (``"on_failure"``:
     same name and rank, the next incarnation; calls made meanwhile wait for it), or,
     with ``fate="group"``, the end (or a restart) of every rank. Events whose
@@ -267,7 +267,7 @@ class GroupCore:
 
     def dispatch_remembered(self, work: AsyncWork[list[Any]], method: str, ranks: tuple[int, ...],
                             frames: list[Any], off_loop: bool) -> None:
-        """:meth:`dispatch` of a method in :attr:`replayed`: each rank keeps the call's
+        """`dispatch` of a method in `replayed`: each rank keeps the call's
         arguments, sent again to its next incarnation before anything else."""
         for r in ranks:
             self._last_calls.setdefault(r, {})[method] = frames
@@ -363,7 +363,7 @@ class GroupCore:
 
     async def _plan(self, placements: list[Placement], world_size: int) -> None:
         """Build and keep each placement's launch (environment, devices): what
-        :meth:`_spawn` sends now and again for each restart."""
+        `_spawn` sends now and again for each restart."""
         nodes = self._nodes()
         if self._master is None:
             master_node = nodes[placements[0].node_rank]
@@ -789,7 +789,7 @@ def ship_class(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> byte
     script or test module travels by value (cloudpickle), so a node that lacks
     the file (or imports it under another name) can still build it. Its code keeps its
     file name and lines, and the files' source travels with it, so a remote traceback shows
-    the user's file and failing line (:mod:`aiorl.transport.code`).
+    the user's file and failing line (`aiorl.transport.code`).
     """
     import cloudpickle
 

@@ -3,17 +3,17 @@
 ``launch()`` registers the group, asks the node agents to spawn the processes
 and returns at once. A call such as ``group.step(x)`` sends ``step`` to every
 rank (or to the ranks of a view: ``group.execute_on(0, 3).step(x)``) and returns
-an :class:`~aiorl.AsyncWork` whose result is the list of per-rank results in
+an [`AsyncWork`][aiorl.AsyncWork] whose result is the list of per-rank results in
 rank order. Calls made before a rank is ready are queued and sent, in order,
 when the registry reports it ready.
 
 Failure: a rank whose ``__init__`` raised fails every call with
-:class:`~aiorl.errors.WorkerInitError`; a rank that dies fails pending and
-later calls with :class:`~aiorl.errors.PeerLostError` naming the rank, its
+[`WorkerInitError`][aiorl.WorkerInitError]; a rank that dies fails pending and
+later calls with [`PeerLostError`][aiorl.PeerLostError] naming the rank, its
 exit code and its last output lines. The first error of a fan-out call is the
 call's error. ``launch(restart="on_failure")`` starts a dead rank again (calls
 made meanwhile wait for it); ``fate="group"`` stops every rank when one dies;
-``group.events()`` tells the driver (:mod:`aiorl.group.supervision`).
+``group.events()`` tells the driver (`aiorl.group.supervision`).
 
 Membership: ``add_ranks`` and ``remove_ranks`` start a new epoch and return a
 view of its members; a view (and every call made through it) keeps the ranks of
@@ -55,10 +55,26 @@ W = TypeVar("W")
 class WorkerGroupBuilder(Generic[W]):
     """What ``Worker.create_group(*args, **kwargs)`` returns; ``launch`` starts it.
 
-    Example::
+    Nothing runs until [`launch`][aiorl.group.WorkerGroupBuilder.launch] (or
+    [`launch_async`][aiorl.group.WorkerGroupBuilder.launch_async]): the builder only holds
+    the worker class and the arguments each rank's ``__init__`` will get.
 
+    Args:
+        cls: The worker class (a subclass of [`Worker`][aiorl.Worker]).
+        args: Positional arguments of ``cls(*args, **kwargs)`` on every rank.
+        kwargs: Keyword arguments of ``cls(*args, **kwargs)`` on every rank.
+        base: The framework class ``cls`` derives from; its own attributes may share a name
+            with a [`WorkerGroup`][aiorl.WorkerGroup] attribute.
+
+    Raises:
+        ValueError: A public method of ``cls`` would be hidden by a
+            [`WorkerGroup`][aiorl.WorkerGroup] attribute of the same name.
+
+    Example:
+        ```python
         builder = Trainer.create_group(cfg)        # nothing runs yet
         trainer = builder.launch(cluster, "0-7", name="trainer")
+        ```
     """
 
     def __init__(self, cls: type[W], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -98,8 +114,8 @@ class WorkerGroupBuilder(Generic[W]):
 
         Where the ranks go, from the first of these that is given:
 
-        * ``placement_strategy``: a strategy from :mod:`aiorl.placement`, or a placement
-          string (``"0-3"``: one rank per accelerator 0-3, docs/placement.md);
+        * ``placement_strategy``: a strategy from `aiorl.placement`, or a
+          placement string (``"0-3"``: one rank per accelerator 0-3, docs/placement.md);
         * ``num_workers=N``: one rank per accelerator on the first ``N`` accelerators
           (node 0's first, as torchrun fills a node) when the cluster declares
           accelerators; otherwise ``N`` CPU processes spread over the nodes in
@@ -116,19 +132,51 @@ class WorkerGroupBuilder(Generic[W]):
         ``fate="group"`` stops every rank when one dies (with ``restart="on_failure"``:
         restarts them all). ``on_restart(view, event)`` runs on the driver's runtime loop
         when a restarted rank is ready, before the calls that waited for it.
-        See :class:`~aiorl.group.supervision.Supervision`.
+        See `aiorl.group.supervision.Supervision`.
 
-        Example::
+        Args:
+            cluster: The [`Cluster`][aiorl.Cluster] (or, inside a worker, the worker's
+                session) that runs the group.
+            placement_strategy: Where the ranks go: a placement strategy such as
+                [`PackedPlacementStrategy`][aiorl.placement.PackedPlacementStrategy], a
+                placement string or int (``"0-3"``, ``2``), or None for ``num_workers`` or
+                the default. Not together with ``num_workers``.
+            name: The group's name, unique among live groups; the worker class's name by
+                default.
+            num_workers: How many ranks, placed as above (one per accelerator, or CPU
+                processes spread over the nodes). Not together with ``placement_strategy``.
+            env: Environment variables set in every rank's process.
+            isolate_gpu: True: each rank sees only its own accelerators; False: all of its
+                node's, with ``LOCAL_RANK`` set to its device id.
+            restart: ``"never"`` (a dead rank stays dead) or ``"on_failure"`` (start it
+                again, up to ``max_restarts`` times).
+            max_restarts: With ``restart="on_failure"``, how many times each rank is
+                restarted before the group gives up on it (an
+                [`EventKind.GAVE_UP`][aiorl.EventKind] event).
+            backoff: Seconds between a death and the restart, doubled for each further
+                restart of the rank (at most 30 s).
+            fate: ``"rank"`` (a death concerns only that rank) or ``"group"`` (every rank is
+                stopped when one dies, and with ``restart="on_failure"`` all restarted).
+            on_restart: ``on_restart(view, event)``, called on the driver's runtime loop when
+                a restarted rank is ready, before the calls that waited for it.
 
-            group = Rollout.create_group(cfg).launch(cluster, num_workers=4, name="rollout")
-            group = Trainer.create_group(cfg).launch(cluster, "0-3", name="trainer")
+        Returns:
+            The [`WorkerGroup`][aiorl.WorkerGroup], at once; its calls wait until the ranks
+                they address are ready.
 
         Raises:
             GroupExistsError: a live group already has ``name`` (a ``ValueError``).
             PlacementError: a placement the cluster cannot hold (a ``ValueError``).
-            TypeError: ``placement_strategy`` is not a strategy, string or int, or both it
-                and ``num_workers`` are given.
-            RuntimeError: ``cluster`` is closed.
+            TypeError: ``placement_strategy`` is not a strategy, string or int, both it
+                and ``num_workers`` are given, or ``on_restart`` is not callable.
+            ValueError: ``restart``, ``fate``, ``max_restarts`` or ``backoff`` is invalid.
+            ClusterClosedError: ``cluster`` is closed (a ``RuntimeError``).
+
+        Example:
+            ```python
+            group = Rollout.create_group(cfg).launch(cluster, num_workers=4, name="rollout")
+            group = Trainer.create_group(cfg).launch(cluster, "0-3", name="trainer")
+            ```
         """
         supervision = Supervision(restart, max_restarts, backoff, fate, on_restart)
         request, start = self._plan(cluster, placement_strategy, name, num_workers, env,
@@ -152,8 +200,44 @@ class WorkerGroupBuilder(Generic[W]):
         fate: str = "rank",
         on_restart: Callable[[WorkerGroup[W], GroupEvent], None] | None = None,
     ) -> WorkerGroup[W]:
-        """:meth:`launch` for code on the runtime loop's thread (channels launch their
-        host from there): it awaits the registry instead of blocking the loop."""
+        """[`launch`][aiorl.group.WorkerGroupBuilder.launch] for code on the runtime loop's
+        thread (``async def`` worker methods; channels launch their host from there): it
+        awaits the registry instead of blocking the loop.
+
+        Args:
+            cluster: The [`Cluster`][aiorl.Cluster], or the worker's session.
+            placement_strategy: A placement strategy, placement string or int, or None
+                (as in `launch`).
+            name: The group's name; the worker class's name by default.
+            num_workers: How many ranks (as in `launch`).
+            env: Environment variables set in every rank's process.
+            isolate_gpu: Whether each rank sees only its own accelerators.
+            restart: ``"never"`` or ``"on_failure"``.
+            max_restarts: Restarts per rank before the group gives up on it.
+            backoff: Seconds from a death to the restart, doubled for each further one.
+            fate: ``"rank"`` or ``"group"`` (every rank stops when one dies).
+            on_restart: ``on_restart(view, event)``, called when a restarted rank is ready.
+
+        Returns:
+            The [`WorkerGroup`][aiorl.WorkerGroup], once the registry has accepted it.
+
+        Raises:
+            GroupExistsError: a live group already has ``name`` (a ``ValueError``).
+            PlacementError: a placement the cluster cannot hold (a ``ValueError``).
+            TypeError: the placement arguments are wrong (see `launch`).
+            ValueError: ``restart``, ``fate``, ``max_restarts`` or ``backoff`` is invalid.
+
+        Example:
+            ```python
+            from aiorl.runtime.session import WorkerSession
+
+            class Grower(aiorl.Worker):
+                async def grow(self):              # on the worker's event loop
+                    session = WorkerSession.current()
+                    self.helper = await Helper.create_group().launch_async(
+                        session, num_workers=2, name="helper")
+            ```
+        """
         supervision = Supervision(restart, max_restarts, backoff, fate, on_restart)
         request, start = self._plan(cluster, placement_strategy, name, num_workers, env,
                                     isolate_gpu, supervision)
@@ -230,17 +314,18 @@ class WorkerGroup(Generic[W]):
 
     Attribute access gives fan-out callables for the worker's public methods:
     ``group.step(x)`` calls every rank of the view and returns an
-    :class:`~aiorl.AsyncWork` of the per-rank results, in the view's rank order.
-    :meth:`on_ranks` (alias :meth:`execute_on`) returns a view of some ranks; it does
-    not change this object, so ``group.execute_on(0).step()`` followed by
-    ``group.step()`` calls rank 0, then every rank.
+    [`AsyncWork`][aiorl.AsyncWork] of the per-rank results, in the view's rank order.
+    [`on_ranks`][aiorl.WorkerGroup.on_ranks] (alias [`execute_on`][aiorl.WorkerGroup.execute_on])
+    returns a view of some ranks; it does not change this object, so ``group.execute_on(0).step()``
+    followed by ``group.step()`` calls rank 0, then every rank.
 
-    Example::
-
+    Example:
+        ```python
         group = Rollout.create_group(cfg).launch(cluster, num_workers=4, name="rollout")
         results = group.generate(8).wait()            # [r0, r1, r2, r3]
         first = await group.execute_on(0, 3).generate(1)   # [r0, r3], in a coroutine
         group.close()
+        ```
     """
 
     _VIEW_CACHE_SIZE = 64
@@ -268,7 +353,8 @@ class WorkerGroup(Generic[W]):
     @property
     def epoch(self) -> int:
         """The membership epoch this view belongs to: 0 at launch, one more for each
-        :meth:`add_ranks` or :meth:`remove_ranks`."""
+        [`add_ranks`][aiorl.WorkerGroup.add_ranks] or
+        [`remove_ranks`][aiorl.WorkerGroup.remove_ranks]."""
         return self._epoch
 
     @property
@@ -289,7 +375,7 @@ class WorkerGroup(Generic[W]):
 
     @property
     def worker_info_list(self) -> list[WorkerInfo]:
-        """The :class:`~aiorl.WorkerInfo` of every rank of the group, in rank order, as the
+        """The [`WorkerInfo`][aiorl.WorkerInfo] of every rank of the group, in rank order, as the
         workers registered it (node, pid, accelerators, endpoint). Waits until every
         rank is ready; call it from synchronous code, not from the runtime loop."""
         self.wait_ready()
@@ -298,7 +384,27 @@ class WorkerGroup(Generic[W]):
         return [record.workers[f"{core.name}:{rank}"].info for rank in self._members]
 
     def on_ranks(self, *ranks: int | list[int] | tuple[int, ...]) -> WorkerGroup[W]:
-        """A view that calls only ``ranks`` (results in the order given); views are cached."""
+        """A view that calls only ``ranks`` (results in the order given); views are cached.
+
+        Also spelt [`execute_on`][aiorl.WorkerGroup.execute_on] (RLinf's name). The view
+        keeps this view's epoch: its members are this view's members.
+
+        Args:
+            *ranks: Ranks of the group, each an int or a list or tuple of ints
+                (``on_ranks(0, 3)``, ``on_ranks([0, 3])``).
+
+        Returns:
+            A [`WorkerGroup`][aiorl.WorkerGroup] view whose calls go to ``ranks`` only, in
+                that order; this object is not changed.
+
+        Raises:
+            IndexError: a rank is not a member of the group at this view's epoch.
+
+        Example:
+            ```python
+            first, last = group.on_ranks(0, 3).generate(1).wait()   # ranks 0 and 3
+            ```
+        """
         flat = tuple(r for item in ranks for r in (item if isinstance(item, (list, tuple)) else [item]))
         views = self._core.views
         key = (self._epoch, flat)
@@ -316,6 +422,17 @@ class WorkerGroup(Generic[W]):
         return view
 
     execute_on = on_ranks
+    """``execute_on(*ranks: int | list[int] | tuple[int, ...]) -> WorkerGroup[W]``: the same
+    method as [`on_ranks`][aiorl.WorkerGroup.on_ranks], under RLinf's name.
+
+    A view that calls only ``ranks`` (results in the order given); it does not change this
+    object. Raises ``IndexError`` when a rank is not a member at this view's epoch.
+
+    Example:
+        ```python
+        result = group.execute_on(0).step().wait()      # [r0]
+        ```
+    """
 
     def __getattr__(self, method: str) -> Callable[..., AsyncWork[list[Any]]]:
         if method.startswith("_"):
@@ -337,20 +454,22 @@ class WorkerGroup(Generic[W]):
         self._ready().wait(timeout)
 
     async def async_wait_ready(self) -> None:
-        """:meth:`wait_ready` for coroutines: ``await group.async_wait_ready()``."""
+        """[`wait_ready`][aiorl.WorkerGroup.wait_ready] for coroutines: ``await
+        group.async_wait_ready()``."""
         await self._ready()
 
     # ------------------------------------------------------------------ supervision
     def events(self) -> GroupEvents:
         """Subscribe to the group's events: deaths, restarts, give-ups, tear-downs and
-        membership changes (:class:`~aiorl.group.supervision.GroupEvent`), those so far
+        membership changes ([`GroupEvent`][aiorl.GroupEvent]), those so far
         first. Iterate it (blocking, e.g. in a thread that shows them) or ``async for``
         it; it ends when the group closes.
 
-        Example::
-
+        Example:
+            ```python
             events = group.events()
             event = events.get(timeout=10)   # GroupEvent(kind=EventKind.DIED, rank=2, ...)
+            ```
         """
         core = self._core
         if core.runtime.on_loop_thread():
@@ -394,7 +513,8 @@ class WorkerGroup(Generic[W]):
 
     async def add_ranks_async(self, n: int, placement: PlacementStrategy | str | int | None = None,
                               ) -> WorkerGroup[W]:
-        """:meth:`add_ranks` for coroutines on the runtime loop's thread."""
+        """[`add_ranks`][aiorl.WorkerGroup.add_ranks] for coroutines on the runtime loop's
+        thread."""
         core = self._core
         strategy = _strategy(core.session.spec, placement, None if placement is not None
                              else n, core.name)
@@ -444,7 +564,7 @@ class WorkerGroup(Generic[W]):
             log.debug("closing group %s: %s", core.name, exc)
 
     async def aclose(self) -> None:
-        """:meth:`close` for coroutines: ``await group.aclose()``."""
+        """[`close`][aiorl.WorkerGroup.close] for coroutines: ``await group.aclose()``."""
         core = self._core
         if core.closed:
             return
@@ -460,12 +580,13 @@ class WorkerGroup(Generic[W]):
 
         Calls through the handle reach the group's workers like the launcher's own;
         ``close()`` on it closes the group for everyone. Inside a worker, use
-        ``self.group(name)`` (:meth:`aiorl.Worker.group`) instead.
+        ``self.group(name)`` ([`aiorl.Worker.group`][aiorl.Worker.group]) instead.
 
-        Example::
-
+        Example:
+            ```python
             trainer = WorkerGroup.from_group_name(cluster, Trainer, "trainer")
             trainer.execute_on(0).step().wait()
+            ```
 
         Raises:
             GroupNotFoundError: no live group has this name (a ``LookupError``).
@@ -475,8 +596,9 @@ class WorkerGroup(Generic[W]):
 
     @classmethod
     async def from_group_name_async(cls, cluster: Session, worker_cls: type[W], name: str) -> WorkerGroup[W]:
-        """:meth:`from_group_name` for code on the runtime loop's thread (``async def``
-        worker methods): it awaits the registry instead of blocking the loop."""
+        """[`from_group_name`][aiorl.WorkerGroup.from_group_name] for code on the runtime loop's
+        thread (``async def`` worker methods): it awaits the registry instead of blocking the
+            loop."""
         record = await cluster.runtime.registry.lookup_group(name)
         core = GroupCore(cluster, worker_cls, name, record.world_size)
         await core.watch()

@@ -1,10 +1,10 @@
 """What a group does when a rank dies, and how the driver hears of it.
 
-:class:`Supervision` is the policy given to ``launch(restart=..., max_restarts=...,
-backoff=..., fate=..., on_restart=...)``; :class:`GroupEvent` is one piece of news
-(a death, a restart, a give-up, a membership change) and :class:`GroupEvents` the
+`Supervision` is the policy given to ``launch(restart=..., max_restarts=...,
+backoff=..., fate=..., on_restart=...)``; [`GroupEvent`][aiorl.GroupEvent] is one piece of news
+(a death, a restart, a give-up, a membership change) and `GroupEvents` the
 stream a driver subscribes to with ``group.events()``. The group core
-(:mod:`aiorl.group.core`) applies the policy on the runtime loop; this module holds
+(`aiorl.group.core`) applies the policy on the runtime loop; this module holds
 no process logic.
 """
 
@@ -30,12 +30,13 @@ MAX_BACKOFF_S = 30.0
 
 
 class EventKind(str, enum.Enum):
-    """What happened to a group (the ``kind`` of a :class:`GroupEvent`).
+    """What happened to a group (the ``kind`` of a [`GroupEvent`][aiorl.GroupEvent]).
 
-    Example::
-
+    Example:
+        ```python
         if event.kind is aiorl.EventKind.GAVE_UP:
             print(f"rank {event.rank} will not come back: {event.reason}")
+        ```
     """
 
     DIED = "died"  #: a rank's process ended (or its node was declared dead)
@@ -59,10 +60,11 @@ class GroupEvent:
     for each restart (the registry's worker record carries the same number).
     ``epoch`` is the group's membership epoch after the event.
 
-    Example::
-
+    Example:
+        ```python
         for event in group.events():   # an aiorl.GroupEvent each; ends when the group closes
             print(event)               # "rollout:2 died (incarnation 0, epoch 0): ..."
+        ```
     """
 
     kind: EventKind
@@ -135,13 +137,14 @@ class GroupEvents:
 
     It starts with the events the group already had (up to the last 1,000), then
     follows new ones as they happen; it ends after the group's ``closed`` event.
-    :meth:`get` takes one event with a timeout. Thread-safe: events arrive on the
+    `get` takes one event with a timeout. Thread-safe: events arrive on the
     runtime loop, readers may be in any thread.
 
-    Example::
-
+    Example:
+        ```python
         for event in group.events():           # in a thread of its own
             print(event)                       # "rollout:2 died (incarnation 0, ...)"
+        ```
     """
 
     def __init__(self, history: collections.deque[GroupEvent]) -> None:
@@ -159,8 +162,8 @@ class GroupEvents:
             loop.call_soon_threadsafe(_wake, fut)
 
     def get(self, timeout: float | None = None) -> GroupEvent:
-        """The next event; raises :class:`~aiorl.WaitTimeout` if none comes within
-        ``timeout`` seconds, and :class:`StopIteration` once the stream has ended."""
+        """The next event; raises [`WaitTimeout`][aiorl.WaitTimeout] if none comes within
+        ``timeout`` seconds, and `StopIteration` once the stream has ended."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
             while not self._items:

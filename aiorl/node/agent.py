@@ -4,14 +4,14 @@ One agent runs per machine. It reports the machine's resources to the registry,
 keeps it informed with heartbeats, and serves three operations:
 
 * ``spawn``: start worker processes (forked from the warm zygote, see
-  :mod:`aiorl.node.zygote`) with the environment and placement the driver chose;
+  `aiorl.node.zygote`) with the environment and placement the driver chose;
 * ``kill_group``: stop every worker of a group (SIGTERM, then SIGKILL);
 * ``kill_workers``: stop some ranks of a group (an elastic group shrinking);
 * ``free_port``: a free TCP port on this machine (for ``MASTER_PORT``).
 
 When a worker exits, the agent tells the registry its exit code, the signal
 that killed it and the last lines of its output, which reach the owner as the
-reason in :class:`~aiorl.errors.PeerLostError` or :class:`~aiorl.errors.WorkerInitError`.
+reason in [`PeerLostError`][aiorl.PeerLostError] or [`WorkerInitError`][aiorl.WorkerInitError].
 
 No orphans: workers die with the zygote, the zygote with the agent
 (``PR_SET_PDEATHSIG``), and on a clean stop the agent kills each worker's
@@ -542,7 +542,7 @@ def default_log_dir() -> str:
     """This agent's worker-log directory when ``--log-dir`` is not given: a fresh private
     ``<pid>-<random>`` directory under the one per-user ``<runtime dir>/aiorl-node-logs-<uid>``
     (docs/deploy.md). Directories of ended agents beyond the newest
-    :data:`KEPT_ENDED_AGENT_LOGS` are removed first, so the total stays bounded."""
+    `KEPT_ENDED_AGENT_LOGS` are removed first, so the total stays bounded."""
     parent = os.path.join(security.runtime_base(), f"aiorl-node-logs-{os.getuid()}")
     try:
         os.makedirs(parent, mode=0o700, exist_ok=True)

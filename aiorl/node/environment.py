@@ -4,7 +4,7 @@ A node group's ``env_configs`` (and ``launch(env=...)``) set variables for its
 workers. Most of them simply replace what the node has. Path lists are different: a
 user who writes ``PYTHONPATH: /opt/extra`` wants that directory *added* in front of
 the node's own entries, not the node's Python packages gone. So, as in RLinf, the
-variables in :data:`PATH_LIKE_ENV_VARS` are merged: the launch entries first, then
+variables in `PATH_LIKE_ENV_VARS` are merged: the launch entries first, then
 the node's, each entry once. ``AIORL_PATH_ENV_MERGE_MODE=override`` (RLinf's
 ``RLINF_PATH_ENV_MERGE_MODE``) replaces them like any other variable instead; the
 mode is read from the launch environment first (an ``env_configs`` entry), then from

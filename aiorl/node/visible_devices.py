@@ -5,7 +5,7 @@ Placement numbers a node's accelerators ``0..n-1`` and gives each worker
 started with a mask (``CUDA_VISIBLE_DEVICES=4,5,6,7``, or GPU UUIDs, e.g. the node's
 half of a shared machine): its local device ``i`` is then the mask's ``i``-th entry, and
 a worker must be given that entry, or it would run on physical GPUs 0-3, which belong to
-someone else. The agent applies :func:`physical_visible_devices` to every launch.
+someone else. The agent applies `physical_visible_devices` to every launch.
 
 Entries that are not indices (``GPU-<uuid>``, ``MIG-...``) already name a device and pass
 through. A mask shorter than the accelerators the agent reports (``--accelerators 8`` on

@@ -206,7 +206,7 @@ def _extend_sys_path(pythonpath: str) -> None:
     starts: without this, ``env_configs: [{PYTHONPATH: /opt/ext}]`` would show in
     ``os.environ`` and import nothing. New entries go where the interpreter puts them:
     first, before the standard library (the zygote has no script-directory entry ahead of
-    them, :func:`demote_working_directory`)."""
+    them, `demote_working_directory`)."""
     new = [e for e in dict.fromkeys(pythonpath.split(os.pathsep)) if e and e not in sys.path]
     sys.path[0:0] = new
 
@@ -220,7 +220,7 @@ def demote_working_directory() -> None:
     for ``AIORL_EXT_MODULE`` imports and the worker's own alike. Last, modules that exist
     only there still import (a driver started from a REPL ships no entry for it), and
     installed ones win. The driver's own entries are appended after it when a worker loads
-    its class (:mod:`aiorl.actors.worker_process`). Call before importing user code."""
+    its class (`aiorl.actors.worker_process`). Call before importing user code."""
     if getattr(sys.flags, "safe_path", False) or not sys.path:
         return  # python -P / PYTHONSAFEPATH=1 (3.11+): nothing was put first
     first = sys.path[0]
@@ -243,7 +243,7 @@ def _exec_worker(spec: WorkerSpawn, session: _Session) -> int:
     """Replace this forked child with ``launcher... python -m aiorl.node.exec_worker FD``.
 
     Everything the worker needs travels in a memfd inherited as ``FD`` (see
-    :mod:`aiorl.node.exec_worker`). Returns only when exec fails: the reason goes to the
+    `aiorl.node.exec_worker`). Returns only when exec fails: the reason goes to the
     worker's log, whose last lines reach the driver with the exit code (127, as a shell
     reports a missing program)."""
     launch = spec.launch

@@ -1,11 +1,11 @@
 # HOT PATH: send/recv entry points run per message.
 """Worker-to-worker point-to-point messages: ``send``/``recv`` and ``send_tensor``/``recv_tensor``.
 
-One :class:`P2PEngine` per process runtime (:func:`get_p2p`). Control goes worker to
+One `P2PEngine` per process runtime (`get_p2p`). Control goes worker to
 worker over the runtime's ZMQ endpoint (never through the registry); payloads take the
-fastest path that fits (:mod:`aiorl.p2p.sender` explains the choice,
-:mod:`aiorl.p2p.paths` lists the paths). The engine holds a
-:class:`~aiorl.p2p.sender.Sender` per destination and an :class:`~aiorl.p2p.inbox.Inbox`
+fastest path that fits (`aiorl.p2p.sender` explains the choice,
+`aiorl.p2p.paths` lists the paths). The engine holds a
+`Sender` per destination and an `Inbox`
 per source, routes the endpoint's ops and peer losses to them, and owns nothing else.
 
 Ordering (``docs/ordering.md``): every message of a (sender, receiver) pair is announced
@@ -97,7 +97,7 @@ def _worker_name(group: str, rank: int | Sequence[int]) -> str:
 
 def _answer_hello(msg: Incoming, ib: Inbox) -> None:
     """Answer a ``p2p.hello``, or say why not: the sender then goes on without the paths that
-    needed the answer (:meth:`Sender._hello`) instead of waiting out ``HELLO_TIMEOUT_S``. The
+    needed the answer (`Sender._hello`) instead of waiting out ``HELLO_TIMEOUT_S``. The
     endpoint answers for a handler that raises, but not for this answer deferred behind a
     first CUDA initialisation, which may fail (a broken driver, no device left)."""
     try:
@@ -110,7 +110,7 @@ def _answer_hello(msg: Incoming, ib: Inbox) -> None:
 
 
 class P2PEngine:
-    """The point-to-point engine of one process. Obtain it with :func:`get_p2p`.
+    """The point-to-point engine of one process. Obtain it with `get_p2p`.
 
     ``node_id`` is this worker's node (None in a driver): payload paths that need one
     node (shared memory, CMA, CUDA IPC) apply only toward workers of the same node.
@@ -148,8 +148,8 @@ class P2PEngine:
     def send(self, obj: Any, dst_group_name: str, dst_rank: int | Sequence[int]) -> AsyncWork[None]:
         """Send ``obj`` to worker ``dst_group_name:dst_rank``; done when ``obj`` may be reused.
 
-        Raises at once :class:`ValueError` for a non-contiguous tensor and
-        :class:`~aiorl.transport.serialization.SerializationError` (a TypeError)
+        Raises at once `ValueError` for a non-contiguous tensor and
+        `SerializationError` (a TypeError)
         for an object that cannot be pickled.
         """
         return self._start_send(_worker_name(dst_group_name, dst_rank), encode_object(obj))

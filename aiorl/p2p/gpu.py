@@ -4,19 +4,19 @@ Importable without CUDA (torch is imported inside functions; nothing here runs u
 CUDA tensor is sent, received or broadcast). docs/gpu.md states the rules it implements:
 
 * **Device per tensor.** Events are recorded on each tensor's own device and on the
-  caller's current stream *of that device* (:func:`record_events`); received tensors land
-  on the process's selected device (:mod:`aiorl.util.cuda_device`), whatever thread runs.
-* **Side streams only.** Transfers run on a :class:`CudaLane`'s own stream per device,
+  caller's current stream *of that device* (`record_events`); received tensors land
+  on the process's selected device (`aiorl.util.cuda_device`), whatever thread runs.
+* **Side streams only.** Transfers run on a `CudaLane`'s own stream per device,
   after waiting for the caller's events; nothing waits on, or makes wait, a default
   stream. Buffers allocated for a receive are allocated on the lane's stream and marked
   used by the device's default stream (``record_stream``), so freeing them later cannot
   hand their memory to a transfer while user kernels still read it.
 * **No thread per transfer, no spinning.** Completion is one CUDA event (and the NCCL
-  works' status) polled by the runtime's single waiter thread (:func:`gpu_done`).
-* **NCCL that reports instead of killing.** :func:`new_nccl_group` creates aiorl's
-  communicators with :data:`NCCL_SETTINGS` in force, non-blocking initialisation (so an
+  works' status) polled by the runtime's single waiter thread (`gpu_done`).
+* **NCCL that reports instead of killing.** `new_nccl_group` creates aiorl's
+  communicators with `NCCL_SETTINGS` in force, non-blocking initialisation (so an
   abort interrupts a set-up whose peer died) and aborts them off the event loop
-  (:func:`abort_in_background`).
+  (`abort_in_background`).
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ class CudaLane:
     """One daemon thread and one side stream per device, on which CUDA work is issued in order.
 
     A daemon thread (not an executor's): a lane stuck in a CUDA or NCCL call behind a dead
-    peer must not keep the process from exiting. :meth:`close` cancels what has not started.
+    peer must not keep the process from exiting. `close` cancels what has not started.
     """
 
     def __init__(self, name: str) -> None:
@@ -406,10 +406,10 @@ def settle_future(fut: asyncio.Future[None], error: BaseException | None,
 def new_nccl_group(store: Any, rank: int, size: int, device: int, timeout_s: float) -> Any:
     """An NCCL process group (the backend object) for aiorl's own use.
 
-    Created with :data:`NCCL_SETTINGS` in force, connected eagerly (one communicator for
+    Created with `NCCL_SETTINGS` in force, connected eagerly (one communicator for
     all of the group's operations, point-to-point included) and, where this torch has it,
     with a non-blocking communicator configuration: its initialisation does not block a
-    thread in NCCL, so :func:`abort_in_background` can end a set-up whose peer died.
+    thread in NCCL, so `abort_in_background` can end a set-up whose peer died.
     """
     dist = untyped("torch.distributed")
     opts = dist.ProcessGroupNCCL.Options()
@@ -463,7 +463,7 @@ class ByteWindow:
     """Receive-side backpressure for one sender: at most ``limit`` bytes land at once.
 
     ``offer(item, nbytes)`` returns True when ``item`` may start now (allocate and land);
-    otherwise it waits, in arrival order, and a later :meth:`release` hands it back. A
+    otherwise it waits, in arrival order, and a later `release` hands it back. A
     message larger than the whole window starts alone, once nothing else is in flight,
     so it cannot wait for ever. Pure bookkeeping (no CUDA): unit-tested on its own.
     """

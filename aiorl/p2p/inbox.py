@@ -1,5 +1,5 @@
 # HOT PATH: the small-object branch of Inbox.handle runs per small message.
-"""The receiving side of one (source -> this worker) pair: an :class:`Inbox`.
+"""The receiving side of one (source -> this worker) pair: an `Inbox`.
 
 Control messages from one source arrive in the order it sent them (one connection,
 one dispatching loop). The Inbox keeps two FIFOs, messages that *arrived* and receives
@@ -9,7 +9,7 @@ skipped. Each message's payload is taken over at arrival by the receiving half o
 path its descriptor names (CUDA transfers must start in arrival order); a receive's
 result is ready once its own payload has landed.
 
-Loss: :meth:`Inbox.lost` fails the posted receives and the CUDA payloads still in
+Loss: `Inbox.lost` fails the posted receives and the CUDA payloads still in
 flight, then lets each path drop what maps the source's memory. The engine then forgets
 the Inbox (with what arrived and was not received yet), so that a later receive resolves
 the name again: at once a failure for a dead worker, the new process for a restarted one.
@@ -272,7 +272,7 @@ class Inbox:
         self, r: PostedRecv, buf: Any, src: Any, then: Callable[[], None] | None
     ) -> None:
         """Copy into a buffer when a GPU is involved: off the loop, on a side stream
-        (:func:`aiorl.p2p.paths.cuda_common.copy_async`); the receive completes after."""
+        (`aiorl.p2p.paths.cuda_common.copy_async`); the receive completes after."""
         from aiorl.p2p.paths.cuda_common import copy_async
 
         fut = copy_async(self.engine, buf, src, r.event)

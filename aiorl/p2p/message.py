@@ -2,11 +2,11 @@
 """Outgoing and incoming p2p messages: encoding, and the bytes a received message landed in.
 
 An outgoing message is encoded on the caller's thread (validation and pickling, so
-errors are raised synchronously) into an :class:`OutMessage`: the pickle stream, the
+errors are raised synchronously) into an `OutMessage`: the pickle stream, the
 raw CPU buffers a payload path must carry, and the CUDA tensors to transfer. The
-receiver keeps an :class:`InMessage` until a receive takes it; its CPU bytes are either
+receiver keeps an `InMessage` until a receive takes it; its CPU bytes are either
 chunks (ZMQ frames, or a private array a pull filled) or offsets in a shared segment
-held through a lease (:class:`aiorl.transport._shm.Lease`).
+held through a lease (`aiorl.transport._shm.Lease`).
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def check_buffer(buf: Any) -> None:
 def record_event(*tensors: Any) -> dict[int, Any]:
     """Per device of ``tensors``, a CUDA event recorded on the calling thread's current
     stream of that device: what the caller had queued for them by the time of the call
-    (transfers wait for it). See :func:`aiorl.p2p.gpu.record_events`."""
+    (transfers wait for it). See `aiorl.p2p.gpu.record_events`."""
     from aiorl.p2p.gpu import record_events
 
     return record_events(tensors)

@@ -2,7 +2,7 @@
 
 Op names, message kinds and payload-path tags are part of the wire format: both ends
 of a pair must agree on them. The thresholds decide which path a payload takes
-(:mod:`aiorl.p2p.sender` documents the choice).
+(`aiorl.p2p.sender` documents the choice).
 
 Control message ``p2p.data``, meta ``[src, kind, head, bufdesc, cudadesc]``: ``bufdesc``
 is ``None`` or a CPU path's descriptor (first item its tag: ``FRAMES``, ``SHM``,

@@ -1,5 +1,5 @@
 # HOT PATH: the inline branch (submit -> _enqueue -> _flush) runs per small message.
-"""The sending side of one (this worker -> destination) pair: a :class:`Sender`.
+"""The sending side of one (this worker -> destination) pair: a `Sender`.
 
 A send becomes exactly one control message on this process's single connection to
 the receiver, in call order (``docs/ordering.md``). The Sender keeps that order:
@@ -10,20 +10,20 @@ the receiver, in call order (``docs/ordering.md``). The Sender keeps that order:
    (``p2p.hello``: can the receiver map our memory, read it, which GPU does it use?).
    The questions of every path that needs one travel together; later sends queue
    behind it. Once the backlog is empty, sends go out synchronously at call time.
-3. **Path choice** (:meth:`Sender._emit`), for a message that needs nothing else:
+3. **Path choice** (`Sender._emit`), for a message that needs nothing else:
 
    * *inline*, no path: a pickle below ``INLINE_MAX`` without out-of-band buffers, or one
      CPU tensor below it, is queued and sent at the end of the loop iteration together
      with the other small messages to this destination (``p2p.batch``, up to
      ``BATCH_MAX_MSGS`` messages / ``BATCH_MAX_BYTES``);
    * otherwise the pending batch is flushed first (order), then the message's CPU bytes
-     take the first CPU path (:data:`aiorl.p2p.paths.CPU_PATHS`: CMA, shared memory,
+     take the first CPU path (`aiorl.p2p.paths.CPU_PATHS`: CMA, shared memory,
      frames) that fits and does not decline, and its CUDA tensors the first CUDA path
      (CUDA IPC, NCCL); all-empty CUDA tensors take none (``NOTHING``).
 4. **Completion**: when every path that placed part of the message says its bytes may
    be reused (at once, ZMQ released the frames, the receiver read them, the GPU is done).
 
-Loss: :meth:`Sender.lost` fails the backlog, the batch and the pending sends, then lets
+Loss: `Sender.lost` fails the backlog, the batch and the pending sends, then lets
 each path fail what it still waits for (its own completion tokens) and release its
 resources. Later sends fail at once.
 """

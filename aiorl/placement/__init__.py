@@ -1,7 +1,7 @@
 """Placement: which process of a worker group runs on which node and resource.
 
-Pure logic over a static :class:`ClusterSpec`; nothing here starts processes or
-imports torch, zmq or omegaconf, so the node agent can import it cheaply and
+Pure logic over a static [`ClusterSpec`][aiorl.placement.ClusterSpec]; nothing here starts processes
+or imports torch, zmq or omegaconf, so the node agent can import it cheaply and
 ``aiorl plan`` can check a config on any machine. See ``docs/placement.md``.
 
 Typical use::

@@ -27,8 +27,8 @@ class ComponentPlacement:
         cfg: the whole config (with a top-level ``cluster`` key) or the ``cluster``
             section itself; a dict or an omegaconf ``DictConfig``. A missing
             ``component_placement`` means no components.
-        cluster_or_spec: a :class:`ClusterSpec`, an object with a ``.spec`` (a live
-            ``Cluster``), or ``None`` to build the spec from ``cfg``. When the given
+        cluster_or_spec: a [`ClusterSpec`][aiorl.placement.ClusterSpec], an object with a ``.spec``
+            (a live ``Cluster``), or ``None`` to build the spec from ``cfg``. When the given
             spec declares no node groups and ``cfg`` does, the config's groups are
             used, so that a spec built from counts alone still resolves labels.
 
@@ -131,7 +131,7 @@ class ComponentPlacement:
         """The strategy of ``component``; components of one key share the object.
 
         With ``required=False`` an unknown component gives ``None`` instead of raising
-        :class:`PlacementError` (RLinf's signature)."""
+        [`PlacementError`][aiorl.PlacementError] (RLinf's signature)."""
         if not required and not self.has_component(component):
             return None
         return self._keys[self._key(component)]

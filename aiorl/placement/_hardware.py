@@ -8,7 +8,7 @@ registered stay usable as *custom* hardware with free-form fields (aiorl accepte
 them before the registry existed, and a config that only counts units needs no
 schema).
 
-Register your own type with :func:`register_hardware`::
+Register your own type with `register_hardware`::
 
     @register_hardware("ur5", kind="robot")
     @dataclass
@@ -101,7 +101,7 @@ _C = TypeVar("_C", bound=type[HardwareConfig])
 
 
 def register_hardware(name: str, kind: str = "custom") -> Callable[[_C], _C]:
-    """Class decorator: register a :class:`HardwareConfig` dataclass as the schema of
+    """Class decorator: register a `HardwareConfig` dataclass as the schema of
     hardware type ``name``.
 
     Raises:

@@ -1,8 +1,8 @@
 """RLinf's placements for model-parallel RL: actor, rollout, inference and reward on GPUs.
 
-:class:`ModelParallelComponentPlacement` reads the same ``component_placement`` as
-:class:`ComponentPlacement` and then decides, from which GPUs the components share,
-how the processes are laid out (RLinf's ``rlinf.utils.placement``):
+`ModelParallelComponentPlacement` reads the same ``component_placement`` as
+[`ComponentPlacement`][aiorl.placement.ComponentPlacement] and then decides, from which GPUs the
+components share, how the processes are laid out (RLinf's ``rlinf.utils.placement``):
 
 Actor, rollout and reward must all be placed (RLinf's rule, in every mode); reward
 gets one process per GPU and does not take part in choosing the mode.
@@ -49,7 +49,8 @@ class PlacementMode(enum.Enum):
 
 
 class HybridComponentPlacement(ComponentPlacement):
-    """A :class:`ComponentPlacement` that says so: components on any sets of GPUs."""
+    """A [`ComponentPlacement`][aiorl.placement.ComponentPlacement] that says so: components on any
+    sets of GPUs."""
 
     placement_mode = PlacementMode.HYBRID
 
@@ -69,7 +70,7 @@ class ModelParallelComponentPlacement(ComponentPlacement):
     Args:
         cfg: the whole config: ``cluster`` (with ``component_placement``), ``actor``,
             ``rollout`` and optionally ``inference``, ``algorithm``.
-        cluster_or_spec: as for :class:`ComponentPlacement`.
+        cluster_or_spec: as for [`ComponentPlacement`][aiorl.placement.ComponentPlacement].
 
     Raises:
         PlacementError: actor, rollout or reward missing (reward is required in every

@@ -54,7 +54,7 @@ class ProfilerLaunch:
 
 @dataclass
 class ProfilingConfig:
-    """A parsed ``profiling:`` section. Build it with :func:`parse_profiling`.
+    """A parsed ``profiling:`` section. Build it with `parse_profiling`.
 
     Attributes:
         backend: ``"nsys"`` or ``"rocprof-sys"``.
@@ -189,7 +189,7 @@ def parse_profiling(raw: Any, where: str = "profiling", *, applies_to_all: bool 
     Args:
         raw: the section.
         where: prefix of error messages (``"node group 'gpu' profiling"``).
-        applies_to_all: what ``worker_groups`` left out means (see :class:`ProfilingConfig`).
+        applies_to_all: what ``worker_groups`` left out means (see `ProfilingConfig`).
 
     Raises:
         PlacementError: not a mapping, unknown key, missing or unknown backend, a key of

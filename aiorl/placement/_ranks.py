@@ -171,7 +171,8 @@ def rank_out_of_range_message(
 
 
 def format_ranks(ranks: Iterable[int]) -> str:
-    """Write ranks compactly, the inverse of :func:`parse_rank_config`.
+    """Write ranks compactly, the inverse of
+    [`parse_rank_config`][aiorl.placement.parse_rank_config].
 
     Consecutive runs collapse into ``a-b``: ``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``.
     The input order is kept (runs are only merged when ascending by one), so an

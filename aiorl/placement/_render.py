@@ -114,7 +114,8 @@ def render_placements(
 
 
 def render_plan(component_placement: ComponentPlacement) -> str:
-    """Render every rule of a :class:`ComponentPlacement`, after a cluster summary line."""
+    """Render every rule of a [`ComponentPlacement`][aiorl.placement.ComponentPlacement], after a
+    cluster summary line."""
     spec = component_placement.spec
     out = [f"cluster: {spec.describe()}"]
     groups = spec.node_groups

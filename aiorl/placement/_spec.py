@@ -1,7 +1,8 @@
-"""Static cluster description: :class:`ClusterSpec`, :class:`NodeGroup`, :class:`EnvConfig`.
+"""Static cluster description: [`ClusterSpec`][aiorl.placement.ClusterSpec], `NodeGroup`,
+`EnvConfig`.
 
-A :class:`ClusterSpec` says how many nodes there are, how many accelerators each
-has, and which node groups are declared. It starts nothing; placement is computed
+A [`ClusterSpec`][aiorl.placement.ClusterSpec] says how many nodes there are, how many accelerators
+each has, and which node groups are declared. It starts nothing; placement is computed
 from it alone, so plans can be checked on a laptop (``aiorl plan``) and the live
 ``Cluster`` hands the same object to the strategies.
 """
@@ -168,7 +169,7 @@ class NodeGroup:
             ``ignore_hardware``).
         hardware: the typed view of the hardware: one config object per unit, built
             from the schema registered for ``hardware_type`` (set when the group is
-            built; see :mod:`aiorl.placement._hardware`).
+            built; see `aiorl.placement._hardware`).
         profiling: this group's ``profiling:`` section; it applies to every worker placed
             through the group and takes precedence over the cluster-level section.
     """
@@ -456,14 +457,14 @@ class ClusterSpec:
         num_nodes: number of nodes, ranked ``0..num_nodes-1``.
         accelerators_per_node: accelerators on every node (an int), or one count per
             node (a list of ``num_nodes`` ints).
-        node_groups: user node groups, as :class:`NodeGroup` objects or
+        node_groups: user node groups, as `NodeGroup` objects or
             ``cluster.node_groups`` dicts. Labels must be unique and not reserved;
             their nodes must exist.
         accelerator_type: the accelerator family, e.g. ``"cuda"``; informational.
 
-    The reserved groups are always available through :meth:`get_node_group`:
-    ``cluster`` (every node; accelerators, or nodes when there are none) and ``node``
-    (every node; one resource per node).
+    The reserved groups are always available through
+    [`get_node_group`][aiorl.placement.ClusterSpec.get_node_group]: ``cluster`` (every node;
+    accelerators, or nodes when there are none) and ``node`` (every node; one resource per node).
 
     Raises:
         PlacementError: any of the above is violated.
@@ -546,7 +547,7 @@ class ClusterSpec:
     def hardware_unit_index(self, hardware_type: str, node_rank: int, key: tuple[Any, ...],
                             default: int) -> int:
         """The node-local index of the hardware unit identified by ``key`` (see
-        :meth:`NodeGroup.unit_keys`); ``default`` for a group this spec does not hold."""
+        `NodeGroup.unit_keys`); ``default`` for a group this spec does not hold."""
         units = self._hardware_units.get((hardware_type.lower(), node_rank), [])
         return units.index(key) if key in units else default
 
@@ -640,7 +641,8 @@ class ClusterSpec:
 
     @property
     def node_group_labels(self) -> list[str]:
-        """Every label :meth:`get_node_group` accepts: reserved first, then user groups."""
+        """Every label [`get_node_group`][aiorl.placement.ClusterSpec.get_node_group] accepts:
+        reserved first, then user groups."""
         return [*RESERVED_GROUP_LABELS, *self._groups]
 
     def get_node_group(self, label: str) -> NodeGroup:

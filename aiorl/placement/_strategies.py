@@ -1,9 +1,10 @@
-"""Placement strategies: from a :class:`ClusterSpec` to one :class:`Placement` per process.
+"""Placement strategies: from a [`ClusterSpec`][aiorl.placement.ClusterSpec] to one
+[`Placement`][aiorl.placement.Placement] per process.
 
 Every strategy works the same way underneath: it resolves its node group(s) into a
 *resource table* (the groups' resources, numbered consecutively in the order the
 groups are listed), decides which resource ranks each process gets, and hands that to
-:func:`_build`, which checks the node rule and fills in node-local ranks, visible
+`_build`, which checks the node rule and fills in node-local ranks, visible
 accelerators and environment.
 """
 
@@ -56,7 +57,8 @@ class Placement:
         python_interpreter: the interpreter the node group's ``env_configs`` name for
             its node, or None for the node agent's own.
         profiling: the profiling section that applies to its node group (the group's
-            own or the cluster's); see :meth:`profiler_launch`.
+            own or the cluster's); see
+            [`profiler_launch`][aiorl.placement.Placement.profiler_launch].
     """
 
     rank: int
@@ -91,8 +93,8 @@ class Placement:
 
 
 def resolve_spec(cluster_or_spec: Any) -> ClusterSpec:
-    """Accept a :class:`ClusterSpec` or anything with a ``.spec`` that is one (a live
-    ``Cluster``)."""
+    """Accept a [`ClusterSpec`][aiorl.placement.ClusterSpec] or anything with a ``.spec`` that is
+    one (a live ``Cluster``)."""
     if isinstance(cluster_or_spec, ClusterSpec):
         return cluster_or_spec
     spec = getattr(cluster_or_spec, "spec", None)
@@ -254,7 +256,7 @@ def _build(
 class PlacementStrategy:
     """Base class: decides the placement of every process of a group.
 
-    Subclasses implement :meth:`get_placement`. ``node_group_labels`` names the node
+    Subclasses implement `get_placement`. ``node_group_labels`` names the node
     groups whose resources the strategy numbers (in order).
     """
 
@@ -263,10 +265,11 @@ class PlacementStrategy:
     def get_placement(
         self, cluster_or_spec: Any, isolate_accelerator: bool = True
     ) -> list[Placement]:
-        """One :class:`Placement` per process, sorted by rank.
+        """One [`Placement`][aiorl.placement.Placement] per process, sorted by rank.
 
         Args:
-            cluster_or_spec: a :class:`ClusterSpec`, or an object whose ``.spec`` is one.
+            cluster_or_spec: a [`ClusterSpec`][aiorl.placement.ClusterSpec], or an object whose
+                ``.spec`` is one.
             isolate_accelerator: True (the default) shows a process only its own
                 accelerators (``CUDA_VISIBLE_DEVICES``); False shows it every accelerator
                 of its node, and its ``LOCAL_RANK`` is its device id.
@@ -307,7 +310,7 @@ class PackedPlacementStrategy(PlacementStrategy):
         PlacementError: negative or reversed range, non-positive counts, a range length
             not divisible by ``num_hardware_per_process * stride`` (at construction);
             an end rank past the group's resources or a process spanning nodes (in
-            :meth:`get_placement`).
+            `get_placement`).
     """
 
     def __init__(
@@ -386,7 +389,7 @@ class FlexiblePlacementStrategy(PlacementStrategy):
     Raises:
         PlacementError: no processes, an empty list, a negative rank, or a rank used
             twice (within or across processes) at construction; a rank past the
-            group's resources or a process spanning nodes in :meth:`get_placement`.
+            group's resources or a process spanning nodes in `get_placement`.
     """
 
     def __init__(
@@ -477,7 +480,7 @@ class NodePlacementStrategy(PlacementStrategy):
     Raises:
         PlacementError: empty or negative ``node_ranks`` (at construction); an entry
             past the selected nodes, or groups that share a node (in
-            :meth:`get_placement`).
+            `get_placement`).
     """
 
     def __init__(
@@ -569,7 +572,7 @@ class RankStringPlacementStrategy(PlacementStrategy):
 
     Raises:
         PlacementError: syntax and every rule that needs no cluster at construction;
-            range and node rules in :meth:`get_placement`. Messages quote the segment.
+            range and node rules in `get_placement`. Messages quote the segment.
     """
 
     def __init__(

@@ -4,11 +4,11 @@ Layer: above ``errors`` and ``names``; below ``registry``. It imports nothing
 else from aiorl (and only the standard library besides), so every process,
 the registry included, can parse messages without pulling in the runtime.
 
-* :mod:`~aiorl.protocol.ops`: every op and worker state, as ``str`` enums;
-* :mod:`~aiorl.protocol.registry`: the registry's requests, replies and events;
-* :mod:`~aiorl.protocol.spawn`: what a driver asks an agent to start, and what
+* `ops`: every op and worker state, as ``str`` enums;
+* `registry`: the registry's requests, replies and events;
+* `spawn`: what a driver asks an agent to start, and what
   the agent hands each new worker process;
-* :mod:`~aiorl.protocol.fields`: the checked reading every ``from_wire`` uses.
+* `fields`: the checked reading every ``from_wire`` uses.
 """
 
 from aiorl.protocol.ops import AgentOp, DriverOp, RegistryEvent, RegistryOp, WorkerOp, WorkerState

@@ -1,7 +1,7 @@
 """Reading one received message's fields, checking each on the way in.
 
-Every typed message's ``from_wire`` reads its map through :class:`Fields`,
-which raises :class:`~aiorl.errors.ProtocolError` naming the message and the
+Every typed message's ``from_wire`` reads its map through `Fields`,
+which raises [`ProtocolError`][aiorl.ProtocolError] naming the message and the
 field at the first value of the wrong type, out of range, too long, or not a
 valid name. Nothing downstream of ``from_wire`` ever sees an unchecked value:
 that is what keeps one malformed message from being stored and breaking every

@@ -1,7 +1,7 @@
 """The answer to ``inspect`` (``aiorl doctor``, ``aiorl trace``, metrics): one msgpack frame.
 
 An answer can be large (a trace pull carries up to 200,000 spans, a snapshot every thread's
-stack), far beyond what a message header may hold (:data:`~aiorl.transport.wire.MAX_HEADER_BYTES`,
+stack), far beyond what a message header may hold (`MAX_HEADER_BYTES`,
 whose limit guards every process against oversized control messages). So the answer travels
 as the reply's payload frame, encoded with msgpack: data only, never unpickled.
 """
@@ -23,7 +23,8 @@ def encode_answer(data: Any) -> list[bytes]:
 
 
 def decode_answer(frames: list[Any]) -> Any:
-    """``data`` back from :func:`encode_answer`'s frames; :class:`ProtocolError` if malformed."""
+    """``data`` back from `encode_answer`'s frames; [`ProtocolError`][aiorl.ProtocolError] if
+    malformed."""
     if len(frames) != 1:
         raise ProtocolError(f"an inspect answer is one frame, got {len(frames)}")
     try:

@@ -2,7 +2,7 @@
 
 The values are the wire strings (unchanged from the untyped protocol), so an
 enum member can be sent as is and a received string is converted with
-``RegistryOp(s)``. Code outside :mod:`aiorl.protocol` and :mod:`aiorl.registry`
+``RegistryOp(s)``. Code outside `aiorl.protocol` and `aiorl.registry`
 names operations only through these enums: a typo becomes an AttributeError
 at import, not a request the peer does not understand.
 """
@@ -24,7 +24,7 @@ __all__ = ["AgentOp", "DriverOp", "RegistryEvent", "RegistryOp", "WorkerOp", "Wo
 
 
 class RegistryOp(StrEnum):
-    """Requests served by the registry (see :data:`aiorl.protocol.registry.SCHEMA`)."""
+    """Requests served by the registry (see `aiorl.protocol.registry.SCHEMA`)."""
 
     REGISTER_NODE = "register_node"
     UNREGISTER_NODE = "unregister_node"

@@ -3,9 +3,9 @@
 Fields are the wire map's keys (the protocol before these types existed used
 the same maps), so ``to_wire()`` is a plain dict for msgpack and
 ``from_wire(meta)`` rebuilds the message, checking every field on the way in
-(:mod:`aiorl.protocol.fields`): a malformed message raises
-:class:`~aiorl.errors.ProtocolError` naming the field, at the boundary, before
-anything is stored. :data:`SCHEMA` maps each :class:`RegistryOp` to its
+(`aiorl.protocol.fields`): a malformed message raises
+[`ProtocolError`][aiorl.ProtocolError] naming the field, at the boundary, before
+anything is stored. `SCHEMA` maps each `RegistryOp` to its
 request and reply types; the service's dispatch and the client's typed methods
 are both driven by it, and a unit test checks that every op has both.
 """
@@ -336,7 +336,7 @@ class HeartbeatReply:
 
 # ---------------------------------------------------------------------- groups and workers
 def parse_worker_info(f: Fields) -> WorkerInfo:
-    """A :class:`WorkerInfo` from its wire map, every field checked."""
+    """A [`WorkerInfo`][aiorl.WorkerInfo] from its wire map, every field checked."""
     name = f.worker_name("address")
     return WorkerInfo(
         address=WorkerAddress.from_name(name),
@@ -430,7 +430,7 @@ class WorkerStateReport:
     """``worker_state``: a worker (or its agent, replaying) says it is starting, ready or failed.
 
     ``dead`` is not reported this way: only the agent that saw the process exit says so,
-    with a :class:`WorkerExit`.
+    with a `WorkerExit`.
     """
 
     info: WorkerInfo
@@ -591,7 +591,7 @@ class WorkerChanged:
 
 @dataclass(frozen=True, slots=True)
 class GroupStatus:
-    """One group in a :class:`StatusReport`."""
+    """One group in a `StatusReport`."""
 
     name: str
     world_size: int

@@ -1,16 +1,16 @@
 """What starts a worker: the driver's request to a node agent, and the agent's spec per process.
 
-A :class:`SpawnRequest` (driver -> agent, msgpack, checked by ``from_wire``)
-names the group, its owner and size, and one :class:`WorkerLaunch` per rank
+A `SpawnRequest` (driver -> agent, msgpack, checked by ``from_wire``)
+names the group, its owner and size, and one `WorkerLaunch` per rank
 placed on that agent's node; the class and its arguments travel as one
 cloudpickled frame beside it. For each launch the agent builds a
-:class:`WorkerSpawn` (agent -> zygote -> forked worker, in-process objects of
-one trusted node, never on the network), whose :meth:`WorkerSpawn.worker_info`
-is the one place a worker's :class:`~aiorl.names.WorkerInfo` is built.
+`WorkerSpawn` (agent -> zygote -> forked worker, in-process objects of
+one trusted node, never on the network), whose `WorkerSpawn.worker_info`
+is the one place a worker's [`WorkerInfo`][aiorl.WorkerInfo] is built.
 
 The request carries the group's owner and world size so the agent can tell a
 restarted registry who owns the workers it hosts (see
-:class:`~aiorl.protocol.registry.NodeRegistration`).
+`NodeRegistration`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class WorkerLaunch:
     """One rank to start: its environment and the devices it may use.
 
     ``env`` is merged into the node's environment when the worker starts (path lists
-    such as ``PATH`` are prepended, see :mod:`aiorl.node.environment`). A worker with a
+    such as ``PATH`` are prepended, see `aiorl.node.environment`). A worker with a
     ``launcher`` (a profiler command such as ``nsys profile ...``) or an interpreter
     other than the zygote's cannot be forked from the warm zygote: it is started by
     exec, as ``launcher... python_interpreter -m aiorl.node.exec_worker``.

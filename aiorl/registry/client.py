@@ -1,15 +1,15 @@
 """The client side of the registry: typed requests with timeouts, watches, heartbeats.
 
-One :class:`RegistryClient` per process, on the process's :class:`Endpoint`
+One `RegistryClient` per process, on the process's `Endpoint`
 (so its loop and thread rules apply). Each registry operation is a method
-taking and returning the typed messages of :mod:`aiorl.protocol.registry`
+taking and returning the typed messages of `aiorl.protocol.registry`
 (``create_group(spec)``, ``lookup(name) -> WorkerRecord``, ...); refusals
-arrive as the registry raised them, by class: :class:`GroupExistsError`,
-:class:`GroupNotFoundError`, :class:`WorkerNotFoundError`,
-:class:`NodeRankTakenError` (all :class:`RegistryError`), and
-:class:`ProtocolError` for a request the registry could not parse. Replies are
-checked as carefully as the registry checks requests. ``request()`` stays as
-the untyped, low-level call.
+arrive as the registry raised them, by class: [`GroupExistsError`][aiorl.GroupExistsError],
+[`GroupNotFoundError`][aiorl.GroupNotFoundError],
+[`WorkerNotFoundError`][aiorl.WorkerNotFoundError], [`NodeRankTakenError`][aiorl.NodeRankTakenError]
+(all [`RegistryError`][aiorl.RegistryError]), and [`ProtocolError`][aiorl.ProtocolError] for a
+request the registry could not parse. Replies are checked as carefully as the registry checks
+requests. ``request()`` stays as the untyped, low-level call.
 
 Watches deliver each change of a worker to the callbacks registered for its
 name or its group; the client also keeps the last state it saw of every
@@ -106,8 +106,8 @@ class RegistryClient:
     async def request(self, op: str, meta: Any = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
         """Send ``op`` to the registry; returns the reply meta.
 
-        Raises :class:`RegistryUnavailable` when no answer comes within ``timeout``;
-        error replies raise what the registry raised, by class (the typed methods
+        Raises [`RegistryUnavailable`][aiorl.RegistryUnavailable] when no answer comes within
+        ``timeout``; error replies raise what the registry raised, by class (the typed methods
         below say which).
         """
         try:
@@ -165,7 +165,7 @@ class RegistryClient:
                            incarnation: int | None = None) -> None:
         """A worker is starting, ready or failed (``detail``: the error, for failed).
 
-        ``incarnation`` defaults to this process's own (:func:`own_incarnation`): a worker
+        ``incarnation`` defaults to this process's own (`own_incarnation`): a worker
         reports itself; a node agent replaying its workers passes theirs."""
         await self._call(RegistryOp.WORKER_STATE, WorkerStateReport(
             info, state, detail or {},
@@ -277,7 +277,7 @@ class RegistryClient:
             await self._snapshot(NODES_PATTERN, self._deliver_nodes)
 
     async def resubscribe_patiently(self, patience: float = RESUBSCRIBE_PATIENCE_S) -> None:
-        """:meth:`resubscribe`, tried again every half second while the registry does not
+        """`resubscribe`, tried again every half second while the registry does not
         answer (it may have died again while coming back), for up to ``patience`` seconds.
 
         For a worker told by its node agent that the registry restarted: nothing else would
@@ -334,7 +334,7 @@ class RegistryClient:
         self, my_id: str, interval: float, on_unknown: Callable[[], Any] | None = None
     ) -> None:
         """Send heartbeats for ``my_id`` every ``interval`` seconds from a thread of their own
-        (:class:`~aiorl.transport.pulse.Pulse`): a loop busy with user work (a slow import
+        (`Pulse`): a loop busy with user work (a slow import
         while decoding a result, a huge result) does not stop them. When the registry no
         longer knows us (it restarted, or it declared us dead), ``on_unknown`` (a coroutine
         function) runs on the loop, so the caller can register again; one that failed halfway

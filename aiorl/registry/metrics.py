@@ -18,8 +18,8 @@ Series (labels ``worker``, ``group``, ``node``):
 
 The port asks for no key and shows worker, group and channel names, so ``aiorl-registry``
 binds it to 127.0.0.1 unless ``--metrics-host`` says otherwise; it serves at most
-:data:`MAX_CONNECTIONS` clients at once and closes one that has not sent its request
-within :data:`REQUEST_DEADLINE` seconds (docs/security.md).
+`MAX_CONNECTIONS` clients at once and closes one that has not sent its request
+within `REQUEST_DEADLINE` seconds (docs/security.md).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ async def serve_metrics(endpoint: Endpoint, ready_workers: Callable[[], list[Wor
     It asks for no key, so the registry binds it to loopback unless told otherwise. At most
     ``max_connections`` clients are served at once (others get ``503`` and are closed at
     once); each has ``request_deadline`` seconds to send its request line and headers, and
-    :data:`SEND_DEADLINE` to take the answer, then it is closed. What goes wrong is logged
+    `SEND_DEADLINE` to take the answer, then it is closed. What goes wrong is logged
     at most once a second per kind of trouble, with a count of the rest."""
     active = 0
 

@@ -7,7 +7,7 @@ The registry holds four tables:
 * **drivers**: processes that own groups (a ``Cluster`` in a user's program),
   also kept alive by heartbeats;
 * **groups**: name -> size, class and owning driver;
-* **workers**: address -> :class:`~aiorl.protocol.registry.WorkerRecord` (info,
+* **workers**: address -> `WorkerRecord` (info,
   state, why it ended), grouped by root group name.
 
 Clients *watch* names (a worker, a group, or ``"*"``) and get each change
@@ -19,8 +19,8 @@ dead driver's groups are torn down.
 Hardening (docs/failures.md, docs/security.md):
 
 * Every request is parsed by its typed message's ``from_wire``
-  (:data:`aiorl.protocol.registry.SCHEMA`) before a handler runs; a malformed
-  one is answered with :class:`~aiorl.errors.ProtocolError` and never stored,
+  (`aiorl.protocol.registry.SCHEMA`) before a handler runs; a malformed
+  one is answered with [`ProtocolError`][aiorl.ProtocolError] and never stored,
   so no later scan of a table can trip over it.
 * The sweep (expiry) logs a failure and runs again; warnings are rate-limited.
 * The state is bounded: dead nodes leave the table at once; a worker that ended
@@ -154,7 +154,7 @@ class _Worker:
 
 
 class RegistryService:
-    """The registry's state and request handlers, served on one :class:`Endpoint`."""
+    """The registry's state and request handlers, served on one `Endpoint`."""
 
     def __init__(
         self,

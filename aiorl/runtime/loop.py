@@ -4,16 +4,16 @@ Every aiorl process has one runtime loop: a worker's main thread, or a driver's 
 I/O thread. Code on other threads (a driver's synchronous user code, a worker's method
 thread, a waiter thread) reaches the loop only through this class:
 
-* :meth:`LoopThread.submit` runs a callback on the loop. Submissions from other threads
+* `LoopThread.submit` runs a callback on the loop. Submissions from other threads
   run in the order they were made and are batched: only the first of a burst wakes the
   loop (a wake-up costs tens of microseconds; 1,000 calls in flight would pay it 1,000
   times). On the loop thread, ``submit`` runs the callback at once.
-* :meth:`LoopThread.run_sync` runs a coroutine on the loop and blocks the calling thread
+* `LoopThread.run_sync` runs a coroutine on the loop and blocks the calling thread
   for its result; on the loop thread it refuses (blocking there would stop the loop).
-* :meth:`LoopThread.on_loop` says whether the caller is on the loop thread: a thread-id
+* `LoopThread.on_loop` says whether the caller is on the loop thread: a thread-id
   comparison, as cheap as asyncio's private running-loop check.
 
-Once :meth:`LoopThread.refuse` has run (the runtime is stopping: its Cluster closed, or its
+Once `LoopThread.refuse` has run (the runtime is stopping: its Cluster closed, or its
 embedded registry died), ``submit`` and ``run_sync`` from other threads raise the error it
 names at once instead of queueing work that no loop will run; a ``run_sync`` still blocked
 when the loop stops gets that error too, and a submission that raced with the stop is run
@@ -112,7 +112,7 @@ class LoopThread:
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop: now when on the loop thread, else soon, in order.
 
-        Raises the refusal's error (:meth:`refuse`) at once from another thread once the
+        Raises the refusal's error (`refuse`) at once from another thread once the
         loop is being stopped for good.
         """
         if threading.get_ident() == self.thread_id:
@@ -146,8 +146,8 @@ class LoopThread:
     def run_sync(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and block this (non-loop) thread for its result.
 
-        Raises :class:`~aiorl.WaitTimeout` (cancelling the coroutine) after ``timeout``
-        seconds, and :class:`RuntimeError` on the loop thread itself.
+        Raises [`WaitTimeout`][aiorl.WaitTimeout] (cancelling the coroutine) after ``timeout``
+        seconds, and `RuntimeError` on the loop thread itself.
         """
         if self.on_loop():
             coro.close()
@@ -208,7 +208,7 @@ class LoopThread:
         Closing fails pending operations; their callbacks (a group call's collect, a
         work's mirror to a waiting thread) run over the next few loop turns. The loop
         stops only after them, so every waiter hears "closed" and nothing is left with
-        an unread exception. Call :meth:`refuse` first so that nothing new is accepted.
+        an unread exception. Call `refuse` first so that nothing new is accepted.
         """
 
         def stop_after(turns: int) -> None:

@@ -1,4 +1,4 @@
-"""The producer side of :class:`~aiorl.AsyncWork`: creating and completing works.
+"""The producer side of [`AsyncWork`][aiorl.AsyncWork]: creating and completing works.
 
 Consumers (user code) hold an ``AsyncWork`` and only read it: ``await``, ``wait``,
 ``then``, ``cancel``. The services that produce results (group calls, P2P, channels)
@@ -60,7 +60,7 @@ def prepare_threads(work: AsyncWork[T]) -> None:
     """Give ``work`` its thread-side signal before it is shared (on the creating thread).
 
     A producer that creates a work off the loop (a thread will most likely wait on it)
-    prepares it, then has the loop :func:`link_threads`: ``wait()`` then needs neither an
+    prepares it, then has the loop `link_threads`: ``wait()`` then needs neither an
     extra loop wake-up nor the mirror lock (no contention with the loop thread).
     """
     if work._cf is None:
@@ -70,7 +70,7 @@ def prepare_threads(work: AsyncWork[T]) -> None:
 
 
 def link_threads(work: AsyncWork[T]) -> None:
-    """On the loop: connect a work prepared with :func:`prepare_threads` to its signal."""
+    """On the loop: connect a work prepared with `prepare_threads` to its signal."""
     assert work._cf is not None, "link_threads() needs a work prepared with prepare_threads()"
     work._fut.add_done_callback(work._wake_threads)
 

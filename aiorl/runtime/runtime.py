@@ -7,7 +7,7 @@ serving heartbeats, events and replies.
 
 The runtime also turns registry news into failures: when a watched worker is
 reported dead, every pending request to it fails with
-:class:`~aiorl.errors.PeerLostError` (see ``docs/failures.md``).
+[`PeerLostError`][aiorl.PeerLostError] (see ``docs/failures.md``).
 """
 
 from __future__ import annotations
@@ -114,12 +114,12 @@ class Runtime:
         """Run ``closer`` (on the loop) when the runtime stops, before the endpoint closes.
 
         Services built on the runtime (the P2P engine, channel clients) register here;
-        they close in reverse order of registration; :attr:`closed_reason` says why.
+        they close in reverse order of registration; `closed_reason` says why.
         """
         self._closers.append(closer)
 
     def discard_closer(self, closer: Callable[[], None]) -> None:
-        """Forget a closer registered with :meth:`on_close` (its service closed on its own)."""
+        """Forget a closer registered with `on_close` (its service closed on its own)."""
         try:
             self._closers.remove(closer)
         except ValueError:
@@ -131,12 +131,12 @@ class Runtime:
     ) -> dict[str, Any]:
         """Wait until worker ``name`` is ready and return its info; watch it for death.
 
-        Raises :class:`~aiorl.GroupNotFoundError` or :class:`~aiorl.WorkerNotFoundError`
-        (both ``LookupError``) at once if its group does not exist or has no such rank
-        (unless ``wait_for_group``: then a group that appears later is waited for, as a
-        channel being created is), :class:`PeerLostError` if the worker is (or becomes)
-        dead or failed, and :class:`~aiorl.WaitTimeout` if it is not ready within
-        ``timeout``.
+        Raises [`GroupNotFoundError`][aiorl.GroupNotFoundError] or
+        [`WorkerNotFoundError`][aiorl.WorkerNotFoundError] (both ``LookupError``) at once if its
+        group does not exist or has no such rank (unless ``wait_for_group``: then a group that
+        appears later is waited for, as a channel being created is),
+        [`PeerLostError`][aiorl.PeerLostError] if the worker is (or becomes) dead or failed, and
+        [`WaitTimeout`][aiorl.WaitTimeout] if it is not ready within ``timeout``.
 
         Concurrent first callers share one watch: the future is registered before the
         first ``await``, so every caller is answered by the same registry event.
@@ -232,8 +232,8 @@ class Runtime:
         """Close the services, the registry client and the endpoint; stop a driver's I/O thread.
 
         From now on, work offered from other threads (a call, a channel operation, a blocking
-        registry request) raises :class:`~aiorl.ClusterClosedError` with ``reason`` at once;
-        the closers fail what is pending with ``reason`` (:attr:`closed_reason`).
+        registry request) raises [`ClusterClosedError`][aiorl.ClusterClosedError] with ``reason`` at
+        once; the closers fail what is pending with ``reason`` (`closed_reason`).
         """
         why = reason or f"the aiorl runtime of {self.name} is stopped"
         if self.closed_reason is None:

@@ -1,7 +1,7 @@
 """Sessions: what groups and channels need to know about the cluster they launch into.
 
-A :class:`Session` is the driver's :class:`~aiorl.Cluster` or, inside a worker process,
-a :class:`WorkerSession`. Groups and channels depend on this protocol only, never on the
+A `Session` is the driver's [`Cluster`][aiorl.Cluster] or, inside a worker process,
+a `WorkerSession`. Groups and channels depend on this protocol only, never on the
 ``cluster`` layer above them, so that a worker can launch groups and host channels with
 the same code as the driver.
 """
@@ -50,7 +50,8 @@ class Session(Protocol):
 
 
 def spec_from_nodes(nodes: Sequence[Mapping[str, Any]], cluster_cfg: Mapping[str, Any]) -> ClusterSpec:
-    """A :class:`~aiorl.placement.ClusterSpec` of live ``nodes`` and the configured node groups."""
+    """A [`ClusterSpec`][aiorl.placement.ClusterSpec] of live ``nodes`` and the configured node
+    groups."""
     hw_groups = list(cluster_cfg.get("node_groups") or [])
     return ClusterSpec(
         len(nodes),
@@ -65,8 +66,8 @@ class WorkerSession:
 
     It shares the worker's runtime (no new thread or registration); groups it
     launches are owned by the driver that owns the worker, so they are torn down
-    with that driver's groups. Call :meth:`refresh` (on the runtime loop) before
-    reading :attr:`spec`.
+    with that driver's groups. Call `refresh` (on the runtime loop) before
+    reading `spec`.
     """
 
     log_to_driver = False

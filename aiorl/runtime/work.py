@@ -1,6 +1,6 @@
 """``AsyncWork``: the handle every remote operation returns.
 
-An :class:`AsyncWork` wraps an :class:`asyncio.Future` that lives on the aiorl
+An [`AsyncWork`][aiorl.AsyncWork] wraps an `asyncio.Future` that lives on the aiorl
 runtime loop of this process (the worker's loop, or the driver's I/O thread).
 It can be consumed from anywhere:
 
@@ -8,12 +8,12 @@ It can be consumed from anywhere:
   loop or on any other loop (the result is handed across threads);
 * ``work.wait(timeout)`` from synchronous code on any thread *except* the
   runtime loop's own thread, where blocking would stop the loop that must
-  deliver the result (that raises :class:`RuntimeError` instead of hanging);
-* ``work.then(fn)`` to chain a callback, giving an :class:`AsyncFuncWork`.
+  deliver the result (that raises `RuntimeError` instead of hanging);
+* ``work.then(fn)`` to chain a callback, giving an [`AsyncFuncWork`][aiorl.AsyncFuncWork].
 
 Cancellation: ``wait(timeout)`` that expires cancels the work locally and
-raises :class:`~aiorl.WaitTimeout` (a ``TimeoutError``); a task cancelled while it awaits the work
-cancels the work too. Local cancellation withdraws what this process waits
+raises [`WaitTimeout`][aiorl.WaitTimeout] (a ``TimeoutError``); a task cancelled while it awaits the
+work cancels the work too. Local cancellation withdraws what this process waits
 for (a pending receive no longer consumes a message; a call's late answer is
 dropped); it never interrupts code already running in a remote worker.
 
@@ -21,7 +21,7 @@ Ordering: callbacks added with ``then`` run on the runtime loop, in the order
 they were added, after the work completes.
 
 This module is the consumer side. Producers (group calls, P2P, channels) create and
-complete works through :mod:`aiorl.runtime.promise`.
+complete works through `aiorl.runtime.promise`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ _allocate_lock = _thread.allocate_lock
 
 
 class UnawaitedWorkError(TypeError):
-    """An :class:`AsyncWork` met where a value must travel (a result, a send's payload).
+    """An [`AsyncWork`][aiorl.AsyncWork] met where a value must travel (a result, a send's payload).
 
     ``work`` is the work that was met: a worker whose method returned it cancels it, as
     nobody can await it any more (docs/failures.md).
@@ -61,12 +61,13 @@ class UnawaitedWorkError(TypeError):
 class AsyncWork(Generic[T]):
     """A result that will exist later. See the module docstring for the rules.
 
-    Example::
-
+    Example:
+        ```python
         work = group.step(batch)              # returns at once
         results = work.wait(timeout=60)       # from synchronous code, or:
         results = await group.step(batch)     # from a coroutine, on any event loop
         group.step(batch).then(print)         # a callback, on the runtime loop
+        ```
     """
 
     __slots__ = ("_loop", "_home", "_fut", "_cf", "_next", "_cancelling")
@@ -164,9 +165,9 @@ class AsyncWork(Generic[T]):
     def wait(self, timeout: float | None = None) -> T:
         """Block until done and return the result (or raise the work's exception).
 
-        Raises :class:`~aiorl.WaitTimeout` (a ``TimeoutError``) after ``timeout`` seconds,
+        Raises [`WaitTimeout`][aiorl.WaitTimeout] (a ``TimeoutError``) after ``timeout`` seconds,
         cancelling the work.
-        Raises :class:`RuntimeError` when called on the runtime loop's thread
+        Raises `RuntimeError` when called on the runtime loop's thread
         before the work is done (use ``await`` there).
         """
         if self._fut.done():
@@ -235,7 +236,7 @@ class AsyncWork(Generic[T]):
     def then(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AsyncFuncWork[Any]:
         """Run ``fn(result, *args, **kwargs)`` on the runtime loop once this work completes.
 
-        If ``fn`` returns an :class:`AsyncWork`, the returned work completes when
+        If ``fn`` returns an [`AsyncWork`][aiorl.AsyncWork], the returned work completes when
         that one does. An exception here (or in ``fn``) propagates down the chain
         without calling ``fn``.
         """
@@ -291,10 +292,11 @@ class AsyncWork(Generic[T]):
 class AsyncFuncWork(AsyncWork[T]):
     """The result of ``then``: completes with the callback's value (or the work it returned).
 
-    Example::
-
+    Example:
+        ```python
         sizes = group.generate(8).then(lambda results: [len(r) for r in results])
         print(sizes.wait())
+        ```
     """
 
     __slots__ = ()
@@ -306,16 +308,17 @@ class AsyncFuncWork(AsyncWork[T]):
 class AsyncCollWork(AsyncWork[T]):
     """Wraps ``torch.distributed`` work objects (and optional CUDA events).
 
-    Completion is observed by the process's :class:`~aiorl.runtime.waiter.BlockingWaiter`
+    Completion is observed by the process's `BlockingWaiter`
     thread, so that ``async_wait`` never blocks the event loop; for CUDA work, the work is
     done only once its recorded CUDA events have completed too. The work resolves to
     ``on_done()`` when given, else to ``result``; a failed torch work (``wait()`` raises)
     fails it.
 
-    Example::
-
+    Example:
+        ```python
         work = self.broadcast(tensor, groups=[("trainer", [0, 1])], async_op=True)
         tensor = await work                   # an AsyncCollWork where NCCL carries it
+        ```
     """
 
     __slots__ = ()
@@ -355,12 +358,13 @@ _WAITER = BlockingWaiter()
 
 
 class AsyncChannelWork(AsyncWork[T]):
-    """An operation on a :class:`~aiorl.Channel` (put, get, get_batch, statistics).
+    """An operation on a [`Channel`][aiorl.Channel] (put, get, get_batch, statistics).
 
-    Example::
-
+    Example:
+        ```python
         await channel.put(trajectory, weight=len(trajectory))
         batch = await channel.get_batch(4096)
+        ```
     """
 
     __slots__ = ()

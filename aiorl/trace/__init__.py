@@ -1,7 +1,7 @@
 """Tracing: spans of every remote operation, recorded per process, merged into one trace.
 
 Bottom layer (imports nothing from aiorl): the runtime services record into
-:mod:`aiorl.trace.recorder` behind its ``ON`` switch, and :mod:`aiorl.trace.chrome` turns the
+`aiorl.trace.recorder` behind its ``ON`` switch, and `aiorl.trace.chrome` turns the
 buffers pulled from every process into one Chrome/Perfetto trace (docs/debugging.md).
 """
 

@@ -1,11 +1,11 @@
 """The per-process span recorder: a ring buffer of finished spans and a set of open ones.
 
-Hooks in the runtime services read the module-level :data:`ON` once per operation; with
+Hooks in the runtime services read the module-level `ON` once per operation; with
 tracing off that check is all they cost. With tracing on, an operation becomes one
-:class:`Span` (a slotted object: ~0.5 µs to open and close) that stays in :data:`open_spans`
+`Span` (a slotted object: ~0.5 µs to open and close) that stays in `open_spans`
 while it is pending (what ``aiorl doctor`` shows as pending work with its age) and moves to
 the ring buffer when it ends. Nothing is sent per span: the buffer is pulled in bulk
-(:func:`drain`) by ``aiorl trace dump`` / ``cluster.trace_dump``.
+(`drain`) by ``aiorl trace dump`` / ``cluster.trace_dump``.
 
 Flows (the arrows from a send to its receive, from a call to its execution) need no extra
 message either. A call's flow is named by its request id, which both ends know (the caller
@@ -15,7 +15,7 @@ is the k-th receive of B from A (each pair's messages are delivered in order,
 docs/ordering.md), so each end names the flow ``(pair, k)`` on its own.
 
 Times are ``time.perf_counter_ns()`` (CLOCK_MONOTONIC: shared by the processes of one
-machine); the merger corrects other machines' clocks (:mod:`aiorl.trace.chrome`).
+machine); the merger corrects other machines' clocks (`aiorl.trace.chrome`).
 """
 
 from __future__ import annotations
@@ -70,13 +70,13 @@ class CompactShape:
 
     Such a hook appends ``shape.layout.pack(shape.key, times, ids...)``: one ``bytes``
     object of int64 fields (the shape's key first) instead of the full record
-    (:func:`record` gives the layout). The method, the peer's name, the flow pair and the
+    (`record` gives the layout). The method, the peer's name, the flow pair and the
     thread live once in the shape. Bytes are never tracked by the garbage collector, where
     a tuple is, until the first collection that sees it: with thousands of records waiting
     for a pull, each young collection walked them all (~0.2 µs per call and process,
     measured with 1,000 calls in flight), and the records were most of what started those
-    collections. A record also takes less than half a full one's memory. :meth:`expand` makes the
-    full record when the buffer is read (:func:`drain`, :func:`recent`). Shapes are kept
+    collections. A record also takes less than half a full one's memory. `expand` makes the
+    full record when the buffer is read (`drain`, `recent`). Shapes are kept
     for the life of the process (one per caller or rank list and method: few).
     """
 
@@ -91,7 +91,7 @@ class CompactShape:
             _shapes.append(self)
 
     def expand(self, fields: tuple[int, ...]) -> tuple[Any, ...]:
-        """The full record of one compact record's ``fields`` (unpacked with :attr:`layout`)."""
+        """The full record of one compact record's ``fields`` (unpacked with `layout`)."""
         raise NotImplementedError
 
 
@@ -160,8 +160,8 @@ class Span:
         return ((now_ns or _now()) - self.t0) / 1e9
 
     def to_wire(self) -> tuple[Any, ...]:
-        """The record of a span still open (a finished span's record is made by :meth:`end`;
-        :mod:`aiorl.trace.chrome` reads both)."""
+        """The record of a span still open (a finished span's record is made by `end`;
+        `aiorl.trace.chrome` reads both)."""
         return (self.cat, self.name, self.t0, 0, self.tid, 0, self.peer, self.nbytes, True,
                 None, self.flow_out, self.flow_in, self.tags, self.on_loop)
 
@@ -169,7 +169,7 @@ class Span:
 def begin(cat: str, name: str, peer: str | None = None, **tags: Any) -> Span:
     """Open a span for an operation that ends later (``span.end()`` or ``span.settled``).
 
-    Hooks that carry no tags construct :class:`Span` directly: one Python call less, a
+    Hooks that carry no tags construct `Span` directly: one Python call less, a
     quarter of a pending span's cost."""
     return Span(cat, name, peer, tags or None)
 
@@ -177,13 +177,13 @@ def begin(cat: str, name: str, peer: str | None = None, **tags: Any) -> Span:
 def record(cat: str, name: str, t0: int, peer: str | None, nbytes: int, ok: bool,
            error: str | None, flow_out: tuple[str, int] | None,
            flow_in: tuple[str, int] | None, on_loop: bool) -> None:
-    """Record a finished operation begun at ``t0`` (``now()``) without a :class:`Span`:
+    """Record a finished operation begun at ``t0`` (``now()``) without a `Span`:
     for hot operations whose pending state the doctor reads elsewhere (group calls,
     executions), one tuple is all they cost.
 
-    The tuple, which :mod:`aiorl.trace.chrome` reads: ``(cat, name, t0, t1, begin thread,
+    The tuple, which `aiorl.trace.chrome` reads: ``(cat, name, t0, t1, begin thread,
     end thread, peer, nbytes, ok, error, flow_out, flow_in, tags, on_loop)``. The two
-    hottest hooks append a compact record instead (:class:`CompactShape`), expanded to
+    hottest hooks append a compact record instead (`CompactShape`), expanded to
     this layout when the buffer is read.
     """
     tid = _ident()
@@ -207,10 +207,11 @@ def flow_seq(pair: str) -> tuple[str, int]:
 def span(name: str, **tags: Any) -> Iterator[Span | None]:
     """Record the enclosed block as a span (a no-op yielding None when tracing is off).
 
-    Example::
-
+    Example:
+        ```python
         with aiorl.span("rollout.generate", step=step):
             trajectories = self.generate(prompts)
+        ```
     """
     if not ON:
         yield None
@@ -227,9 +228,10 @@ def span(name: str, **tags: Any) -> Iterator[Span | None]:
 def mark(name: str, **tags: Any) -> None:
     """Record an instant (a zero-length span) when tracing is on.
 
-    Example::
-
+    Example:
+        ```python
         aiorl.mark("weights.published", version=step)
+        ```
     """
     if ON:
         t = _now()

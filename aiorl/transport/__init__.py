@@ -1,8 +1,8 @@
 """The wire layer: message envelopes, serialization, sockets and the asyncio endpoint.
 
-Data flows one way: the actor layer (``aiorl.actors``) calls an :class:`Endpoint`,
-which frames messages with :mod:`aiorl.transport.wire` and moves them over ZMQ
-sockets made by :mod:`aiorl.transport.sockets` (the one place sockets are created).
+Data flows one way: the actor layer (``aiorl.actors``) calls an `Endpoint`,
+which frames messages with `aiorl.transport.wire` and moves them over ZMQ
+sockets made by `aiorl.transport.sockets` (the one place sockets are created).
 """
 
 from aiorl.transport.endpoint import Endpoint, Incoming

@@ -13,14 +13,14 @@ its own mapping. Because nothing is named, nothing can leak: the memory goes
 away when the last process holding the fd or a mapping closes or dies, even on
 ``SIGKILL``.
 
-:class:`SegmentPool` (sender side) hands out free segments of a size class and
+`SegmentPool` (sender side) hands out free segments of a size class and
 takes them back when the receiver acknowledges that it no longer reads them;
-:class:`SegmentMap` (receiver side) caches the receiver's mappings.
+`SegmentMap` (receiver side) caches the receiver's mappings.
 
-For a buffer the receiver will fill in place, :func:`cma_read` copies straight
+For a buffer the receiver will fill in place, `cma_read` copies straight
 from the sender's memory (``process_vm_readv``): one copy instead of two
 (write a segment, read it back), at the price of ptrace-level access, probed
-once per pair with :func:`check_cma`.
+once per pair with `check_cma`.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class SegmentPool:
     Args:
         max_bytes: the most shared memory the pool holds, free and in use together.
             A sender that runs ahead of its receiver by more than this (or whose
-            receiver keeps many received tensors alive) gets :class:`PoolFull`
+            receiver keeps many received tensors alive) gets `PoolFull`
             and sends through ZMQ instead of growing without bound.
     """
 
@@ -152,8 +152,8 @@ class SegmentPool:
 
         Reuses a free segment of the size class when there is one; otherwise
         creates one, closing free segments of other sizes if the pool would
-        exceed ``max_bytes``. Raises :class:`PoolFull` when even that is not
-        enough, and :class:`ShmUnavailable` when the system refuses memory.
+        exceed ``max_bytes``. Raises `PoolFull` when even that is not
+        enough, and `ShmUnavailable` when the system refuses memory.
         """
         if self.closed:
             raise ShmUnavailable("segment pool is closed")
@@ -336,7 +336,7 @@ def cma_read(pid: int, remote_addr: int, local_addr: int, nbytes: int) -> None:
 
     One copy, kernel to kernel (``process_vm_readv``). It needs ptrace-level access
     to ``pid`` (same user, and Yama ``ptrace_scope`` 0 or a descendant), which is
-    why senders probe it once per pair. Raises :class:`OSError` (``ESRCH`` when
+    why senders probe it once per pair. Raises `OSError` (``ESRCH`` when
     the process is gone, ``EPERM``/``ENOSYS`` when not allowed).
     """
     readv = _vm_readv()
@@ -358,12 +358,12 @@ CMA_PROBE = b"aiorl-cma-probe!"
 
 
 def cma_probe_buffer() -> Any:
-    """A small buffer of ours that a peer reads with :func:`cma_read` to test access."""
+    """A small buffer of ours that a peer reads with `cma_read` to test access."""
     return ctypes.create_string_buffer(CMA_PROBE, len(CMA_PROBE))
 
 
 def check_cma(pid: int, addr: int) -> bool:
-    """True when this process can read :data:`CMA_PROBE` at ``addr`` of process ``pid``."""
+    """True when this process can read `CMA_PROBE` at ``addr`` of process ``pid``."""
     buf = ctypes.create_string_buffer(len(CMA_PROBE))
     try:
         cma_read(pid, addr, ctypes.addressof(buf), len(CMA_PROBE))

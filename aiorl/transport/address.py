@@ -2,14 +2,14 @@
 
 ``Cluster(registry=...)`` (and Ray's spelling ``address=``), ``$AIORL_REGISTRY``,
 ``aiorl status --registry`` (and every ``aiorl`` command that reaches a cluster) and
-``aiorl-node --registry`` all pass what they were given through :func:`normalize_address`,
+``aiorl-node --registry`` all pass what they were given through `normalize_address`,
 so each accepts the same forms and refuses the same mistakes with the same message:
 
 * ``tcp://HOST:PORT`` (``HOST`` a name, an IPv4 address or a bracketed IPv6 one);
 * ``HOST:PORT``, meaning ``tcp://HOST:PORT``;
 * ``ipc://PATH``, a Unix socket (what an embedded cluster's registry listens on).
 
-Anything else raises :class:`~aiorl.AddressError` (a ``ValueError``) naming the value, where
+Anything else raises [`AddressError`][aiorl.AddressError] (a ``ValueError``) naming the value, where
 it came from and the forms above, instead of a raw ZMQ error from deep in a connect.
 """
 
@@ -35,11 +35,12 @@ def normalize_address(value: object, source: str = "registry address") -> str:
     ``source`` says where the value came from (``"Cluster(registry=...)"``,
     ``"$AIORL_REGISTRY"``, ``"--registry"``); the error message starts with it.
 
-    Example::
-
+    Example:
+        ```python
         normalize_address("head:6380")          # 'tcp://head:6380'
         normalize_address("tcp://10.0.0.2:6380")  # unchanged
         normalize_address("head")               # AddressError: ... no port ...
+        ```
 
     Raises:
         AddressError: ``value`` cannot be an address (a ``ValueError``).

@@ -7,17 +7,17 @@ traceback read ``File "<dynamic-code>", line 6, in boom`` with no source line: t
 not tell where their own code failed. aiorl does better than that, whatever cloudpickle's
 version:
 
-* **Code objects travel whole.** :class:`CodePickler` reduces a code object to its
-  :mod:`marshal` bytes (what a ``.pyc`` file holds), which keep ``co_filename`` and the line
+* **Code objects travel whole.** `CodePickler` reduces a code object to its
+  `marshal` bytes (what a ``.pyc`` file holds), which keep ``co_filename`` and the line
   table of it and of every nested function. Driver and workers run the same Python (cloudpickle's
   own code reduction needs that too), so marshal's version-specific format is no restriction.
-* **Source lines travel with a class.** :func:`dumps_with_sources` also carries the source text
-  of each file whose code it pickled (as the driver's :mod:`linecache` sees it, which includes
-  notebook cells), and :func:`loads_with_sources` lends that text to the receiver's
-  :mod:`linecache` when the file is not on its disk: a worker on another node formats a
+* **Source lines travel with a class.** `dumps_with_sources` also carries the source text
+  of each file whose code it pickled (as the driver's `linecache` sees it, which includes
+  notebook cells), and `loads_with_sources` lends that text to the receiver's
+  `linecache` when the file is not on its disk: a worker on another node formats a
   traceback with the user's failing line.
 
-The codec (:mod:`aiorl.transport.serialization`) uses the same pickler when plain pickle gives
+The codec (`aiorl.transport.serialization`) uses the same pickler when plain pickle gives
 up (lambdas and local classes in arguments), so their code keeps its file name too.
 """
 
@@ -74,7 +74,7 @@ def _source_text(filename: str) -> str | None:
 
 
 def dumps_with_sources(obj: Any) -> bytes:
-    """Pickle ``obj`` by :class:`CodePickler`, with the source of each file its code came from."""
+    """Pickle ``obj`` by `CodePickler`, with the source of each file its code came from."""
     stream = io.BytesIO()
     pickler = CodePickler(stream, protocol=5)
     pickler.dump(obj)
@@ -83,9 +83,9 @@ def dumps_with_sources(obj: Any) -> bytes:
 
 
 def loads_with_sources(data: bytes) -> Any:
-    """Inverse of :func:`dumps_with_sources`.
+    """Inverse of `dumps_with_sources`.
 
-    A carried source whose file this machine lacks is lent to :mod:`linecache` (never in place
+    A carried source whose file this machine lacks is lent to `linecache` (never in place
     of a file on disk, which is what this process runs)."""
     inner, sources = pickle.loads(data)
     for filename, text in sources.items():

@@ -1,7 +1,7 @@
 """The asyncio endpoint: one bound ROUTER for what comes in, one DEALER per peer for what goes out.
 
 Every aiorl process (registry, node agent, worker, driver) owns one
-:class:`Endpoint`. It serves operations registered with :meth:`Endpoint.handle`
+`Endpoint`. It serves operations registered with `Endpoint.handle`
 on its ROUTER, and sends requests, one-way messages and event subscriptions to
 other endpoints through a DEALER per peer address.
 
@@ -12,7 +12,7 @@ Event-loop integration
     edge-triggered: it signals a *change* of state, so a reader must drain until
     ``EVENTS`` shows no ``POLLIN``, and must look at ``EVENTS`` again after every
     send, because a send can consume the edge that announced queued input. Both
-    rules are applied in :class:`_Watched`; breaking either loses wake-ups.
+    rules are applied in `_Watched`; breaking either loses wake-ups.
 
 Batching
     The first message to a peer in an event-loop turn leaves at once; the rest
@@ -32,26 +32,26 @@ Ordering
     order for its own work.
 
 Failure
-    :meth:`Endpoint.mark_peer_lost` fails every pending request to a peer with
-    :class:`~aiorl.errors.PeerLostError` and makes later requests fail at once.
+    `Endpoint.mark_peer_lost` fails every pending request to a peer with
+    [`PeerLostError`][aiorl.PeerLostError] and makes later requests fail at once.
     Who decides that a peer is lost (the registry, a node agent) lives above.
 
     A failed handshake (the peer speaks another mechanism, refuses our
     credentials, or cannot prove it holds the cluster key) makes libzmq drop the
     connection for good. Each outgoing socket is watched for handshake events;
     after such a failure, pending requests to that peer fail with
-    :class:`~aiorl.errors.AuthenticationError`, new ones fail the same way at once,
+    [`AuthenticationError`][aiorl.AuthenticationError], new ones fail the same way at once,
     and the socket is rebuilt after a backoff (0.1 s doubling to 2 s) until a
     handshake succeeds again. ZMQ exceptions never leave this module.
 
 Errors
-    ERROR replies carry :func:`aiorl.errors.to_wire` data (type name, message,
-    traceback text) and are rebuilt by :func:`aiorl.errors.from_wire`; nothing in
+    ERROR replies carry `aiorl.errors.to_wire` data (type name, message,
+    traceback text) and are rebuilt by `aiorl.errors.from_wire`; nothing in
     an error reply is ever unpickled.
 
 Threads
     An endpoint belongs to its event loop's thread. Other threads use
-    :meth:`Endpoint.call_soon_threadsafe`.
+    `Endpoint.call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ from aiorl.transport.security import ClusterKeys
 from aiorl.transport.sockets import (
     HANDSHAKE_FAILED_EVENTS,
     IPC_PREFIX,
+    ROUTER_HWM,
     bind_endpoint,
     make_socket,
     monitor_handshakes,
@@ -168,7 +169,7 @@ EventHandler = Callable[[str, Any, list[Any]], None]
 
 class _DropLog:
     """Warn about dropped messages at most once a second, with a count of the rest
-    (:class:`~aiorl.util.ratelimit.RateLimitedLog`).
+    (`RateLimitedLog`).
 
     A flood of garbage must not become a flood of log lines (that would be a
     denial of service of its own)."""
@@ -228,7 +229,7 @@ class Incoming:
 class _Watched:
     """A socket registered with the loop, drained completely after every wake-up.
 
-    The loop thread owns the socket. One exception: :meth:`send_from_thread` lets
+    The loop thread owns the socket. One exception: `send_from_thread` lets
     another thread (a worker's method thread answering a call) send on it, under
     ``lock``, which every socket operation takes; a mutex gives the full memory
     barrier that libzmq requires when a socket changes threads.
@@ -434,11 +435,11 @@ class Endpoint:
     Args:
         name: a readable name for logs and routing ids (e.g. ``"rollout:3"``).
         host: interface to bind the ROUTER on, or ``ipc://DIR`` for a Unix socket in
-            the private directory DIR (see :func:`~aiorl.transport.sockets.bind_endpoint`).
+            the private directory DIR (see `bind_endpoint`).
         port: port to bind (0 = any free port; ignored for ``ipc://``).
         loop: the event loop that owns the endpoint (default: the running loop).
         keys: the cluster's keys; by default this process's
-            (:func:`~aiorl.transport.security.keys_from_environment`); None = insecure.
+            (`keys_from_environment`); None = insecure.
             ``plain`` keys work only over ``ipc://``: PLAIN hands the secret to whoever
             answers an address, which over TCP may be anyone who took a freed port.
     """
@@ -543,6 +544,12 @@ class Endpoint:
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 return False  # the client went away; nothing is waiting for this any more
+            if exc.errno == zmq.EAGAIN:  # its queue is full (ROUTER_HWM): it does not read
+                _dispatch_errors.warning(
+                    "peer not reading", "%s: a peer does not read what it is sent (%d "
+                    "messages queued for it): dropped a %s", self.name, ROUTER_HWM,
+                    Kind(kind).name)
+                return True
             raise
         return True
 
@@ -559,7 +566,7 @@ class Endpoint:
 
         An ERROR reply becomes the future's exception. With ``timeout``, the
         request is forgotten locally when it expires and the future raises
-        :class:`TimeoutError`; a late reply is dropped.
+        `TimeoutError`; a late reply is dropped.
         """
         return self.request_numbered(peer, op, meta, frames, timeout)[1]
 
@@ -571,8 +578,8 @@ class Endpoint:
         frames: Sequence[Any] = (),
         timeout: float | None = None,
     ) -> tuple[int, asyncio.Future[Reply]]:
-        """:meth:`request`, also returning the request id (0 when it failed at once), which
-        the peer sees as :attr:`Incoming.request_id` (tracing names a call's flow by it)."""
+        """`request`, also returning the request id (0 when it failed at once), which
+        the peer sees as `Incoming.request_id` (tracing names a call's flow by it)."""
         fut: asyncio.Future[Reply] = self.loop.create_future()
         rid = self.request_then(peer, op, meta, frames,
                                 functools.partial(self._settle_future, fut), timeout)
@@ -580,7 +587,7 @@ class Endpoint:
 
     def _settle_future(self, fut: asyncio.Future[Reply], error: BaseException | None,
                        reply: Reply | None) -> None:
-        """The settle of :meth:`request`: complete its future (unless cancelled meanwhile)."""
+        """The settle of `request`: complete its future (unless cancelled meanwhile)."""
         if fut.done():
             return
         if error is None:
@@ -599,7 +606,7 @@ class Endpoint:
         settle: Settle,
         timeout: float | None = None,
     ) -> int:
-        """:meth:`request` for the hot path: ``settle(error, reply)`` runs when it ends.
+        """`request` for the hot path: ``settle(error, reply)`` runs when it ends.
 
         No future and no extra loop callback per request: the reply (or the failure: a lost
         peer, a refused handshake, the timeout, close) calls ``settle`` directly, once, on

@@ -1,16 +1,16 @@
 """Requests sent on a schedule from a thread of their own: heartbeats that user work cannot stop.
 
-A process's :class:`~aiorl.transport.endpoint.Endpoint` lives on its event loop, and so did its
+A process's `Endpoint` lives on its event loop, and so did its
 heartbeats. A driver decodes results on that loop: a result whose class takes seconds to import,
 the first tensor (``import torch``), or a 2 GiB tensor held it for seconds, the registry heard no
 heartbeat for its expiry and tore down every group of a driver that was alive (issue 28). Liveness
-must not depend on user code, so a :class:`Pulse` sends its requests from a thread of its own,
+must not depend on user code, so a `Pulse` sends its requests from a thread of its own,
 over a DEALER socket of its own (same keys, its own routing id), and hands each answer to a
-callback on that thread. The thread waits in :meth:`zmq.Socket.poll`, which releases the GIL, and
+callback on that thread. The thread waits in `zmq.Socket.poll`, which releases the GIL, and
 needs the GIL only for a moment per beat: a loop busy in Python code (an import) leaves it the
 interpreter's switch interval (5 ms) every so often, which is plenty.
 
-What a beat means stays with the caller (:class:`~aiorl.registry.client.RegistryClient`): this
+What a beat means stays with the caller (`RegistryClient`): this
 module only sends ``op``/``meta`` as a request every ``interval`` seconds and reports replies and
 error replies; answers to beats sent before a registry restarted count the same as fresh ones.
 """
@@ -56,7 +56,7 @@ class Pulse:
 
     ``on_reply(meta)`` runs on the pulse thread for each reply, ``on_error(meta)`` for each
     error reply; both must be quick and thread-safe (hand work to a loop with
-    ``call_soon_threadsafe``). :meth:`stop` ends the thread and closes its socket.
+    ``call_soon_threadsafe``). `stop` ends the thread and closes its socket.
     """
 
     def __init__(self, name: str, address: str, keys: ClusterKeys | None, op: str, meta: Any,

@@ -18,10 +18,10 @@ requests, a client unpickles replies. So every socket authenticates its peer
   PLAIN secret on top is a second check on the client. PLAIN is never used over
   TCP: it hands the secret to whoever answers the address.
 
-Keys come from, in order: an explicit :class:`ClusterKeys` (an embedded
+Keys come from, in order: an explicit `ClusterKeys` (an embedded
 ``Cluster`` makes fresh ones and hands them to its processes in a 0600 key file;
 a node agent hands them to its workers over its private channel to the zygote,
-see :func:`set_process_keys`); ``$AIORL_CURVE_PUBLIC`` / ``$AIORL_CURVE_SECRET``;
+see `set_process_keys`); ``$AIORL_CURVE_PUBLIC`` / ``$AIORL_CURVE_SECRET``;
 the key file named by ``$AIORL_KEY_FILE`` or ``--key-file`` (``aiorl-registry``
 writes one on first start; copy it to every node). Processes that received keys
 remove those variables from their environment, so workers never inherit them.
@@ -145,7 +145,7 @@ def scrub_key_variables() -> None:
 
 
 def keys_from_environment() -> ClusterKeys | None:
-    """This process's keys (:func:`set_process_keys`), else ``$AIORL_CURVE_*`` or a key
+    """This process's keys (`set_process_keys`), else ``$AIORL_CURVE_*`` or a key
     file (``$AIORL_KEY_FILE``, then the default); None when ``AIORL_INSECURE=1``."""
     if _process_keys is not _UNSET:
         return _process_keys  # type: ignore[return-value]
@@ -201,8 +201,8 @@ def make_private_directory(prefix: str) -> str:
 
 
 def check_private_directory(path: str) -> None:
-    """Raise :class:`AuthenticationError` unless ``path`` is a directory owned by this
-    user that nobody else can enter: then nobody else can create, replace or connect
+    """Raise [`AuthenticationError`][aiorl.AuthenticationError] unless ``path`` is a directory owned
+    by this user that nobody else can enter: then nobody else can create, replace or connect
     to a Unix socket inside it.
 
     ``path`` itself must not be a symbolic link (``lstat``): in a shared directory such as

@@ -3,8 +3,8 @@
 Every payload that crosses a process boundary (calls and replies, channel items,
 point-to-point messages) is pickled here, by one policy:
 
-* **Out-of-band buffers.** :func:`encode` returns the pickle stream and every buffer
-  of at least ``oob_threshold`` bytes (default :data:`OOB_THRESHOLD`) separately,
+* **Out-of-band buffers.** `encode` returns the pickle stream and every buffer
+  of at least ``oob_threshold`` bytes (default `OOB_THRESHOLD`) separately,
   so that the caller can send it as a zero-copy frame or place it in shared memory.
   Smaller buffers stay in the stream, where one copy is cheaper than a frame.
 * **One tensor reducer.** A dense CPU tensor becomes its dtype, shape,
@@ -17,16 +17,16 @@ point-to-point messages) is pickled here, by one policy:
 * **CUDA tensors elsewhere** (method arguments and results, channel items): copied to
   the host on the sending thread (after what its stream queued), carried as out-of-band
   bytes like a CPU tensor, and rebuilt on the receiving process's *selected* CUDA device
-  (:mod:`aiorl.util.cuda_device`), keeping ``requires_grad`` and ``Parameter``. A process
+  (`aiorl.util.cuda_device`), keeping ``requires_grad`` and ``Parameter``. A process
   without CUDA (a CPU-only driver) cannot take one: unpickling raises
-  :class:`CudaUnavailableError` naming the tensor (docs/gpu.md).
+  `CudaUnavailableError` naming the tensor (docs/gpu.md).
 * **One pickler per thread**, reused: building a pickler and its stream costs more
   than pickling a small object. Its dispatch table is a single dict, updated in
   place when torch is imported or ``copyreg`` gains an entry, so a tensor pickled
   after a late ``import torch`` still uses the reducer above.
 * **cloudpickle** where plain pickle gives up (lambdas, classes defined in
   ``__main__``, closures), its code objects whole with their file names
-  (:mod:`aiorl.transport.code`); :class:`SerializationError` (a ``TypeError``) when
+  (`aiorl.transport.code`); `SerializationError` (a ``TypeError``) when
   neither can.
 
 Measurements behind the threshold: ``benchmarks/bench_serialization.py`` (a round
@@ -126,7 +126,7 @@ def tensor_from_buffer(dtype: Any, shape: Sequence[int], data: Any) -> Any:
 def _rebuild_tensor(
     dtype: Any, shape: Sequence[int], requires_grad: bool, data: Any, param: bool
 ) -> Any:
-    """Unpickling side of :func:`_reduce_tensor` (named in pickle streams: the wire format)."""
+    """Unpickling side of `_reduce_tensor` (named in pickle streams: the wire format)."""
     t = tensor_from_buffer(dtype, shape, data)
     if param:
         import torch
@@ -304,10 +304,10 @@ def encode(
 ) -> tuple[bytes, list[memoryview]]:
     """The pickle of ``obj`` and its out-of-band buffers (each ``>= oob_threshold`` bytes).
 
-    ``strict``: a non-contiguous tensor anywhere in ``obj`` raises :class:`ValueError`.
+    ``strict``: a non-contiguous tensor anywhere in ``obj`` raises `ValueError`.
     ``cuda_sink``: CUDA tensors are appended to it and pickled as placeholders
-    (:func:`decode` with ``cuda=`` puts the received tensors back).
-    Raises :class:`SerializationError` naming the type when nothing can pickle ``obj``.
+    (`decode` with ``cuda=`` puts the received tensors back).
+    Raises `SerializationError` naming the type when nothing can pickle ``obj``.
     """
     if len(copyreg.dispatch_table) != _synced_copyreg_size or (
         not _torch_registered and "torch" in sys.modules
@@ -379,7 +379,7 @@ def _encode_with_cloudpickle(
 
 
 def decode(data: Any, buffers: Sequence[Any] = (), cuda: Sequence[Any] = ()) -> Any:
-    """Inverse of :func:`encode`; ``cuda`` are the tensors its CUDA placeholders stand for."""
+    """Inverse of `encode`; ``cuda`` are the tensors its CUDA placeholders stand for."""
     if not cuda:
         return pickle.loads(data, buffers=buffers)
     state = _tls
@@ -391,11 +391,11 @@ def decode(data: Any, buffers: Sequence[Any] = (), cuda: Sequence[Any] = ()) -> 
 
 
 def dumps(obj: Any, oob_threshold: int = OOB_THRESHOLD) -> list[Any]:
-    """Serialize ``obj`` into ``[pickle_bytes, *large_buffers]`` (see :func:`encode`)."""
+    """Serialize ``obj`` into ``[pickle_bytes, *large_buffers]`` (see `encode`)."""
     data, bufs = encode(obj, oob_threshold)
     return [data, *bufs]
 
 
 def loads(frames: Sequence[Any]) -> Any:
-    """Inverse of :func:`dumps`: ``frames[0]`` is the pickle, the rest its buffers."""
+    """Inverse of `dumps`: ``frames[0]`` is the pickle, the rest its buffers."""
     return pickle.loads(frames[0], buffers=frames[1:])

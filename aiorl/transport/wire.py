@@ -9,7 +9,7 @@ A message is a list of ZMQ frames. The first frame is a msgpack array, the
 message or a pushed event), ``request_id`` pairs replies with requests (0 for
 messages that expect none), ``op`` names the operation and ``meta`` is a small
 msgpack value. The remaining frames are the payload: a pickle and its
-out-of-band buffers (see :mod:`aiorl.transport.serialization`), or raw bytes.
+out-of-band buffers (see `aiorl.transport.serialization`), or raw bytes.
 
 A BATCH message carries several messages to the same peer in one ZMQ message
 (an endpoint batches what it sends to one peer within one event-loop turn):
@@ -22,7 +22,7 @@ as one frame: its meta lists their lengths, and its one payload frame is their
 concatenation. Every frame of a multipart message costs the receiver a socket-option
 read (``RCVMORE``, ~1-3 us in pyzmq) and the sender a send call; a batch of 500 small
 calls or P2P messages paid that 500 times. An endpoint packs what it sends when a
-message has at least :data:`PACK_MIN_FRAMES` frames, all of them small; large frames
+message has at least `PACK_MIN_FRAMES` frames, all of them small; large frames
 keep travelling by reference (zero-copy), unpacked. PACKED messages do not nest.
 
 Nothing here unpickles: headers are msgpack, which cannot execute code.
@@ -100,7 +100,8 @@ def _shown(value: Any) -> str:
 
 
 def decode_header(frame: bytes | memoryview) -> Header:
-    """Parse a header frame, raising :class:`ProtocolError` on anything malformed."""
+    """Parse a header frame, raising [`ProtocolError`][aiorl.ProtocolError] on anything
+    malformed."""
     if len(frame) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(frame)} bytes exceeds the {MAX_HEADER_BYTES} limit")
     try:

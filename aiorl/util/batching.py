@@ -5,7 +5,7 @@ messages in flight, one message per item would pay that hundreds of times per tu
 batcher holds items per key (a peer) and hands each key's list to ``flush`` once, when
 the loop turn ends (a callback scheduled once per turn), or earlier when the key holds
 ``max_items`` items or ``max_bytes`` bytes. Order per key is kept; a caller that must send
-something out of band first takes the key's held items (:meth:`take`) and sends them ahead.
+something out of band first takes the key's held items (`take`) and sends them ahead.
 
 Each protocol keeps its own packing: ``flush(key, items)`` builds its batch message.
 Loop thread only.

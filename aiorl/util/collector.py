@@ -4,7 +4,7 @@ Two settings, measured with 1,000 no-op calls in flight (README, "Performance"):
 
 * ``gc.freeze()``: what exists when the process is set up (its imports: torch alone is
   ~200k objects) leaves the collector's sight, so a full collection no longer walks it.
-* A young-generation threshold of :data:`YOUNG_THRESHOLD` allocations instead of 700:
+* A young-generation threshold of `YOUNG_THRESHOLD` allocations instead of 700:
   each call in flight keeps a few small objects alive until its answer (a work, its
   result list, the request's callback), so with the default every 700 of them started a
   collection that walked all the calls still pending, then promoted them to older

@@ -8,9 +8,9 @@ current device" therefore put tensors on ``cuda:0`` in a worker that sees severa
 aiorl instead keeps one process-wide choice, read by every thread that lands CUDA bytes
 (point-to-point receives, broadcasts, CUDA tensors in call arguments and results):
 
-1. the device given to :func:`select_device` (``Worker.set_cuda_device`` style, explicit);
+1. the device given to `select_device` (``Worker.set_cuda_device`` style, explicit);
 2. else the device that was current on the worker's method thread when its ``__init__``
-   returned (:func:`note_thread_device`, called by the worker process), which is where a
+   returned (`note_thread_device`, called by the worker process), which is where a
    worker that called ``torch.cuda.set_device`` asked to be;
 3. else device 0 (the first device of ``CUDA_VISIBLE_DEVICES``).
 

@@ -8,7 +8,7 @@ builds a ``Future`` and a work item and juggles a Python-level semaphore: ~10 µ
 ``SimpleQueue``; the thread blocks on that queue while idle.
 
 ``run`` is fire-and-forget (the job answers its caller itself); ``submit`` keeps the
-:class:`concurrent.futures.Executor` contract for the few callers that want a future
+`concurrent.futures.Executor` contract for the few callers that want a future
 (``loop.run_in_executor``).
 """
 
@@ -49,7 +49,7 @@ class MethodThread(concurrent.futures.Executor):
 
     def submit(self, fn: Callable[..., T], /, *args: Any,
                **kwargs: Any) -> concurrent.futures.Future[T]:
-        """:meth:`run`, with a future of ``fn``'s result (the Executor contract)."""
+        """`run`, with a future of ``fn``'s result (the Executor contract)."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def job() -> None:

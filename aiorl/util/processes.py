@@ -10,9 +10,10 @@ __all__ = ["pid_alive", "process_start_time"]
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid exists (one of another user's counts).
 
-    Example::
-
+    Example:
+        ```python
         pid_alive(os.getpid())   # True
+        ```
     """
     try:
         os.kill(pid, 0)
@@ -28,9 +29,10 @@ def process_start_time(pid: int) -> int | None:
     it is gone or this cannot be read. With the pid it names one process: a pid reused by a
     later process has another start time.
 
-    Example::
-
+    Example:
+        ```python
         process_start_time(os.getpid()) == process_start_time(os.getpid())   # True
+        ```
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:

@@ -41,7 +41,26 @@ class WeightPublisher:
     version is complete. It never waits for a subscriber: readers of the slot being
     overwritten lose their copy (the seqlock says so) and retry with the newest version.
     Nor for a directory that is down: the directory is restarted, and told this
-    publisher's source and complete slots again before anything else (:meth:`_restore`).
+    publisher's source and complete slots again before anything else (``_restore``).
+
+    Get one with [`Worker.weight_publisher`][aiorl.Worker.weight_publisher] rather than
+    building it.
+
+    Args:
+        service: This process's weights service.
+        name: The weight name.
+        shard: The shard this publisher publishes, ``0 .. num_shards - 1``.
+        num_shards: How many shards make one version.
+        bucket_bytes: The size of the buckets a relay fetches a version in.
+
+    Raises:
+        ValueError: ``shard`` is outside ``0 .. num_shards - 1``.
+
+    Example:
+        ```python
+        pub = self.weight_publisher("policy", shard=self.rank, num_shards=self.world_size)
+        await pub.publish(self.model.state_dict(), version=step)
+        ```
     """
 
     def __init__(self, service: WeightsService, name: str, shard: int, num_shards: int,
@@ -59,6 +78,9 @@ class WeightPublisher:
         self._fanout: GpuFanout | None = None  # NCCL rounds to other GPUs (aiorl.weights.nccl)
         self._source: ShardSource | None = None
         self._version: int | None = None
+        #: The newest version an earlier publisher of this name completed (from the
+        #: directory at registration): this one's first version must be above it.
+        self._floor: int | None = None
         self._lock: asyncio.Lock | None = None
         self._announce_lock: asyncio.Lock | None = None
         self._announcing: asyncio.Task[None] | None = None
@@ -67,6 +89,13 @@ class WeightPublisher:
     def version(self) -> int | None:
         """The newest version this publisher completed (None before the first)."""
         return self._version
+
+    @property
+    def floor(self) -> int | None:
+        """The newest version an earlier publisher of this name completed, as the directory
+        said when this one registered (its first publish); this publisher's versions must
+        be above it. None before the first publish, or when there was none."""
+        return self._floor
 
     def publish(self, state_dict: Mapping[str, Any], version: int) -> AsyncWork[int]:
         """Publish ``state_dict`` (name -> tensor, CPU or CUDA) as ``version``.
@@ -77,6 +106,24 @@ class WeightPublisher:
         is written: the restarted directory hears of it); the tensors may be changed right
         after. The first publish registers the publisher and waits (bounded) for a
         directory that is restarting.
+
+        Args:
+            state_dict: The tensors to publish, name -> tensor (CPU or CUDA), with the
+                names, dtypes and shapes of the first publish.
+            version: The version number, above every version published before under this
+                name.
+
+        Returns:
+            An [`AsyncWork`][aiorl.AsyncWork] completing with ``version`` once subscribers
+                can read it.
+
+        Raises:
+            TypeError: ``version`` is not an int, or ``state_dict`` is not a mapping of
+                names to tensors.
+            ValueError: (the work fails with it) ``version`` is not newer than the last
+                one published under this name (see
+                [`floor`][aiorl.weights.WeightPublisher.floor]), or the tensors' names,
+                dtypes or shapes changed since the first publish.
         """
         if type(version) is not int:
             raise TypeError(f"a version must be an int, got {type(version).__name__}")
@@ -95,6 +142,13 @@ class WeightPublisher:
                 raise ValueError(f"version {version} is not newer than the published "
                                  f"{self._version}: versions must increase")
             segment, layout = await self._segment_for(state_dict)
+            if self._version is None and self._floor is not None and version <= self._floor:
+                raise ValueError(
+                    f"version {version} of weights {self.name!r} is not newer than version "
+                    f"{self._floor}, which an earlier publisher of {self.name!r} completed: "
+                    "versions of a weight name never go back, also when its publisher is "
+                    f"replaced (docs/weights.md); publish {self._floor + 1} or later "
+                    "(pub.floor), or use another name")
             slot = segment.spare_slot()
             segment.begin_write(slot, version)
             complete = False
@@ -159,14 +213,15 @@ class WeightPublisher:
         fanout = None if gpu is None else GpuFanout(service, self.name, self.shard, layout, gpu,
                                                     segment)
         try:
-            await service.call_directory(self.name, "register_publisher", source,
-                                         self.num_shards, service.node_id, layout)
+            floor = await service.call_directory(self.name, "register_publisher", source,
+                                                 self.num_shards, service.node_id, layout)
         except BaseException:
             if fanout is not None:
                 fanout.close()
             segment.close()
             raise
         service.segments[(self.name, self.shard)] = segment
+        self._floor = floor if isinstance(floor, int) else None
         self._segment, self._layout, self._gpu, self._fanout = segment, layout, gpu, fanout
         self._source = source
         await service.on_directory_restart(self.name, self._restore)

@@ -1,6 +1,6 @@
 """A double-buffered, seqlocked shared-memory segment: where one shard's versions live.
 
-Layout of one segment (an anonymous memfd, :mod:`aiorl.transport._shm`)::
+Layout of one segment (an anonymous memfd, `aiorl.transport._shm`)::
 
     +-- header page ------------------+-- slot 0 ----------------+-- slot 1 ----------------+
     | seq0 ver0 | seq1 ver1 | ...     | tensors of one version   | tensors of another       |
@@ -14,7 +14,7 @@ into the other slot.
 The header is a *seqlock* per slot. The writer makes ``seq`` odd, sets ``version``, writes
 the bytes, makes ``seq`` even again. A reader notes ``seq`` (it must be even and the slot
 must hold the version it wants), copies, and reads ``seq`` again: if it changed, the writer
-touched the slot during the copy and the copy is thrown away (:func:`read_slot` returns
+touched the slot during the copy and the copy is thrown away (`read_slot` returns
 False; the subscriber retries with the newest version). So a torn copy can happen but can
 never be returned. Readers take no lock and the writer never waits for them: a slow reader
 only loses its copy. (x86 keeps loads in order and stores in order, and every access here
@@ -75,7 +75,7 @@ def read_slot(header: Any, slot: int, version: int, copy: Callable[[], None]) ->
 
 
 class VersionedSegment:
-    """The writer's side: a memfd with :data:`SLOTS` slots of ``slot_bytes`` and their header."""
+    """The writer's side: a memfd with `SLOTS` slots of ``slot_bytes`` and their header."""
 
     def __init__(self, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
@@ -125,7 +125,7 @@ class VersionedSegment:
 
 
 class SegmentReader:
-    """A read-only mapping of another process's :class:`VersionedSegment`.
+    """A read-only mapping of another process's `VersionedSegment`.
 
     Kept for as long as the subscriber may pull from it: a mapping outlives the writer,
     so the last complete version stays readable after the publisher dies.
@@ -142,5 +142,5 @@ class SegmentReader:
         return self._bytes[start : start + self.ref.slot_bytes]
 
     def read(self, slot: int, version: int, copy: Callable[[Any], None]) -> bool:
-        """``copy(slot bytes)`` under the seqlock; see :func:`read_slot`."""
+        """``copy(slot bytes)`` under the seqlock; see `read_slot`."""
         return read_slot(self.header, slot, version, lambda: copy(self.slot(slot)))

@@ -1,7 +1,7 @@
-"""What every process that publishes or subscribes holds once: :class:`WeightsService`.
+"""What every process that publishes or subscribes holds once: `WeightsService`.
 
 It finds (or launches) the directory of a weight name, runs publish and pull coroutines on
-the runtime loop as :class:`~aiorl.AsyncWork`\\ s, owns the one thread that copies bulk
+the runtime loop as [`AsyncWork`][aiorl.AsyncWork]\\ s, owns the one thread that copies bulk
 bytes (so the event loop keeps serving calls and heartbeats during a 1 GB copy), and serves
 ``weights.fetch``: a relay on another node asking this publisher for one bucket of a
 version.
@@ -102,7 +102,7 @@ def host_directory(session: Session, name: str, node_rank: int = 0) -> WorkerGro
     The process that launches a directory supervises it: one launched on demand by a
     worker is no longer restarted once that worker is gone. Launched by the driver, it is
     restarted for as long as the job runs. Returns its one-rank group (``events()`` shows
-    its restarts). Raises :class:`~aiorl.GroupExistsError` if the directory exists.
+    its restarts). Raises [`GroupExistsError`][aiorl.GroupExistsError] if the directory exists.
     """
     return WorkerGroupBuilder(WeightDirectory, (name,), {}).launch(
         session, NodePlacementStrategy([node_rank]), directory_group(name),
@@ -110,7 +110,7 @@ def host_directory(session: Session, name: str, node_rank: int = 0) -> WorkerGro
 
 
 async def launch_directory(session: Session, name: str, node_rank: int) -> WorkerGroup[Any]:
-    """:func:`host_directory` for code on the runtime loop (a first publisher or
+    """`host_directory` for code on the runtime loop (a first publisher or
     subscriber): the directory is supervised by this process."""
     return await WorkerGroupBuilder(WeightDirectory, (name,), {}).launch_async(
         session, NodePlacementStrategy([node_rank]), directory_group(name),
@@ -118,7 +118,7 @@ async def launch_directory(session: Session, name: str, node_rank: int) -> Worke
 
 
 class WeightsService:
-    """Per-process weights machinery (one per runtime; see :func:`weights_service`)."""
+    """Per-process weights machinery (one per runtime; see `weights_service`)."""
 
     def __init__(self, runtime: Runtime, info: WorkerInfo) -> None:
         self.runtime = runtime
@@ -213,8 +213,8 @@ class WeightsService:
         A directory that restarted gets this process's state back first (the restorers).
         While it is down (dead, or restarting under its ``restart="on_failure"`` policy)
         the call is tried again for up to ``patience`` seconds (default
-        :data:`DIRECTORY_RESTART_S`), then fails with
-        :class:`~aiorl.PeerLostError`. A call unanswered :data:`ANSWER_S` seconds after
+        `DIRECTORY_RESTART_S`), then fails with
+        [`PeerLostError`][aiorl.PeerLostError]. A call unanswered `ANSWER_S` seconds after
         the ``wait_s`` the directory may take (a poll's) counts as a failure too: the
         death of a directory whose node died while the registry was restarting may never
         reach this process's old watches, so they are renewed. Every directory method can
@@ -315,7 +315,7 @@ class WeightsService:
     async def _answer_fetch(self, msg: Incoming, segment: VersionedSegment, slot: int,
                             version: int, start: int, end: int) -> None:
         """Reply with a private copy of the bucket, taken under the slot's seqlock (so the
-        answer says whether it is intact), as :data:`CHUNK`-sized frames."""
+        answer says whether it is intact), as `CHUNK`-sized frames."""
         copy = np.empty(end - start, dtype=np.uint8)
 
         def take() -> bool:

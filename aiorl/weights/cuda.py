@@ -1,12 +1,12 @@
 """GPU-resident versions: subscribers on the publisher's GPU copy device to device (CUDA IPC).
 
 A publisher whose state dict lives on one CUDA device keeps, besides the host slots every
-subscriber of the node can read, the same two slots on that device (:class:`CudaSlots`),
+subscriber of the node can read, the same two slots on that device (`CudaSlots`),
 written in the same seqlock bracket as the host slots (the sequence numbers stay in the
 host header, so one check covers both copies). It exports each GPU slot once by CUDA IPC
 (torch's ``reduce_tensor``: an IPC memory handle plus torch's reference counting, so the
 memory lives while any importer holds it). A subscriber whose ``into`` tensors are on that
-same device (:func:`same_device`) opens the slots (:func:`open_slots`) and copies out of
+same device (`same_device`) opens the slots (`open_slots`) and copies out of
 them on its current stream, then synchronises before it checks the sequence number: a
 device-to-device copy instead of host -> device.
 

@@ -1,21 +1,21 @@
 """CUDA publishers to CUDA subscribers on other GPUs: one NCCL broadcast round per version.
 
 A publisher whose state dict is on a GPU keeps its two version slots on that GPU too
-(:mod:`aiorl.weights.cuda`). Subscribers on that GPU copy out of them by CUDA IPC; a
+(`aiorl.weights.cuda`). Subscribers on that GPU copy out of them by CUDA IPC; a
 subscriber whose ``into`` is on *another* GPU (of its node or another node) would cross the
 host. Instead, the directory elects one subscriber per (node, GPU, shard) as that GPU's
-*representative*; it keeps two GPU slots of its own (:class:`GpuRelay`) and joins the
+*representative*; it keeps two GPU slots of its own (`GpuRelay`) and joins the
 publisher's NCCL rounds. Every other subscriber on that GPU copies out of the
 representative's slots by CUDA IPC, exactly as it would out of a publisher on its GPU.
 
-**Rounds.** The publisher (:class:`GpuFanout`) runs at most one round at a time, each the
+**Rounds.** The publisher (`GpuFanout`) runs at most one round at a time, each the
 broadcast of one complete version from its GPU slot to every representative that joined
 (the publisher is NCCL rank 0), bucket by bucket (``Layout.buckets``, one NCCL broadcast
 each, issued back to back on the communicator's lane stream, straight into the
 representatives' spare slots: bucket k+1 is on the wire while bucket k lands, and nothing
 is staged). Rounds run beside ``publish``, never inside it: a version published while a
 round runs becomes the *pending* round, replacing any version pending before it
-(:class:`RoundSchedule`), so a slow representative makes its GPU skip versions, it never
+(`RoundSchedule`), so a slow representative makes its GPU skip versions, it never
 queues work on the publisher nor delays a publish.
 
 **Consistency** is the seqlock of the host header, as for every other copy: a round notes
@@ -29,7 +29,7 @@ copy each), so a pull never waits for a round.
 
 **Communicators** are created lazily per member set (the publisher, then the
 representatives in address order) with the broadcast machinery
-(:class:`aiorl.collective.nccl_broadcast.NcclCommunicator`: a lane, non-blocking NCCL set-up
+(`aiorl.collective.nccl_broadcast.NcclCommunicator`: a lane, non-blocking NCCL set-up
 with aiorl's NCCL settings, a ``TCPStore`` hosted by the publisher whose address travels in
 each round message). A join or a loss changes the set, so the next round creates a new one;
 the previous one is retired when a round on its successor completed.
@@ -96,9 +96,9 @@ class Round:
 class RoundSchedule:
     """Which round a publisher runs next: at most one runs, the newest version waits.
 
-    Pure bookkeeping (no CUDA, no loop): :meth:`offer` a version when it is complete,
-    :meth:`next` when something may have changed (a publish, a join, a round's end),
-    :meth:`finished` when the running round ended. Versions offered while a round runs
+    Pure bookkeeping (no CUDA, no loop): `offer` a version when it is complete,
+    `next` when something may have changed (a publish, a join, a round's end),
+    `finished` when the running round ended. Versions offered while a round runs
     replace each other: only the newest is broadcast next, which is what keeps a slow
     member from making work pile up on the publisher.
     """
@@ -203,7 +203,7 @@ class NcclWeights:
 
 
 def nccl_weights(service: WeightsService) -> NcclWeights:
-    """The process's :class:`NcclWeights` (loop thread), created on first use."""
+    """The process's `NcclWeights` (loop thread), created on first use."""
     nccl = service.handles.get(NcclWeights)
     if nccl is None:
         nccl = service.handles[NcclWeights] = NcclWeights(service)

@@ -1,8 +1,8 @@
-"""Payload paths of the p2p engine, in order of preference (see :mod:`.base`).
+"""Payload paths of the p2p engine, in order of preference (see `base`).
 
 CPU bytes: CMA (a ``send_tensor`` pulled by the receiver), shared memory, then ZMQ
 frames (always fits). CUDA tensors: CUDA IPC (same physical GPU), then NCCL. A new
-path is a module defining a :class:`~.base.PathSpec` and one line below.
+path is a module defining a `PathSpec` and one line below.
 """
 
 from __future__ import annotations

@@ -4,23 +4,23 @@ A *payload path* moves the bytes of a message that do not travel inline. It has 
 halves, each instantiated per peer and owning that peer's state (a segment pool, a
 probe result, an NCCL pair, its completion tokens), its loss and its close:
 
-* a :class:`SendPath` per (path, destination), created by the :class:`~aiorl.p2p.sender.Sender`
+* a `SendPath` per (path, destination), created by the `Sender`
   once the destination is resolved (``create`` returns None where the path cannot
   apply, e.g. shared memory toward another node);
-* a :class:`RecvPath` per (path, source), created by the :class:`~aiorl.p2p.inbox.Inbox`
+* a `RecvPath` per (path, source), created by the `Inbox`
   when a message or a set-up question first names it.
 
-A path is described by a :class:`PathSpec` (its wire tag, its slot in the control
-message, its two halves); :data:`aiorl.p2p.paths.PATHS` lists them in order of
+A path is described by a `PathSpec` (its wire tag, its slot in the control
+message, its two halves); `aiorl.p2p.paths.PATHS` lists them in order of
 preference. The Sender tries, for a message's CPU bytes and then for its CUDA
 tensors, the first path of the slot whose ``fits`` holds and whose ``place`` does not
 decline. Adding a path is adding a module and one line to that list.
 
-The two :class:`~typing.Protocol` classes stay the typed contract: the Sender and the Inbox
+The two `Protocol` classes stay the typed contract: the Sender and the Inbox
 are written against them alone, and anything with those members is a path (a test double
 need not inherit anything). Most paths need only some of the members, though: no set-up
-question, nothing acknowledged, nothing held per peer. :class:`SendPathBase` and
-:class:`RecvPathBase` implement the protocols with those defaults, so a path subclasses them
+question, nothing acknowledged, nothing held per peer. `SendPathBase` and
+`RecvPathBase` implement the protocols with those defaults, so a path subclasses them
 and writes only what differs, at least ``place`` and ``accept``: those two are abstract in the
 protocols, so a subclass that forgets one fails at its first ``create``. Base
 classes with defaults rather than ABCs *instead of* the protocols, because the contract
@@ -214,7 +214,7 @@ class SendPathBase(SendPath):
 
     @classmethod
     def create(cls: type[_SendT], host: PathHost, dest: Destination) -> _SendT | None:
-        """The half toward ``dest`` (the :class:`PathSpec` factory); None where it cannot apply."""
+        """The half toward ``dest`` (the `PathSpec` factory); None where it cannot apply."""
         return cls(host, dest)
 
     def wants(self, msg: OutMessage) -> bool:
@@ -258,7 +258,7 @@ class RecvPathBase(RecvPath):
 
     @classmethod
     def create(cls: type[_RecvT], host: PathHost, source: str) -> _RecvT:
-        """The half for ``source`` (the :class:`PathSpec` factory)."""
+        """The half for ``source`` (the `PathSpec` factory)."""
         return cls(host, source)
 
     def answer(self, ask: Mapping[str, Any], reply: dict[str, Any]) -> None:

@@ -5,7 +5,7 @@ into a CUDA buffer, a CUDA message into a CPU buffer) gets the bytes by one copy
 the payload landed. That copy runs on a process-wide copy lane, on its side stream, never
 on the event loop and never on a default stream: host memory is staged through pinned
 memory (a copy from pageable memory would be synchronous), and completion is an event
-polled by the runtime's waiter thread (:func:`copy_async`).
+polled by the runtime's waiter thread (`copy_async`).
 
 Importable without CUDA (torch is imported inside functions).
 """

@@ -8,7 +8,7 @@ Per send, nothing is registered with torch's IPC machinery again:
 
 * **Shares are cached per storage.** The first send of a storage toward a receiver
   exports it once (``_share_cuda_``: one IPC memory handle and one torch IPC event); later
-  sends of the same live storage name the share by id. At most :data:`SHARES_PER_PEER`
+  sends of the same live storage name the share by id. At most `SHARES_PER_PEER`
   shares per receiver: the least recently used one, or one whose storage died, is dropped
   (``p2p.cuda`` ``ipc-drop``), and the receiver closes its mapping. So torch's limit of
   1,000 IPC events (after which every share synchronises a stream) is never reached.

@@ -1,19 +1,19 @@
 """Payload path: CUDA tensors by NCCL, one communicator per *unordered* pair.
 
 Used for CUDA tensors between different GPUs (same node or not). Both directions of a
-pair share one two-rank communicator (:class:`NcclPair`), created lazily by both sides
+pair share one two-rank communicator (`NcclPair`), created lazily by both sides
 at the first transfer either way; its *leader* (the name that sorts first) is rank 0 and
 hosts the rendezvous ``TCPStore``, whose address travels in its messages. Every NCCL
-operation of the pair is issued on the pair's :class:`~aiorl.p2p.gpu.CudaLane`, in the
-one order :mod:`aiorl.p2p.paths.nccl_order` defines: nothing is issued before the
+operation of the pair is issued on the pair's `CudaLane`, in the
+one order `aiorl.p2p.paths.nccl_order` defines: nothing is issued before the
 receiver allocated, a receiver that cannot allocate refuses that message alone, and the
 leader decides the order of both directions. Handshake messages ride ``p2p.done``
 (receiver -> sender: ready, go, refuse) and ``p2p.cuda`` (sender -> receiver: go).
 
 The tensors of one message travel as one NCCL operation each, except that several small
-ones (together at most :data:`PACK_MAX` bytes) are packed into one buffer: one operation
+ones (together at most `PACK_MAX` bytes) are packed into one buffer: one operation
 per message for the common "a few small tensors" case. A receiver lets at most
-:data:`aiorl.p2p.gpu.CUDA_INFLIGHT_BYTES` per sender land at once (allocations included).
+`aiorl.p2p.gpu.CUDA_INFLIGHT_BYTES` per sender land at once (allocations included).
 Peer loss fails every pending transfer at once with ``PeerLostError`` and aborts the
 communicator off the loop; docs/gpu.md describes the settings and what has run on a GPU.
 """
@@ -451,7 +451,7 @@ class NcclPair:
 
 
 class _PairHalf:
-    """What both halves toward one peer share: its :class:`NcclPair` (both directions), whose
+    """What both halves toward one peer share: its `NcclPair` (both directions), whose
     loss, close and statistics are theirs."""
 
     host: PathHost

@@ -23,8 +23,8 @@ So the leader issues every operation of the pair, in its own order, at the momen
 sends the ``GO`` that tells the follower; the follower issues only on ``GO``, which it
 receives in the order they were sent (one connection). Both sequences are the same.
 
-Pure bookkeeping (no CUDA, no I/O): :class:`PairOrder` turns events into
-:class:`Step`\\ s that :mod:`aiorl.p2p.paths.nccl` carries out; tests drive two of them
+Pure bookkeeping (no CUDA, no I/O): `PairOrder` turns events into
+`Step`\\ s that `aiorl.p2p.paths.nccl` carries out; tests drive two of them
 against each other.
 """
 
