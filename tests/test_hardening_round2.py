@@ -144,6 +144,15 @@ def _read_all(s: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
+def _messages(frames: list[bytes]) -> list[list[bytes]]:
+    """The messages in what arrived: one, or those of a (PACKED) BATCH."""
+    header = decode_header(frames[0])
+    if header.kind == Kind.PACKED:
+        frames = unpack(header.meta, frames[1:])
+        header = decode_header(frames[0])
+    return split_batch(header.meta, frames[1:]) if header.kind == Kind.BATCH else [frames]
+
+
 class RawClient:
     """An authenticated DEALER that sends raw frames, as a buggy or hostile member would."""
 
@@ -162,13 +171,7 @@ class RawClient:
         self.sock.send_multipart([encode_header(Kind.REQUEST, request_id, op, meta)])
         deadline = time.monotonic() + timeout
         while self.sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
-            frames = self.sock.recv_multipart()
-            header = decode_header(frames[0])
-            if header.kind == Kind.PACKED:
-                frames = unpack(header.meta, frames[1:])
-                header = decode_header(frames[0])
-            parts = split_batch(header.meta, frames[1:]) if header.kind == Kind.BATCH else [frames]
-            for part in parts:
+            for part in _messages(self.sock.recv_multipart()):
                 h = decode_header(part[0])
                 if h.request_id == request_id:
                     assert h.kind == Kind.REPLY, f"{op} failed: {h.meta}"
@@ -654,13 +657,8 @@ def _answered_ids(client: RawClient, until_id: int, within: float) -> list[int]:
     while until_id not in ids:
         assert client.sock.poll(max(1, int((deadline - time.monotonic()) * 1000))), \
             f"no answer to request {until_id} within {within} s"
-        frames = client.sock.recv_multipart()
-        header = decode_header(frames[0])
-        if header.kind == Kind.PACKED:
-            frames = unpack(header.meta, frames[1:])
-            header = decode_header(frames[0])
-        parts = split_batch(header.meta, frames[1:]) if header.kind == Kind.BATCH else [frames]
-        ids += [decode_header(part[0]).request_id for part in parts]
+        ids += [decode_header(part[0]).request_id
+                for part in _messages(client.sock.recv_multipart())]
     return ids
 
 
