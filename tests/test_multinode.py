@@ -107,6 +107,9 @@ class Member(aiorl.Worker):
     def echo(self, x: object) -> object:
         return x
 
+    def shout(self, text: str) -> None:
+        print(text, flush=True)  # forwarded to the driver's stderr by this node's agent
+
     def drain(self, channel: aiorl.Channel, n: int) -> list[object]:
         return [channel.get().wait(30) for _ in range(n)]
 
@@ -142,7 +145,8 @@ def topology(tmp_path):
         os.close(lock)  # releases the lock
 
 
-def test_group_p2p_and_channel_across_namespaces_then_cut_link(topology, tmp_path):
+def test_group_p2p_and_channel_across_namespaces_then_cut_link(topology, tmp_path, monkeypatch,
+                                                               capfd):
     key_file = str(tmp_path / "cluster.key")
     ClusterKeys.generate().save(key_file)  # CURVE: traffic crosses a (virtual) network
     registry = f"tcp://{topology.ip('aiorl-reg')}:6390"
@@ -151,12 +155,23 @@ def test_group_p2p_and_channel_across_namespaces_then_cut_link(topology, tmp_pat
     for rank, ns in enumerate(["aiorl-n0", "aiorl-n1"]):
         topology.run(ns, "-m", "aiorl.node.agent", "--registry", registry, "--host", topology.ip(ns),
                      "--node-rank", str(rank), "--key-file", key_file, "--log-level", "WARNING")
+    monkeypatch.setenv("AIORL_NODE_IP", f"{SUBNET}.1")
     with aiorl.Cluster(registry=registry, num_nodes=2, key_file=key_file, timeout=60) as cluster:
         assert [n["ip"] for n in cluster.nodes] == [topology.ip("aiorl-n0"), topology.ip("aiorl-n1")]
         group = Member.create_group().launch(
             cluster, aiorl.placement.NodePlacementStrategy([0, 1]), name="members")
         assert group.where().wait(90) == [(topology.ip("aiorl-n0"), 0), (topology.ip("aiorl-n1"), 1)]
         assert group.echo("across").wait(10) == ["across", "across"]
+        # Workers' output reaches a driver on another host: it binds where they reach it
+        # (AIORL_NODE_IP here: the bridge's side of this host), not on loopback.
+        group.execute_on(1).shout("hello from the other machine").wait(10)
+        seen = ""
+        deadline = time.monotonic() + 15
+        while "hello from the other machine" not in seen:
+            assert time.monotonic() < deadline, f"no output from node 1 reached the driver: {seen}"
+            time.sleep(0.1)
+            seen += capfd.readouterr().err
+        assert "(members:1 pid=" in seen
         # P2P tensors between the machines (1 MB each way).
         size = 256 * 1024
         expected = float(size * (size - 1) / 2)

@@ -36,6 +36,7 @@ from aiorl.runtime import Runtime
 from aiorl.trace import recorder as _trace
 from aiorl.transport import security
 from aiorl.transport.address import normalize_address
+from aiorl.transport.sockets import local_ip
 
 __all__ = ["Cluster"]
 
@@ -58,6 +59,19 @@ atexit.register(_close_all_at_exit)
 CLOSED = ("this Cluster is closed (close() or the end of its `with` block stopped it); "
           "create a new aiorl.Cluster()")
 
+
+
+def _driver_host(registry: str) -> str | None:
+    """Where an attaching driver binds its endpoint: workers send it their output lines and
+    the doctor probes it, so it must be reachable from their hosts. A registry on loopback
+    (or a Unix socket) means one machine, and the default (127.0.0.1) stays; otherwise this
+    host's address as other hosts see it (``AIORL_NODE_IP``, else the hostname's)."""
+    if registry.startswith("ipc://"):
+        return None
+    host = registry.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if host == "localhost" or host.startswith("127.") or host == "::1":
+        return None
+    return local_ip()
 
 class Cluster:
     """The driver's handle on a set of nodes: what groups and channels are launched into.
@@ -143,6 +157,7 @@ class Cluster:
             else:
                 keys = security.ClusterKeys.load(key_file) if key_file else (
                     security.keys_from_environment())
+                host = _driver_host(str(address))
             _live_clusters.add(self)
             self._session = DriverSession(str(address), keys, self._cfg, host=host,
                                           log_to_driver=log_to_driver, timeout=timeout)
