@@ -133,8 +133,8 @@ class WeightDirectory:
         # (node, shard) -> the publisher segment the relay's copy came from.
         self._relay_origins: dict[tuple[str, int], SegmentRef] = {}
         self._lost: dict[int, str] = {}  # shard -> why its publisher is gone
-        #: The newest version a publisher of this name announced: replacements start above.
-        self._floor: int | None = None
+        #: The newest version a publisher of each shard announced: its replacements start above.
+        self._floors: dict[int, int] = {}
         # GPU representatives (aiorl.weights.nccl), by (node, GPU UUID, shard).
         self._gpu_of: dict[str, str] = {}  # subscriber -> the UUID of the GPU it pulls into
         self._gpu_reps: dict[tuple[str, str, int], str] = {}  # -> elected representative
@@ -150,9 +150,10 @@ class WeightDirectory:
                                  layout: Layout) -> int | None:
         """Shard ``source.shard`` of ``num_shards`` is published by ``source.worker``.
 
-        Returns the newest version any publisher of this name completed (None: none yet): a
+        Returns the newest version a publisher of this shard completed (None: none yet): a
         publisher that replaces another (a restarted rank, a new group reusing the name)
-        must publish above it, so that versions never go back (docs/weights.md, rule 2)."""
+        must publish above it, so that versions never go back (docs/weights.md, rule 2).
+        Per shard: the publishers of the other shards publish the same version numbers."""
         if self.num_shards is None:
             self.num_shards = num_shards
         elif num_shards != self.num_shards:
@@ -172,7 +173,7 @@ class WeightDirectory:
             raise ValueError(f"shard {source.shard} of weights {self.name!r} is already "
                              f"published by {old.source.worker}")
         if old is not None and old.source.ref == source.ref:
-            return self._floor  # registered again (its restore after our restart raced it)
+            return self._floors.get(source.shard)  # registered again (a restore raced it)
         self._publishers[source.shard] = _Publisher(source, node_id, layout)
         self._lost.pop(source.shard, None)
         # Relays of another publisher's segment hold its layout: start them afresh.
@@ -185,7 +186,7 @@ class WeightDirectory:
             self._gpu_copies.pop(gpu_key, None)
         self._watch(source.worker)
         self._bump()
-        return self._floor
+        return self._floors.get(source.shard)
 
     async def announce(self, worker: str, shard: int, version: int, slot: int,
                        ref: SegmentRef | None = None, node_id: str = "") -> None:
@@ -196,7 +197,7 @@ class WeightDirectory:
             raise LookupError(f"shard {shard} of weights {self.name!r} has no publisher")
         if worker == pub.source.worker:
             source = pub.source
-            self._floor = version if self._floor is None else max(self._floor, version)
+            self._floors[shard] = max(self._floors.get(shard, version), version)
         else:
             if self._relay_workers.get((node_id, shard)) != worker or ref is None:
                 return  # a relay that was replaced meanwhile

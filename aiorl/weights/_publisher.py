@@ -92,9 +92,9 @@ class WeightPublisher:
 
     @property
     def floor(self) -> int | None:
-        """The newest version an earlier publisher of this name completed, as the directory
-        said when this one registered (its first publish); this publisher's versions must
-        be above it. None before the first publish, or when there was none."""
+        """The newest version an earlier publisher of this shard of this name completed, as
+        the directory said when this one registered (its first publish); this publisher's
+        versions must be above it. None before the first publish, or when there was none."""
         return self._floor
 
     def publish(self, state_dict: Mapping[str, Any], version: int) -> AsyncWork[int]:
@@ -145,10 +145,10 @@ class WeightPublisher:
             if self._version is None and self._floor is not None and version <= self._floor:
                 raise ValueError(
                     f"version {version} of weights {self.name!r} is not newer than version "
-                    f"{self._floor}, which an earlier publisher of {self.name!r} completed: "
-                    "versions of a weight name never go back, also when its publisher is "
-                    f"replaced (docs/weights.md); publish {self._floor + 1} or later "
-                    "(pub.floor), or use another name")
+                    f"{self._floor}, which an earlier publisher of its shard {self.shard} "
+                    "completed: versions of a weight name never go back, also when its "
+                    f"publisher is replaced (docs/weights.md); publish {self._floor + 1} or "
+                    "later (pub.floor), or use another name")
             slot = segment.spare_slot()
             segment.begin_write(slot, version)
             complete = False
