@@ -45,6 +45,7 @@ from aiorl.trace import mark, span
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from aiorl import placement as placement
+    from aiorl import weights as weights
     from aiorl.actors import (
         AsyncChannelWork,
         AsyncCollWork,
@@ -64,6 +65,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
 # must not pay for torch and the whole actor stack at start-up (~0.3 s each, measured).
 _LAZY = {
     "placement": ("aiorl.placement", None),
+    "weights": ("aiorl.weights", None),
     "AsyncChannelWork": ("aiorl.actors", "AsyncChannelWork"),
     "AsyncCollWork": ("aiorl.actors", "AsyncCollWork"),
     "AsyncFuncWork": ("aiorl.actors", "AsyncFuncWork"),

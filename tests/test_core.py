@@ -284,6 +284,29 @@ def test_method_name_clash_is_rejected():
         Clashing.create_group()
 
 
+def test_a_method_that_shadows_the_worker_api_is_rejected_by_name():
+    """``async def send(self, x)`` in a worker hid aiorl.Worker.send (a confusing TypeError
+    later, when a peer's send reached it): create_group names the clash at once. Subclasses
+    that aiorl ships (PollingWorker) are not the user's and may refine the base."""
+
+    class Shadowing(aiorl.Worker):
+        async def send(self, x: int) -> int:
+            return x
+
+        def group(self) -> str:
+            return "mine"
+
+    with pytest.raises(ValueError, match=r"Shadowing defines group, send, which shadow "
+                       r"aiorl.Worker's own API of the same name .* rename them"):
+        Shadowing.create_group()
+
+    class Polling(aiorl.PollingWorker):
+        def poll(self) -> None:
+            pass
+
+    assert Polling.create_group() is not None
+
+
 def _children(pid: int) -> set[int]:
     try:
         return {p.pid for p in psutil.Process(pid).children(recursive=True)}

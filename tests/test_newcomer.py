@@ -421,3 +421,29 @@ def test_every_export_documents_itself_in_the_style_the_site_renders() -> None:
     assert not offenders, ("Sphinx markup the site shows as literal text; use [`X`][aiorl.X] "
                            "(or `X`) and an 'Example:' section with a fenced code block: "
                            + "; ".join(offenders))
+
+
+def test_every_public_dotted_name_the_docs_use_resolves_after_import_aiorl() -> None:
+    """`aiorl.weights.host_directory` in the docs raised AttributeError after `import aiorl`
+    (the package exposed placement lazily, not weights). Every dotted name the docs use that
+    starts with a public name of the package resolves from `import aiorl` alone (internal
+    module paths, given for `python -m` or as logger names, are not the user's API)."""
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    public = set(aiorl.__all__) | {"placement", "weights"}
+    missing = []
+    for page in pages:
+        for m in re.finditer(r"(?<![\w./-])aiorl(?:\.[A-Za-z_][A-Za-z0-9_]*)+", page.read_text()):
+            parts = m.group(0).split(".")[1:]
+            if parts[0] not in public:
+                continue
+            obj: Any = aiorl
+            for part in parts:
+                if not hasattr(obj, part):
+                    missing.append(f"{m.group(0)} ({page.relative_to(root)})")
+                    break
+                obj = getattr(obj, part)
+    assert not missing, "dotted names that do not resolve after `import aiorl`: " + \
+        ", ".join(sorted(set(missing)))

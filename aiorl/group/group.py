@@ -52,6 +52,21 @@ log = logging.getLogger("aiorl.group")
 W = TypeVar("W")
 
 
+def _shadowed_api(cls: type, base: type) -> list[str]:
+    """The public names of ``base`` (the framework's worker class) that ``cls`` redefines in a
+    class of its own, not one of aiorl's (an aiorl subclass such as PollingWorker may)."""
+    if base is object:
+        return []
+    shadowed = []
+    for name in dir(base):
+        if name.startswith("_"):
+            continue
+        owner = next((c for c in cls.__mro__ if name in vars(c)), base)
+        if not owner.__module__.startswith("aiorl."):
+            shadowed.append(name)
+    return sorted(shadowed)
+
+
 class WorkerGroupBuilder(Generic[W]):
     """What ``Worker.create_group(*args, **kwargs)`` returns; ``launch`` starts it.
 
@@ -90,6 +105,13 @@ class WorkerGroupBuilder(Generic[W]):
             raise ValueError(
                 f"{cls.__name__} defines {', '.join(clashes)}, which clash with WorkerGroup "
                 "attributes of the same name; rename them"
+            )
+        shadowed = _shadowed_api(cls, base)
+        if shadowed:
+            raise ValueError(
+                f"{cls.__name__} defines {', '.join(shadowed)}, which shadow aiorl."
+                f"{base.__qualname__}'s own API of the same name (aiorl itself calls it, e.g. "
+                f"send and recv carry messages between workers); rename them"
             )
         self.cls = cls
         self.args = args
