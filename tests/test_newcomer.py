@@ -36,6 +36,9 @@ class Reward(aiorl.Worker):
     def score(self, x: int) -> int:
         return x * 10 + self.rank
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def lookup(self, key: str) -> Any:
         return {}[key]
 
@@ -447,3 +450,14 @@ def test_every_public_dotted_name_the_docs_use_resolves_after_import_aiorl() -> 
                 obj = getattr(obj, part)
     assert not missing, "dotted names that do not resolve after `import aiorl`: " + \
         ", ".join(sorted(set(missing)))
+
+
+def test_workers_are_named_after_themselves_in_ps_and_top(reward) -> None:
+    """`ps` and `top` showed every worker as `python -m aiorl.node.zygote 26 <pid>`: a worker
+    names its process after itself (as Ray shows `ray::Rollout`), keeping how it started."""
+    for rank, pid in enumerate(reward.execute_on(0, 1).pid().wait(60)):
+        process = psutil.Process(pid)
+        title = " ".join(process.cmdline())
+        assert title.startswith(f"aiorl::reward:{rank} (python -m aiorl.node."), title
+        with open(f"/proc/{pid}/comm") as comm:  # top's short name: 15 characters
+            assert comm.read().strip() == f"aiorl::reward:{rank}"[:15]

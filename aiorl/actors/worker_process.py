@@ -24,6 +24,8 @@ import signal
 import sys
 from typing import Any
 
+import setproctitle
+
 from aiorl.actors import worker as worker_mod
 from aiorl.actors.inspection import serve_inspection, traced_execution
 from aiorl.collective import get_broadcaster
@@ -195,9 +197,18 @@ def _load_class(spec: WorkerSpawn) -> tuple[type, tuple[Any, ...], dict[str, Any
     return loads_with_sources(spec.payload)  # type: ignore[no-any-return]
 
 
+def _name_process(name: str) -> None:
+    """Show the worker's name in ``ps`` and ``top`` (``aiorl::rollout:3``, as Ray shows
+    ``ray::Rollout``), followed by how it started (forked by the zygote, or exec'd), which
+    the command line said until now. The short name (``comm``, 15 characters) changes too."""
+    started = " ".join(["python", *sys.orig_argv[1:]])
+    setproctitle.setproctitle(f"aiorl::{name} ({started})")
+
+
 async def _main(spec: WorkerSpawn, listen: str) -> int:
     loop = asyncio.get_running_loop()
     name, rank = spec.name, spec.launch.rank
+    _name_process(name)
     _configure_logging(name, spec.launch.log_level)
     _trace.set_process_name(name)
     _trace.enable_from_environment()  # AIORL_TRACE from the spawn (a traced driver's)
