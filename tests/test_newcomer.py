@@ -461,3 +461,23 @@ def test_workers_are_named_after_themselves_in_ps_and_top(reward) -> None:
         assert title.startswith(f"aiorl::reward:{rank} (python -m aiorl.node."), title
         with open(f"/proc/{pid}/comm") as comm:  # top's short name: 15 characters
             assert comm.read().strip() == f"aiorl::reward:{rank}"[:15]
+
+
+def test_an_argument_that_cannot_travel_is_named(reward) -> None:
+    """The error named `tuple` (the call's arguments as a whole); it names the argument."""
+    import threading
+
+    with pytest.raises(TypeError, match=r"argument 0 of score\(\) cannot be serialized \(lock\): "
+                       r"TypeError: cannot pickle '_thread.lock' object"):
+        reward.score(threading.Lock())
+    with pytest.raises(TypeError, match=r"keyword argument 'x' of score\(\)"):
+        reward.score(x=threading.Lock())
+
+
+def test_the_cli_options_say_what_they_do() -> None:
+    def help_of(*command: str) -> str:
+        return subprocess.run([sys.executable, "-m", "aiorl.cli.main", *command, "--help"],
+                              capture_output=True, text=True, timeout=60, check=True).stdout
+
+    assert "--key-file FILE" in help_of("demo")  # a demo attached to a cluster needs its key
+    assert "seconds to wait for the registry's answer" in help_of("status")

@@ -97,6 +97,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                              "embedded cluster)")
     parser.add_argument("--registry", metavar="tcp://HOST:PORT", default=None,
                         help="run on an existing cluster (attach mode) instead of an embedded one")
+    parser.add_argument("--key-file", metavar="FILE", default=None,
+                        help="with --registry: the cluster's key file (default: $AIORL_KEY_FILE)")
     parser.add_argument("--num-nodes", type=_positive_int, default=None, metavar="K",
                         help="nodes: started locally in embedded mode, awaited in attach mode "
                              "(default: cluster.num_nodes of --placement, else 1)")
@@ -371,7 +373,7 @@ def _drive(args: argparse.Namespace, plan: _Plan, job: _Job, display: Any) -> in
     mode = f"attaching to {args.registry}" if args.registry else "starting an embedded cluster"
     say(f"aiorl demo: {mode} ...")
     job.cluster = aiorl.Cluster(plan.cluster_cfg, registry=args.registry,
-                                num_nodes=plan.num_nodes)
+                                num_nodes=plan.num_nodes, key_file=args.key_file)
     r_strategy, t_strategy = _strategies(plan, job.cluster, args)
     cfg = _demo_config(args, plan)
     say(f"cluster ready in {time.monotonic() - wall0:.1f} s: {job.cluster.num_nodes} node(s), "

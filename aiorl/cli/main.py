@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--key-file", default=None,
                     help="the cluster's key file (default: $AIORL_KEY_FILE, else "
                          "~/.aiorl/cluster.key when it exists)")
-    st.add_argument("--timeout", type=float, default=5.0)
+    st.add_argument("--timeout", type=float, default=5.0,
+                    help="seconds to wait for the registry's answer (default 5)")
     st.add_argument("--watch", action="store_true",
                     help="refresh a live table of every process (CPU, RSS, pending operations, "
                          "channel depths); plain lines when not a terminal")

@@ -134,7 +134,8 @@ def _trace(args: argparse.Namespace) -> int:
         spans = sum(1 for e in trace["traceEvents"] if e["ph"] in ("X", "b"))
         print(f"wrote {args.output}: {spans} spans from "
               f"{sum(p.reply is not None for p in probes)} processes "
-              "(open it in https://ui.perfetto.dev)")
+              "(open it in https://ui.perfetto.dev); their buffers are empty now: the next "
+              "dump holds what they record from here on")
     else:
         probes = result
         print(f"tracing {'on' if args.action == 'start' else 'off'} in "

@@ -637,7 +637,7 @@ class WorkerGroup(Generic[W]):
     def _call(self, dispatch: Callable[..., None], method: str, *args: Any,
               **kwargs: Any) -> AsyncWork[list[Any]]:
         # Serialize in the caller's thread: errors surface here, and the loop stays free.
-        frames = serialization.dumps((args, kwargs)) if args or kwargs else []
+        frames = serialization.dumps_arguments(method, args, kwargs) if args or kwargs else []
         runtime = self._core.runtime
         work: AsyncWork[list[Any]] = AsyncWork(runtime.loop)
         if runtime.on_loop_thread():

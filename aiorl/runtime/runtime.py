@@ -218,7 +218,7 @@ class Runtime:
         from aiorl.transport import serialization
 
         info = await self.resolve_worker(name)
-        frames = serialization.dumps((args, kwargs)) if args or kwargs else []
+        frames = serialization.dumps_arguments(method, args, kwargs) if args or kwargs else []
         rid, fut = self.endpoint.request_numbered(info["endpoint"], WorkerOp.CALL, method, frames)
         if _trace.ON and rid:  # the flow is named by the request id, which the worker sees
             span = _trace.Span("call", method, name)

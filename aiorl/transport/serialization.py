@@ -59,6 +59,7 @@ __all__ = [
     "byte_view",
     "decode",
     "dumps",
+    "dumps_arguments",
     "encode",
     "loads",
     "tensor_from_buffer",
@@ -394,6 +395,27 @@ def dumps(obj: Any, oob_threshold: int = OOB_THRESHOLD) -> list[Any]:
     """Serialize ``obj`` into ``[pickle_bytes, *large_buffers]`` (see `encode`)."""
     data, bufs = encode(obj, oob_threshold)
     return [data, *bufs]
+
+
+def dumps_arguments(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The frames of a call's ``(args, kwargs)`` (see :func:`dumps`). When they cannot be
+    serialized, the :class:`SerializationError` names the argument that cannot (its position
+    or keyword and its type), not the tuple that holds them all."""
+    try:
+        return dumps((args, kwargs))
+    except SerializationError:
+        named = [*((f"argument {i}", v) for i, v in enumerate(args)),
+                 *((f"keyword argument {k!r}", v) for k, v in kwargs.items())]
+        for where, value in named:
+            try:
+                encode(value)
+            except SerializationError as exc:
+                cause = exc.__cause__
+                reason = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
+                raise SerializationError(
+                    f"{where} of {method}() cannot be serialized ({type(value).__qualname__}): "
+                    f"{reason}") from cause
+        raise
 
 
 def loads(frames: Sequence[Any]) -> Any:
