@@ -227,7 +227,10 @@ def _channel_edges(snapshots: dict[str, dict[str, Any]], states: dict[str, str]
             for p in alive:
                 edges.append(Wait(node, p, "a put from"))
             if not alive:
-                gone = ", ".join(f"{p} is {states.get(p, 'gone')}" for p in q["producers"])
+                # "ready" in the registry but no answer to the snapshot: killed a moment ago,
+                # its death not reported yet.
+                gone = ", ".join(f"{p} does not answer" if states.get(p, "gone") == "ready"
+                                 else f"{p} is {states.get(p, 'gone')}" for p in q["producers"])
                 dead_ends[node] = ("which is empty and has no producer alive"
                                    + (f" ({gone})" if gone else " (nobody has put into it)"))
     return edges, dead_ends, queues
