@@ -31,13 +31,18 @@ traceback text, and a [`RemoteError`][aiorl.RemoteError]'s worker and rank), and
 `from_wire` rebuilds it. Unpickling an error reply would run whatever
 code the sender chose, and an error can come from a peer that has not proven
 who it is (an ``--insecure`` cluster, or whoever answers a socket address).
+A remote error is also an instance of its original class where that is a built-in, or a
+class of a module this process has already imported, found by name (`remote_error`):
+the class is never imported and none of its code runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import sys
 import traceback
+import types
 from typing import Any, TypeVar
 
 __all__ = [
@@ -84,8 +89,11 @@ class RemoteError(AiorlError):
 
     Where the original type is a built-in exception (``KeyError``, ``ValueError``,
     ``TimeoutError``, ...), the error raised here is also an instance of it, as Ray's task
-    errors are, so code written for the local case keeps working; the remote traceback is
-    kept either way.
+    errors are, so code written for the local case keeps working; so it is where the
+    original type is a class of a module this process has imported (the driver's own
+    exception classes: its script, its test module, its packages), found by its module and
+    qualified name, never imported or unpickled (see `remote_error`). The remote traceback
+    is kept either way.
 
     Example:
         ```python
@@ -93,6 +101,12 @@ class RemoteError(AiorlError):
             group.lookup("missing").wait()
         except KeyError as exc:          # a RemoteError too
             print(exc.rank, exc.remote_traceback)
+
+        class QuotaExceeded(Exception): ...   # in the driver's script, raised by a worker
+        try:
+            group.spend(100).wait()
+        except QuotaExceeded as exc:     # a RemoteError too
+            print(exc.worker_name, exc.rank, exc.remote_traceback)
         ```
 
     Attributes:
@@ -414,8 +428,9 @@ class ProtocolError(AiorlError):
 # ---------------------------------------------------------------------------- wire codec
 #: The classes :func:`from_wire` rebuilds by name: aiorl's own. Any other type (a
 #: builtin ``ValueError`` included) arrives as a :class:`RemoteError` naming it, so a
-#: failure in another process is always recognisable as remote and nothing the sender
-#: names is ever imported or instantiated here.
+#: failure in another process is always recognisable as remote, and nothing the sender
+#: names is ever imported or instantiated here (`remote_error` may derive a RemoteError
+#: subclass from a class already imported, and runs none of its code).
 _WIRE_CLASSES: dict[str, type[AiorlError]] = {
     cls.__name__: cls
     for cls in (globals().get(name) for name in __all__)
@@ -464,6 +479,20 @@ def from_wire(meta: Any) -> BaseException:
 
 #: "builtins.KeyError" -> the RemoteError subclass that is also a KeyError (or RemoteError).
 _DERIVED_REMOTE_CLASSES: dict[str, type[RemoteError]] = {}
+#: A class of an imported module -> the RemoteError subclass that is also an instance of it.
+#: Keyed by the class, not its name: a module run again (a notebook cell, a reload) defines
+#: a new class under the same name, and ``except`` names the new one.
+_MIRRORED_CLASSES: dict[type, type[RemoteError]] = {}
+#: Exceptions that change control flow where they are raised: never mirrored.
+_CONTROL_FLOW = (AiorlError, StopIteration, StopAsyncIteration, GeneratorExit, KeyboardInterrupt,
+                 SystemExit, asyncio.CancelledError)
+#: What would run a class's own code as it is subclassed, instantiated, filled or freed: a
+#: class (outside ``builtins``) in whose MRO one is defined is not mirrored.
+_CODE_HOOKS = ("__new__", "__init_subclass__", "__setattr__", "__getattribute__", "__del__")
+#: The longest type name looked up (the name comes from another process).
+_MAX_TYPE_NAME = 512
+_class_dict = vars(type)["__dict__"].__get__  # a class's own namespace: no hook runs
+_module_dict = vars(types.ModuleType)["__dict__"].__get__  # a module's: no __getattr__ runs
 
 
 def remote_error(worker_name: str, rank: int, exc_type: str, message: str,
@@ -476,11 +505,24 @@ def remote_error(worker_name: str, rank: int, exc_type: str, message: str,
     ``except ValueError`` a registry refusal a worker met (``"aiorl.errors.GroupExistsError"``:
     every registry error and ``PlacementError`` qualify), also when passed on by another
     worker (``"aiorl.errors.RemoteError(KeyError)"``). The class is derived once per type and
-    cached. Only built-ins and aiorl's own error classes are looked up, by name: nothing the
-    sender names is imported. A type whose instance layout or constructor cannot be combined
+    cached. A type whose instance layout or constructor cannot be combined
     with ``RemoteError`` (``UnicodeDecodeError``, which checks its arguments) gives a plain
     ``RemoteError``; so do ``StopIteration`` and ``StopAsyncIteration``, which would change
     control flow where they are raised.
+
+    Any other type (``"train.QuotaExceeded"``: a class of the driver's script, its test
+    module, a package it imported) is looked up by its module and qualified name among the
+    modules this process has *already imported* (``sys.modules``), through their namespaces
+    (no module ``__getattr__`` runs); nothing is imported and nothing from the wire is
+    unpickled, so the sender can pick among classes this process already has, never bring
+    one. The error is also an instance of the class found when it is a ``BaseException``
+    subclass whose module and qualified name are the ones named, with ``type`` as its
+    metaclass, none of `_CODE_HOOKS` defined outside ``builtins`` (its ``__init__`` is not
+    run either: the error has ``RemoteError``'s fields, not the attributes the class's own
+    ``__init__`` sets) and none of the control-flow types `_CONTROL_FLOW` among its bases.
+    A class defined inside a function (``f.<locals>.E``) is not found, nor one nested in a
+    class of a module shipped by value (cloudpickle names it ``module.Inner``). Otherwise
+    the error is a plain ``RemoteError``.
 
     Example:
         ```python
@@ -491,10 +533,81 @@ def remote_error(worker_name: str, rank: int, exc_type: str, message: str,
     fields = (worker_name, rank, exc_type, message, remote_traceback)
     cls = _DERIVED_REMOTE_CLASSES.get(exc_type)
     if cls is None:
+        qualified = _imported_type_name(exc_type)
+        if qualified is not None:  # resolved afresh every time: modules come and go
+            return _mirror_imported_class(qualified, fields)(*fields)
         cls = _derive_remote_class(exc_type, fields)
         if len(_DERIVED_REMOTE_CLASSES) < 256:  # the types are finite; bound it anyway
             _DERIVED_REMOTE_CLASSES[exc_type] = cls
     return cls(*fields)
+
+
+def _imported_type_name(exc_type: str) -> str | None:
+    """The ``module.qualname`` to look up among imported modules, or None for a built-in
+    or one of aiorl's classes (the fixed tables decide those; aiorl's other exceptions, such
+    as ``UnawaitedWorkError``, carry state that does not travel):
+    ``"aiorl.errors.RemoteError(m.E)"``, a mirrored error a worker passed on, names ``"m.E"``."""
+    wrapped = f"{__name__}.RemoteError("
+    name = exc_type[len(wrapped):-1] if exc_type.startswith(wrapped) and exc_type.endswith(
+        ")") else exc_type
+    module = name.rpartition(".")[0]
+    return None if module in ("", "builtins") or f"{module}.".startswith("aiorl.") else name
+
+
+def _mirror_imported_class(qualified: str, fields: tuple[Any, ...]) -> type[RemoteError]:
+    """The RemoteError subclass that is also an instance of the class ``qualified`` names
+    among imported modules, or RemoteError (`remote_error` says which classes qualify)."""
+    base = _imported_exception_class(qualified)
+    if base is None:
+        return RemoteError
+    cls = _MIRRORED_CLASSES.get(base)
+    if cls is None:
+        namespace = {"__module__": __name__, "__qualname__": f"RemoteError({qualified})",
+                     "__str__": RemoteError.__str__, "__init__": _init_remote_fields_only}
+        try:
+            cls = type(f"RemoteError({qualified})", (RemoteError, base), namespace)
+            cls(*fields)  # a layout that cannot be combined (slots, a C base) fails here
+        except Exception:  # noqa: BLE001 - then the error is a plain RemoteError
+            cls = RemoteError
+        if len(_MIRRORED_CLASSES) < 256:
+            _MIRRORED_CLASSES[base] = cls
+    return cls
+
+
+def _imported_exception_class(qualified: str) -> type[BaseException] | None:
+    """The class named ``qualified`` (``module.qualname``) in a module already in
+    ``sys.modules``, if it qualifies (`remote_error`); nothing is imported, no hook runs."""
+    if len(qualified) > _MAX_TYPE_NAME:
+        return None
+    parts = qualified.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest module name first
+        module = sys.modules.get(".".join(parts[:cut]))
+        if not isinstance(module, types.ModuleType):
+            continue
+        obj: Any = _module_dict(module).get(parts[cut])
+        for part in parts[cut + 1:]:  # a nested class: Outer.Inner
+            obj = _class_dict(obj).get(part) if type(obj) is type else None
+        if (type(obj) is type and issubclass(obj, BaseException)
+                and f"{obj.__module__}.{obj.__qualname__}" == qualified
+                and not issubclass(obj, _CONTROL_FLOW)
+                and not any(hook in _class_dict(klass) for klass in obj.__mro__
+                            if klass.__module__ != "builtins" for hook in _CODE_HOOKS)):
+            return obj
+    return None
+
+
+def _init_remote_fields_only(self: RemoteError, worker_name: str, rank: int, exc_type: str,
+                             message: str, remote_traceback: str,
+                             cause: BaseException | None = None) -> None:
+    """``RemoteError.__init__`` for a mirrored class of an imported module: that class's own
+    ``__init__`` (which may take other arguments, or run code) is left out."""
+    self.worker_name = worker_name
+    self.rank = rank
+    self.exc_type = exc_type
+    self.message = message
+    self.remote_traceback = remote_traceback
+    self.cause = cause
+    BaseException.__init__(self, worker_name, rank, exc_type, message, remote_traceback)
 
 
 def _derive_remote_class(exc_type: str, fields: tuple[Any, ...]) -> type[RemoteError]:

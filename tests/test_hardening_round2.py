@@ -680,7 +680,9 @@ def test_a_batch_longer_than_senders_make_is_refused_whole(registry) -> None:
             answered = _answered_ids(client, 10**9, within=30)
             if count > MAX_BATCH_MESSAGES:
                 assert answered == [10**9], f"{len(answered) - 1} pings of a refused batch"
-                assert time.monotonic() - started < 2, "the registry was held by the batch"
+                # Reading the batch's 100,000 frames still takes libzmq and the loop a moment
+                # (more on a loaded machine); answering them took seconds more.
+                assert time.monotonic() - started < 10, "the registry was held by the batch"
             else:
                 assert sorted(answered) == [*range(1, count + 1), 10**9]
     finally:

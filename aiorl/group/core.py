@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 from aiorl.errors import ClusterClosedError, PeerLostError, WorkerInitError
 from aiorl.group.supervision import HISTORY, EventKind, GroupEvent, GroupEvents, Supervision
+from aiorl.group.timeouts import describe_timeout
 from aiorl.names import WorkerAddress
 from aiorl.protocol.ops import AgentOp, WorkerOp
 from aiorl.protocol.registry import DETAIL_FENCED_IN, DETAIL_GROUP_CLOSED
 from aiorl.protocol.spawn import SpawnRequest, WorkerLaunch
 from aiorl.registry.client import INCARNATION_VARIABLE
 from aiorl.runtime import AsyncWork, Runtime, Session, describe_death
-from aiorl.runtime.promise import is_settled, link_threads, reject, resolve
+from aiorl.runtime.promise import explain_timeouts, is_settled, link_threads, reject, resolve
 from aiorl.trace import recorder as _trace
 from aiorl.transport import serialization
 from aiorl.transport.code import dumps_with_sources
@@ -68,7 +69,7 @@ class _Rank:
     and which process of the rank (incarnation) that is."""
 
     __slots__ = ("address", "error", "queued", "incarnation", "restarts", "streak", "restarting",
-                 "member")
+                 "member", "stalled")
 
     def __init__(self) -> None:
         self.address: str | None = None
@@ -79,6 +80,9 @@ class _Rank:
         self.streak = 0  # restarts since it was last ready: the backoff's exponent
         self.restarting = False  # a replacement is on its way (calls wait for it)
         self.member = True  # False once remove_ranks took it out of the group
+        #: The earliest call of a plain method on this rank alone that a wait gave up on and
+        #: that has not answered: what its method thread is busy with (`describe_timeout`).
+        self.stalled: _GroupCall | None = None
 
 
 class _GroupCall:
@@ -86,19 +90,42 @@ class _GroupCall:
 
     Until rank ``i`` answers, ``results[i]`` holds the id of its request (set as it is
     sent): a traced call names its flow by it, with no list of its own to allocate.
+    ``remaining`` counts the ranks that have not answered and ``answered`` has bit ``i`` set
+    once rank ``i`` has, late answers (after the work was cancelled or failed) included: what
+    a timed-out wait's message reports (`describe_timeout`), with the group, method and ranks
+    that `GroupCore.dispatch` sets.
     """
 
-    __slots__ = ("work", "results", "remaining")
+    __slots__ = ("work", "results", "remaining", "answered", "core", "method", "ranks")
+
+    work: AsyncWork[list[Any]] | None
+    core: GroupCore
+    method: str
+    ranks: tuple[int, ...]
 
     def __init__(self, work: AsyncWork[list[Any]], n: int) -> None:
         self.work = work
         self.results: list[Any] = [None] * n
         self.remaining = n
+        self.answered = 0
+
+    def timeout_message(self, timeout: float | None) -> str:
+        """What a ``wait(timeout)`` on the call that expired says (`describe_timeout`)."""
+        return describe_timeout(self, timeout)
 
     def settle(self, i: int, error: BaseException | None, reply: Any) -> None:
-        """Rank ``i`` answered (an endpoint settle): the first error fails the call."""
+        """Rank ``i`` answered (an endpoint settle): the first error fails the call.
+
+        The call lets go of its work once the work settles here (or, cancelled, once every
+        rank has answered): the work refers to the call (`explain_timeouts`), and a cycle
+        would leave both to the garbage collector instead of reference counting.
+        """
         work = self.work
-        if is_settled(work):
+        self.answered |= 1 << i
+        if work is None or is_settled(work):
+            self.remaining -= 1  # a late answer: the rank is no longer busy with the call
+            if self.remaining <= 0:
+                self.work = None
             return
         if error is None:
             payload = reply[1]
@@ -107,10 +134,13 @@ class _GroupCall:
             except Exception as exc:  # noqa: BLE001 - an unreadable result fails the call
                 error = exc
         if error is not None:
+            self.remaining -= 1
+            self.work = None
             reject(work, error)
             return
         self.remaining -= 1
         if self.remaining == 0:
+            self.work = None
             resolve(work, self.results)
 
 
@@ -257,6 +287,8 @@ class GroupCore:
             call: _GroupCall = traced
         else:
             call = _GroupCall(work, len(ranks))
+        call.core, call.method, call.ranks = self, method, ranks
+        explain_timeouts(work, call)
         send = self._send_call
         for i, r in enumerate(ranks):
             state = self.ranks[r]

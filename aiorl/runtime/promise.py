@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any, TypeVar
 
-from aiorl.runtime.work import AsyncWork, _allocate_lock
+from aiorl.runtime.work import AsyncWork, TimeoutExplainer, _allocate_lock
 from aiorl.trace.recorder import Span
 
 __all__ = [
-    "is_settled", "link_threads", "prepare_threads", "reject", "resolve", "settle_from",
-    "trace_until_settled",
+    "explain_timeouts", "is_settled", "link_threads", "prepare_threads", "reject", "resolve",
+    "settle_from", "trace_until_settled",
 ]
 
 T = TypeVar("T")
@@ -49,6 +49,12 @@ def settle_from(work: AsyncWork[Any], fut: asyncio.Future[Any]) -> None:
         reject(work, exc)
     else:
         resolve(work, fut.result())
+
+
+def explain_timeouts(work: AsyncWork[Any], about: TimeoutExplainer) -> None:
+    """Let ``about`` word the [`WaitTimeout`][aiorl.WaitTimeout] of a ``wait(timeout)`` on
+    ``work`` that expires (what was not done, and what goes on regardless); any thread."""
+    work._about = about
 
 
 def is_settled(work: AsyncWork[Any]) -> bool:

@@ -30,7 +30,7 @@ import _thread
 import asyncio
 import threading
 from collections.abc import Callable, Generator, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from aiorl.errors import ClusterClosedError, WaitTimeout
 from aiorl.runtime.loop import LoopThread, loop_thread_of
@@ -39,6 +39,15 @@ from aiorl.runtime.waiter import BlockingWaiter, Job
 __all__ = ["AsyncChannelWork", "AsyncCollWork", "AsyncFuncWork", "AsyncWork", "UnawaitedWorkError"]
 
 T = TypeVar("T")
+V = TypeVar("V")
+
+
+class TimeoutExplainer(Protocol):
+    """What a producer attaches to a work (`aiorl.runtime.promise.explain_timeouts`) so that
+    a ``wait(timeout)`` that expires says what was not done, and what goes on without it."""
+
+    def timeout_message(self, timeout: float | None) -> str:
+        """The [`WaitTimeout`][aiorl.WaitTimeout]'s message (on the waiting thread)."""
 
 # Creating a work's thread-side signal is rare (a thread waits on it) and must happen once:
 # one lock for all works, not a lock per work on the hot path.
@@ -70,7 +79,11 @@ class AsyncWork(Generic[T]):
         ```
     """
 
-    __slots__ = ("_loop", "_home", "_fut", "_cf", "_next", "_cancelling")
+    __slots__ = ("_loop", "_home", "_fut", "_cf", "_next", "_cancelling", "_about")
+
+    #: Set by a producer that can say more when a wait expires (a group call: the method and
+    #: its ranks); left unset otherwise (no store per work): read with ``getattr``.
+    _about: TimeoutExplainer
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[T] | None = None) -> None:
         self._loop = loop
@@ -186,7 +199,67 @@ class AsyncWork(Generic[T]):
         if self._fut.done():  # settled as the wait expired
             return self._fut.result()
         self.cancel()
-        raise WaitTimeout(f"AsyncWork not done within {timeout} s (cancelled)") from None
+        raise WaitTimeout(self._timeout_message(timeout)) from None
+
+    def _timeout_message(self, timeout: float | None) -> str:
+        about: TimeoutExplainer | None = getattr(self, "_about", None)
+        if about is not None:
+            try:
+                return about.timeout_message(timeout)
+            except Exception:  # noqa: BLE001 - a description must never hide the timeout
+                pass
+        return f"AsyncWork not done within {timeout} s (cancelled)"
+
+    def wait_one(self: AsyncWork[Sequence[V]], timeout: float | None = None) -> V:
+        """[`wait`][aiorl.AsyncWork.wait] for a call on one rank: its one result, not a list.
+
+        A group call's result is a list with one result per rank called, even for a group
+        of one (RLinf's semantics); Ray's ``ray.get(actor.f.remote())`` gives the value. This
+        gives the value of a call that went to exactly one rank (a group of one, or
+        ``group.execute_on(i)``), and refuses any other rather than drop results.
+
+        Args:
+            timeout: Seconds to wait, as for ``wait``; ``None`` waits as long as the peer lives.
+
+        Returns:
+            The one result.
+
+        Raises:
+            ValueError: The call gave no result or several (it went to that many ranks); the
+                message says how many. Use ``wait()`` for the list.
+            TypeError: The work's result is not a list of per-rank results (not a group call).
+            WaitTimeout: Not done within ``timeout`` (the work is cancelled), as for ``wait``.
+
+        Example:
+            ```python
+            counter = Counter.create_group(10).launch(cluster, num_workers=1)
+            counter.incr().wait()          # [11]: one result per rank
+            counter.incr().wait_one()      # 12
+            squares = [g.execute_on(i).sq(i) for i in range(4)]
+            [w.wait_one() for w in squares]   # [0, 1, 4, 9]
+            ```
+        """
+        return _only_result(self.wait(timeout))
+
+    async def async_wait_one(self: AsyncWork[Sequence[V]]) -> V:
+        """[`wait_one`][aiorl.AsyncWork.wait_one] for coroutines: the one result of a call on
+        one rank (``await actor.f.remote()`` in Ray).
+
+        Returns:
+            The one result.
+
+        Raises:
+            ValueError: The call gave no result or several; the message says how many.
+            TypeError: The work's result is not a list of per-rank results.
+
+        Example:
+            ```python
+            value = await counter.incr().async_wait_one()          # 11
+            squares = await asyncio.gather(
+                *(g.execute_on(i).sq(i).async_wait_one() for i in range(4)))   # [0, 1, 4, 9]
+            ```
+        """
+        return _only_result(await self)
 
     async def async_wait(self) -> T:
         """Wait without blocking the event loop; same as ``await work``."""
@@ -368,6 +441,21 @@ class AsyncChannelWork(AsyncWork[T]):
     """
 
     __slots__ = ()
+
+
+def _only_result(results: Sequence[V]) -> V:
+    """The one element of a group call's per-rank results (`AsyncWork.wait_one`)."""
+    if not isinstance(results, list):
+        raise TypeError(
+            f"wait_one() is for group calls, whose result is a list with one result per rank; "
+            f"this work's result is a {type(results).__name__}: use wait()")
+    if len(results) != 1:
+        raise ValueError(
+            f"wait_one() expects the result of a call on exactly one rank, and this call gave "
+            f"{len(results)} results (one per rank called); use wait() for the list, or call "
+            "one rank: group.execute_on(rank).method(...)")
+    only: V = results[0]
+    return only
 
 
 def _set_done(fut: asyncio.Future[None]) -> None:
