@@ -35,6 +35,9 @@ log = logging.getLogger("aiorl.cluster")
 #: One registration attempt waits this long for the registry's answer; attempts go on until
 #: the Cluster's ``timeout`` while the registry is silent but no handshake broke off.
 REGISTER_ATTEMPT_S = 10.0
+#: Handshakes in a row that break off before registering gives up on a key mismatch (libzmq
+#: retries every 0.1 s: about a second; a registry restarting mid-handshake breaks one or two).
+KEY_MISMATCH_HANDSHAKES = 5
 
 _collector_tuned = False
 
@@ -95,13 +98,28 @@ class DriverSession:
         deadline = loop.time() + timeout
         while True:
             attempt = min(REGISTER_ATTEMPT_S, max(deadline - loop.time(), 0.1))
+            request = asyncio.ensure_future(
+                reg.register_driver(self._driver_info(), timeout=attempt))
+            while not request.done():  # a key mismatch shows within a second: say it then
+                await asyncio.wait({request}, timeout=0.5)
+                if not request.done() and self.runtime.endpoint.handshakes_breaking(
+                        reg.address) >= KEY_MISMATCH_HANDSHAKES:
+                    request.cancel()
             try:
-                lease = await reg.register_driver(self._driver_info(), timeout=attempt)
+                lease = await request
                 break
-            except RegistryUnavailable:
+            except (RegistryUnavailable, asyncio.CancelledError) as exc:
                 broken = self.runtime.endpoint.handshakes_breaking(reg.address)
-                if broken or loop.time() + 0.1 >= deadline:
-                    raise
+                if broken:  # something answers there, and drops us at the handshake
+                    raise RegistryUnavailable(
+                        f"{reg.address} answers but drops this driver at the handshake ({broken} "
+                        "time(s)): this process's key is not that cluster's (check key_file= or "
+                        "$AIORL_KEY_FILE: every process needs the registry's key file)") from exc
+                if loop.time() + 0.1 >= deadline:
+                    raise RegistryUnavailable(
+                        f"no answer from {reg.address} within {timeout:g} s and no handshake "
+                        "either: is a registry running at that address (and reachable from "
+                        "here)?") from exc
                 log.warning("no answer from the registry at %s yet; waiting up to %.0f s more "
                             "(Cluster(timeout=...))", self.registry_address,
                             deadline - loop.time())
