@@ -461,6 +461,9 @@ def test_workers_are_named_after_themselves_in_ps_and_top(reward) -> None:
         assert title.startswith(f"aiorl::reward:{rank} (python -m aiorl.node."), title
         with open(f"/proc/{pid}/comm") as comm:  # top's short name: 15 characters
             assert comm.read().strip() == f"aiorl::reward:{rank}"[:15]
+        # The environment the process started with stays readable (Slurm and tools find a
+        # job's processes by it): the title did not take its room.
+        assert process.environ().get("PATH") == os.environ["PATH"]
 
 
 def test_an_argument_that_cannot_travel_is_named(reward) -> None:

@@ -70,8 +70,10 @@ class Probe(aiorl.Worker):
         return os.environ.get(key)
 
     def cmdline(self) -> str:
-        with open("/proc/self/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()
+        # How the interpreter was started (/proc/self/cmdline now shows the worker's title).
+        import sys
+
+        return " ".join(sys.orig_argv)
 
     def ext_registrations(self) -> list[int]:
         import rlinf_test_ext  # registered by AIORL_EXT_MODULE before this class was built

@@ -202,7 +202,14 @@ def _name_process(name: str) -> None:
     ``ray::Rollout``), followed by how it started (forked by the zygote, or exec'd), which
     the command line said until now. The short name (``comm``, 15 characters) changes too."""
     started = " ".join(["python", *sys.orig_argv[1:]])
-    setproctitle.setproctitle(f"aiorl::{name} ({started})")
+    # SPT_NOENV: the title stays within the original command line's room instead of taking
+    # the environment's: /proc/<pid>/environ stays whole (Slurm's process tracking and tools
+    # that find a job's processes by it read it); the title is cut short if it must be.
+    os.environ["SPT_NOENV"] = "1"
+    try:
+        setproctitle.setproctitle(f"aiorl::{name} ({started})")
+    finally:
+        os.environ.pop("SPT_NOENV", None)
 
 
 async def _main(spec: WorkerSpawn, listen: str) -> int:
