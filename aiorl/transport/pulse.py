@@ -37,6 +37,8 @@ log = logging.getLogger("aiorl.transport")
 
 #: How often the thread looks at its stop flag while it waits for the next beat or an answer.
 _STOP_CHECK_S = 0.1
+#: A heartbeat socket unanswered this long (at least three beats) is made anew.
+_REBUILD_AFTER_S = 2.0
 
 
 def _messages(frames: list[Any]) -> list[list[Any]]:
@@ -83,41 +85,62 @@ class Pulse:
             self._thread.join(2)
 
     def _run(self) -> None:
-        sock = make_socket(zmq.DEALER, identity=self._identity, keys=self._keys)
-        sock.setsockopt(zmq.LINGER, 0)  # a beat nobody took is worth nothing once we stop
+        sock = self._connect()
         try:
-            sock.connect(self.address)
             self._beat(sock)
         except Exception:  # noqa: BLE001 - logged; the owner's expiry logic takes over
             log.exception("heartbeats to %s stopped", self.address)
-        finally:
-            sock.close()
+
+    def _connect(self) -> zmq.Socket[Any]:
+        sock = make_socket(zmq.DEALER, identity=self._identity, keys=self._keys)
+        sock.setsockopt(zmq.LINGER, 0)  # a beat nobody took is worth nothing once we stop
+        sock.connect(self.address)
+        return sock
 
     def _beat(self, sock: zmq.Socket[Any]) -> None:
         op, meta = self._request
         request_id = 0
         next_beat = time.monotonic() + self._interval
-        while not self._stopping.is_set():
-            now = time.monotonic()
-            if now >= next_beat:
-                request_id += 1
-                try:
-                    sock.send(encode_header(Kind.REQUEST, request_id, op, meta), zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # not connected yet: the next beat tries again
-                next_beat = now + self._interval
-            if sock.poll(int(1000 * min(_STOP_CHECK_S, max(next_beat - now, 0.0))) + 1):
-                self._answers(sock.recv_multipart(zmq.NOBLOCK))
+        # libzmq gives a connection up for good after a failed handshake (a registry that
+        # came back with another mechanism, then the right one): a socket unanswered this
+        # long is made anew, as the endpoint rebuilds its own (a down peer costs nothing).
+        silence = max(3 * self._interval, _REBUILD_AFTER_S)
+        answered = time.monotonic()
+        try:
+            while not self._stopping.is_set():
+                now = time.monotonic()
+                if now >= next_beat:
+                    if now - answered > silence:
+                        sock.close()
+                        sock = self._connect()
+                        answered = now
+                    request_id += 1
+                    try:
+                        sock.send(encode_header(Kind.REQUEST, request_id, op, meta),
+                                  zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass  # not connected yet: the next beat tries again
+                    next_beat = now + self._interval
+                if sock.poll(int(1000 * min(_STOP_CHECK_S, max(next_beat - now, 0.0))) + 1):
+                    if self._answers(sock.recv_multipart(zmq.NOBLOCK)):
+                        answered = time.monotonic()
+        finally:
+            sock.close()
 
-    def _answers(self, frames: list[Any]) -> None:
+    def _answers(self, frames: list[Any]) -> bool:
+        """Hand each reply and error reply in ``frames`` on; whether there was any."""
         try:
             messages = _messages(frames)
             headers = [decode_header(m[0]) for m in messages]
         except ProtocolError as exc:
             log.debug("a malformed answer to a heartbeat from %s: %s", self.address, exc)
-            return
+            return False
+        answered = False
         for header in headers:
             if header.kind == Kind.REPLY:
                 self._on_reply(header.meta)
+                answered = True
             elif header.kind == Kind.ERROR:
                 self._on_error(header.meta)
+                answered = True
+        return answered
