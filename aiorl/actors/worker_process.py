@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import setproctitle
@@ -29,12 +30,12 @@ import setproctitle
 from aiorl.actors import worker as worker_mod
 from aiorl.actors.inspection import serve_inspection, traced_execution
 from aiorl.collective import get_broadcaster
-from aiorl.errors import to_wire
+from aiorl.errors import RegistryUnavailable, to_wire
 from aiorl.names import WorkerInfo
 from aiorl.p2p import get_p2p
 from aiorl.protocol.ops import AgentOp, WorkerOp, WorkerState
 from aiorl.protocol.spawn import WorkerSpawn
-from aiorl.registry.client import RegistryClient
+from aiorl.registry.client import RESUBSCRIBE_PATIENCE_S, RegistryClient
 from aiorl.runtime import Runtime, set_current_runtime
 from aiorl.runtime.loop import LoopThread
 from aiorl.runtime.work import UnawaitedWorkError
@@ -147,6 +148,25 @@ class WorkerServer:
         msg.reply_error(exc, error="RemoteError", worker=self.info.name, rank=self.info.rank)
 
 
+async def _report_ready(registry: RegistryClient, info: WorkerInfo) -> None:
+    """Tell the registry this worker is ready, through a registry that is restarting (or
+    answers with another mechanism for a moment): a transient refusal must not end a worker
+    that callers already reach (seen under load). Tried for RESUBSCRIBE_PATIENCE_S, then the
+    error ends the worker as before."""
+    deadline = time.monotonic() + RESUBSCRIBE_PATIENCE_S
+    delay = 0.2
+    while True:
+        try:
+            await registry.report_state(info, WorkerState.READY)
+            return
+        except RegistryUnavailable as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("reporting ready to the registry: %s; trying again", exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
 def _drop_unawaited_work(exc: BaseException | None) -> None:
     """A method returned an AsyncWork it forgot to await (``return self.recv(...)``): the
     caller gets the error, and the work is cancelled, so that a receive it stands for does not
@@ -246,7 +266,7 @@ async def _main(spec: WorkerSpawn, listen: str) -> int:
         await registry.report_state(info, WorkerState.FAILED, to_wire(exc, worker=name, rank=rank))
         runtime.stop()  # P2P engine, channel clients: released at this exit too
         return 1
-    await registry.report_state(info, WorkerState.READY)
+    await _report_ready(registry, info)
     # The agent keeps our info so it can report us again if the registry restarts.
     endpoint.send_oneway(spec.node.endpoint, AgentOp.WORKER_READY, {"info": info.to_wire()})
     def on_registry_restarted(_msg: Incoming) -> None:
