@@ -118,6 +118,13 @@ class RemoteError(AiorlError):
             errors from other processes arrive as text (see `to_wire`).
     """
 
+    worker_name: str
+    rank: int
+    exc_type: str
+    message: str
+    remote_traceback: str
+    cause: BaseException | None
+
     def __init__(
         self,
         worker_name: str,
@@ -127,12 +134,7 @@ class RemoteError(AiorlError):
         remote_traceback: str,
         cause: BaseException | None = None,
     ) -> None:
-        self.worker_name = worker_name
-        self.rank = rank
-        self.exc_type = exc_type
-        self.message = message
-        self.remote_traceback = remote_traceback
-        self.cause = cause
+        _set_remote_fields(self, worker_name, rank, exc_type, message, remote_traceback, cause)
         super().__init__(worker_name, rank, exc_type, message, remote_traceback)
 
     def __str__(self) -> str:
@@ -601,13 +603,20 @@ def _init_remote_fields_only(self: RemoteError, worker_name: str, rank: int, exc
                              cause: BaseException | None = None) -> None:
     """``RemoteError.__init__`` for a mirrored class of an imported module: that class's own
     ``__init__`` (which may take other arguments, or run code) is left out."""
+    _set_remote_fields(self, worker_name, rank, exc_type, message, remote_traceback, cause)
+    BaseException.__init__(self, worker_name, rank, exc_type, message, remote_traceback)
+
+
+def _set_remote_fields(self: RemoteError, worker_name: str, rank: int, exc_type: str,
+                       message: str, remote_traceback: str,
+                       cause: BaseException | None) -> None:
+    """The fields every RemoteError carries (one place for both ways of initialising one)."""
     self.worker_name = worker_name
     self.rank = rank
     self.exc_type = exc_type
     self.message = message
     self.remote_traceback = remote_traceback
     self.cause = cause
-    BaseException.__init__(self, worker_name, rank, exc_type, message, remote_traceback)
 
 
 def _derive_remote_class(exc_type: str, fields: tuple[Any, ...]) -> type[RemoteError]:
