@@ -21,7 +21,7 @@ import torch
 
 import aiorl
 from aiorl.channels import Channel, QueuedItem, QueueStats
-from aiorl.channels._client import key_from_wire, wire_key
+from aiorl.channels._items import key_from_wire, wire_key
 from aiorl.channels._queue import Done, WeightedQueue
 from aiorl.errors import PeerLostError, QueueEmpty, QueueFull
 from aiorl.placement import NodePlacementStrategy

@@ -37,7 +37,8 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from aiorl.channels._client import _USER_GET, _cores
+from aiorl.channels._core import _cores
+from aiorl.channels._ops import _USER_GET
 from aiorl.channels._protocol import GET, GET_BATCH, PUT
 from aiorl.channels._server import ChannelHost
 from aiorl.names import WorkerInfo

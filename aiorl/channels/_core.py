@@ -1,0 +1,720 @@
+"""The per-process engine behind every [`Channel`][aiorl.Channel] handle (`_ClientCore`).
+
+Threads
+    A handle can be used from any thread of a process that has an aiorl runtime
+    (the driver's threads, a worker's method thread, a worker's event loop). The
+    payload is pickled in the calling thread; everything else happens on the
+    runtime loop. From the loop thread an operation is handled directly (the fast
+    path); from other threads it goes through ``Runtime.submit`` (one loop
+    wake-up per burst of calls).
+
+Batching
+    Operations issued to one channel during one turn of the loop leave as one
+    ZMQ message, and the channel worker answers everything that arrived together
+    in one message too (see `aiorl.channels._protocol`). Many puts or gets
+    in flight therefore cost a few messages, not a round trip each.
+
+Pipelining
+    A put of an item without out-of-band buffers completes at once while the
+    process holds a *credit* for its queue (room the channel worker promised);
+    credits come back as the worker accepts items, and a full queue grants
+    none, so backpressure holds. Gets that follow each other closely prefetch
+    items already queued (`_GetStream`). So ``await ch.put(x)`` and
+    ``await ch.get()`` in plain loops stream without a round trip per item.
+
+Ordering
+    One process sends everything for one channel through one outbox, in call
+    order, over one connection; so puts from one process enter their queue in
+    the order they were made, and requests that observe the queue (``qsize``)
+    see the puts issued before them and the items this process prefetched. The
+    gets of one process on a queue receive items in queue order, in call order,
+    prefetch or not (`_GetStream` says how). docs/ordering.md has the
+    whole contract.
+
+Failure
+    The process watches the channel worker through the registry
+    (`resolve_worker`); when it dies the
+    endpoint marks it lost and every pending operation fails with
+    [`PeerLostError`][aiorl.PeerLostError], and so does the next operation if
+    pipelined puts had not yet reached their queue.
+
+Keys and distributed channels
+    Each queue is named by a key: a ``str`` travels as it is, any other hashable
+    as its canonical bytes (`wire_key`). Every channel worker has its own
+    `_ChannelState`; a plain channel has one, a distributed channel one per
+    replica, and everything below (outboxes, credits, prefetch, failure) works
+    per replica unchanged. Replica 0's state also knows the channel's replicas
+    and caches which replica holds each key; an operation on a key it does not
+    know yet waits (in call order with the others on that key) for replica 0's
+    answer to a ``ROUTE`` (`_ClientCore.submit_routed`).
+
+Cancellation
+    Cancelling a pending put or get (``work.cancel()``, ``wait(timeout)``
+    expiring, a cancelled task) withdraws it at the channel worker. If the item
+    was already on its way, the handle sends it back, and it returns to its
+    place in its queue, so a cancelled get never loses an item, and the gets of
+    this process made after the cancellation take it first.
+"""
+
+# HOT PATH: _ClientCore.submit/_accept/_enqueue/_on_done run per item.
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from aiorl.channels import _protocol as P
+from aiorl.channels._gets import Gets
+from aiorl.channels._items import decode_item, key_from_wire, received_items
+from aiorl.channels._ops import (
+    _CREDITED,
+    _SEES_PREFETCH,
+    _TAKES,
+    _USER_GET,
+    Received,
+    _ChannelState,
+    _Op,
+    _Outbox,
+)
+from aiorl.channels._queue import QueuedItem, QueueStats
+from aiorl.channels._server import ChannelHost, QueueKey
+from aiorl.errors import (
+    GroupExistsError,
+    GroupNotFoundError,
+    NotFoundError,
+    PeerLostError,
+    QueueEmpty,
+    QueueFull,
+    RemoteError,
+    WorkerInitError,
+)
+from aiorl.group import WorkerGroupBuilder
+from aiorl.placement import NodePlacementStrategy
+from aiorl.protocol.ops import WorkerState
+from aiorl.runtime import AsyncChannelWork, Runtime, Session, WorkerSession
+from aiorl.runtime.promise import (
+    link_threads,
+    prepare_threads,
+    reject,
+    resolve,
+    settle_from,
+)
+from aiorl.util.tokens import TokenTable
+
+log = logging.getLogger("aiorl.channels")
+
+#: How long connecting waits for a channel to exist and be ready, by default.
+DEFAULT_CONNECT_TIMEOUT = 60.0
+
+#: Gives the node ranks of a new channel's workers, one per replica, for a session.
+NodeChoice = Callable[[Session], Coroutine[Any, Any, list[int]]]
+#: Combines the answers of every replica (in replica order) to a fanned-out operation.
+Combine = Callable[[list["_ChannelState"], list[Any]], Any]
+
+
+def _process_node_rank() -> int:
+    """The node this process runs on, which a distributed channel assigns new keys by:
+    a worker's is the ``NODE_RANK`` its group launched it with; the driver counts as
+    node 0, as in RLinf."""
+    if "AIORL_WORKER_NAME" not in os.environ:
+        return 0
+    try:
+        return int(os.environ.get("NODE_RANK", "0"))
+    except ValueError:
+        return 0
+
+
+class _ClientCore:
+    """The per-process engine behind every [`Channel`][aiorl.Channel] handle (one per runtime)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.loop = runtime.loop
+        self.endpoint = runtime.endpoint
+        self._states: dict[tuple[str, int], _ChannelState] = {}
+        #: this process's node, which a distributed channel assigns new keys by
+        self.node_rank = _process_node_rank()
+        self._states_lock = threading.Lock()
+        self._by_address: dict[str, _ChannelState] = {}
+        self._pending: TokenTable[_Op] = TokenTable()
+        self._outboxes: dict[str, _Outbox] = {}
+        self._flush_scheduled = False
+        self.gets = Gets(self)  # user gets, per queue, and their slots
+        # The future of every put completed with a credit: shared, as it never changes.
+        self._accepted: asyncio.Future[None] = self.loop.create_future()
+        self._accepted.set_result(None)
+        # Before any operation can be posted (call_soon keeps FIFO order).
+        runtime.submit(self._install)
+
+    def _install(self) -> None:
+        self.endpoint.on_event(P.DONE, self._on_done)
+        self.endpoint.on_peer_lost(self._on_lost)
+
+    def state(self, name: str, rank: int = 0) -> _ChannelState:
+        """This process's state of replica ``rank`` of channel ``name`` (0: the channel)."""
+        with self._states_lock:
+            st = self._states.get((name, rank))
+            if st is None:
+                st = self._states[name, rank] = _ChannelState(name, rank)
+            return st
+
+    # ------------------------------------------------------------------ any thread
+    def submit(self, state: _ChannelState, kind: int, queue: QueueKey, number: Any, payload: Any = 0,
+               frames: Sequence[Any] = ()) -> AsyncChannelWork[Any]:
+        on_loop = self.runtime.on_loop_thread()
+        if on_loop and state.failure is None:  # the fast paths: no _Op, nothing to await
+            if kind in _CREDITED and self._put_credited(state, queue, number, payload, frames):
+                return AsyncChannelWork(self.loop, self._accepted)
+            if kind == _USER_GET:
+                stream = state.streams.get(queue)
+                if stream is not None and stream.can_serve():
+                    fut: asyncio.Future[Any] = self.loop.create_future()
+                    self.gets.serve_ready(stream, fut)
+                    return AsyncChannelWork(self.loop, fut)
+        op = _Op(self, state, kind, queue, number, payload, frames)
+        work: AsyncChannelWork[Any] = AsyncChannelWork(self.loop, op)
+        if on_loop:
+            self._accept(op)
+        else:
+            prepare_threads(work)  # this thread will likely wait(): mirror ready, no lock
+            self.runtime.submit(self._accept_from_thread, op, work)
+        return work
+
+    def submit_routed(self, st: _ChannelState, kind: int, key: QueueKey, number: Any,
+                      payload: Any = 0, frames: Sequence[Any] = ()) -> AsyncChannelWork[Any]:
+        """`submit` an operation on ``key`` of channel ``st`` (replica 0's state)
+        whose replica this process does not know yet: the channel is not resolved, or
+        it is distributed and ``key`` is new here. The operation waits, in call order
+        with the others on ``key``, until the replica is known (`_route`)."""
+        op = _Op(self, st, kind, key, number, payload, frames)
+        work: AsyncChannelWork[Any] = AsyncChannelWork(self.loop, op)
+        if self.runtime.on_loop_thread():
+            self._route(op)
+        else:
+            prepare_threads(work)
+            self.runtime.submit(self._route_from_thread, op, work)
+        return work
+
+    def fan_out(self, st: _ChannelState, kind: int, combine: Combine) -> AsyncChannelWork[Any]:
+        """``kind`` (``STATS`` or ``FLUSH``) sent to every replica of channel ``st``, once the
+        channel is resolved and the routes this process asked for are known (so it comes
+        after every earlier operation); the work gives ``combine(replicas, answers)``."""
+        work: AsyncChannelWork[Any] = AsyncChannelWork(self.loop)
+
+        async def run() -> Any:
+            await self.ready(st)
+            while st.routing:  # operations waiting for their route go out first
+                await asyncio.gather(*st.routing.values(), return_exceptions=True)
+            replicas = list(st.replicas)
+            works = [self.submit(replica, kind, "", 0) for replica in replicas]
+            return combine(replicas, [await w for w in works])
+
+        def start() -> None:
+            task = self.loop.create_task(run())
+            task.add_done_callback(lambda t: settle_from(work, t))
+
+        self.runtime.submit(start)
+        return work
+
+    # ------------------------------------------------------------------ loop thread
+    def _route_from_thread(self, op: _Op, work: AsyncChannelWork[Any]) -> None:
+        link_threads(work)
+        self._route(op)
+
+    def _route(self, op: _Op) -> None:
+        """Accept ``op`` at the replica that holds its key, or keep it until that is known."""
+        if op.done():  # cancelled before it could leave
+            return
+        st = op.state
+        rank = 0 if st.world_size == 1 else st.key_ranks.get(op.queue)
+        if rank is not None:
+            op.state = st.replicas[rank]
+            self._accept(op)
+            return
+        waiting = st.unrouted.get(op.queue)
+        if waiting is None:
+            waiting = st.unrouted[op.queue] = []
+        waiting.append(op)
+        if st.world_size is None:
+            self._ensure_resolving(st)  # _resolved routes what waits here
+        elif op.queue not in st.routing:
+            self._ask_route(st, op.queue)
+
+    def _ask_route(self, st: _ChannelState, key: QueueKey) -> None:
+        """Ask replica 0, the one authority, which replica holds ``key`` (assigning it)."""
+        ask = _Op(self, st, P.ROUTE, key, self.node_rank, 0, ())
+        st.routing[key] = ask
+        ask.add_done_callback(functools.partial(self._route_failed, st, key))
+        self._issue(ask)
+
+    def _routed(self, ask: _Op, rank: int) -> None:
+        """The answer to a ``ROUTE``: cache it and send what waited for it, in order."""
+        st, key = ask.state, ask.queue
+        if st.routing.get(key) is ask:
+            del st.routing[key]
+        if not 0 <= rank < len(st.replicas):
+            ask.set_exception(RemoteError(st.worker, 0, "ChannelError",
+                                          f"key routed to replica {rank} of {len(st.replicas)}",
+                                          ""))
+            return
+        st.key_ranks[key] = rank
+        replica = st.replicas[rank]
+        for op in st.unrouted.pop(key, ()):
+            if not op.done():
+                op.state = replica
+                self._accept(op)
+        ask.set_result(rank)
+
+    def _route_failed(self, st: _ChannelState, key: QueueKey, ask: _Op) -> None:
+        if ask.cancelled() or ask.exception() is None:
+            return
+        if st.routing.get(key) is ask:
+            del st.routing[key]
+        exc = ask.exception()
+        assert exc is not None
+        for op in st.unrouted.pop(key, ()):
+            if not op.done():
+                op.set_exception(exc)
+
+    def _route_waiting(self, st: _ChannelState) -> None:
+        """Replica 0 was just resolved: route the operations that waited for it."""
+        if st.world_size != 1:
+            for key in st.unrouted:
+                if key not in st.routing:
+                    self._ask_route(st, key)
+            return
+        waiting, st.unrouted = st.unrouted, {}
+        for ops in waiting.values():
+            for op in ops:
+                if not op.done():
+                    self._accept(op)
+
+    def _accept_from_thread(self, op: _Op, work: AsyncChannelWork[Any]) -> None:
+        link_threads(work)  # link the thread-side mirror now: wait() then needs no extra hop
+        self._accept(op)
+
+    def _accept(self, op: _Op) -> None:
+        if op.done():  # cancelled before it could leave
+            return
+        st = op.state
+        if st.failure is not None:  # an earlier pipelined put failed: this operation says so
+            exc, st.failure = st.failure, None
+            op.set_exception(exc)
+            return
+        kind = op.kind
+        if kind == _USER_GET:
+            self.gets.accept_get(op)
+            return
+        if kind in _SEES_PREFETCH:
+            stream = st.streams.get(op.queue)
+            if stream is not None:
+                if not self.gets.prefetch_returned(stream, op):
+                    return
+                if kind in _TAKES:
+                    self._issue(op)
+                    if stream.waiting:  # no prefetch is out: they have a GET slot each
+                        stream.fences.append([op.token, len(stream.waiting)])
+                    return
+        elif kind == P.STATS:
+            for stream in st.streams.values():
+                if not self.gets.prefetch_returned(stream, op):
+                    return  # held: accepted again (and the other queues checked) once settled
+        elif kind in _CREDITED and self._put_credited(st, op.queue, op.number, op.payload,
+                                                      op.frames):
+            op.set_result(None)
+            return
+        self._issue(op)
+
+    def _put_credited(self, st: _ChannelState, queue: QueueKey, weight: float, payload: Any,
+                      frames: Sequence[Any]) -> bool:
+        """Send a put with a credit, complete already; False without a credit.
+
+        Only items with at most their own pickle in ``frames`` qualify: no user buffer
+        (tensor data sent zero-copy) that must stay untouched until it has been sent.
+        """
+        address = st.address
+        if address is None or len(frames) > 1:
+            return False
+        credits = st.credits.get(queue, 0)
+        if not credits:
+            return False
+        st.credits[queue] = credits - 1
+        st.unconfirmed += 1
+        box = self._box(address)
+        box.credited = st
+        self._add(address, box, (P.PUT_CREDITED, self._pending.next_token(), queue, weight, payload),
+                  frames)
+        return True
+
+    def _issue(self, op: _Op) -> None:
+        """Send ``op`` (or keep it until its channel is resolved); its answer is awaited."""
+        op.token = self._pending.issue(op)
+        st = op.state
+        if st.address is not None:
+            self._enqueue(st.address, op)
+        else:
+            st.backlog.append(op)
+            self._ensure_resolving(st)
+
+    def _enqueue(self, address: str, op: _Op) -> None:
+        op.address = address
+        box = self._box(address)
+        box.ops.append(op)
+        self._add(address, box, (op.kind, op.token, op.queue, op.number, op.payload), op.frames)
+
+    def _box(self, address: str) -> _Outbox:
+        box = self._outboxes.get(address)
+        if box is None:
+            box = self._outboxes[address] = _Outbox()
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                self.loop.call_soon(self._flush)
+        return box
+
+    def _add(self, address: str, box: _Outbox, entry: tuple[Any, ...],
+             frames: Sequence[Any]) -> None:
+        """Add one wire entry to ``box``; send the box now once it is full."""
+        box.meta.append(entry)
+        if frames:
+            box.frames.extend(frames)
+            box.nbytes += sum(len(f) for f in frames)
+        elif entry[4].__class__ is not int:  # the payload: an inline pickle
+            box.inline += len(entry[4])
+        if (len(box.meta) >= P.MAX_BATCH_OPS or box.inline >= P.MAX_INLINE_BYTES
+                or box.nbytes >= P.MAX_BATCH_BYTES):
+            self._send(address, self._outboxes.pop(address))
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        boxes, self._outboxes = self._outboxes, {}
+        for address, box in boxes.items():
+            self._send(address, box)
+
+    def _send(self, address: str, box: _Outbox) -> None:
+        try:
+            self.endpoint.send_oneway(address, P.OPS, box.meta, box.frames)
+        except Exception as exc:  # PeerLostError for a dead channel; anything else is ours
+            lost = exc if isinstance(exc, PeerLostError) else PeerLostError(
+                f"could not send to channel worker {address}: {exc}")
+            if box.credited is not None:
+                self._pipelined_failed(box.credited, lost)
+            for op in box.ops:
+                self._fail(op, lost)
+
+    def _fail(self, op: _Op, exc: BaseException) -> None:
+        if self._pending.pop(op.token) is None:
+            return
+        if op.stream is not None:
+            self.gets.stream_failed(op.stream, exc)
+        elif not op.done():
+            op.set_exception(exc)
+
+    def _pipelined_failed(self, st: _ChannelState, exc: BaseException) -> None:
+        """A put that already completed (with a credit) failed: the next operation raises it."""
+        if st.failure is None:
+            log.warning("channel %r: a pipelined put failed; the next operation on the channel "
+                        "(or flush()) raises it: %s", st.name, exc)
+            st.failure = exc
+
+    def _withdraw_get(self, op: _Op) -> None:
+        """A user get was cancelled (`_Op.cancel`)."""
+        self.gets.withdraw_get(op)
+
+    def _on_cancel(self, op: _Op) -> None:
+        """A parkable operation was cancelled locally: withdraw it at the channel worker."""
+        if op.token not in self._pending:
+            return  # not accepted yet (``_accept`` drops it) or already answered
+        if op.address is None:  # still in the backlog: it never left
+            self._pending.pop(op.token)
+            if op in op.state.backlog:
+                op.state.backlog.remove(op)
+            return
+        # The answer (CANCELLED, or the result if it was already sent) clears _pending.
+        cancel = _Op(self, op.state, P.CANCEL, op.queue, 0, 0, ())
+        cancel.token = op.token
+        self._enqueue(op.address, cancel)
+        if op.kind == P.GET_BATCH:
+            # Items it may have taken come back with its answer; until then this
+            # process's gets on the queue must not take the items behind them.
+            op.stream = self.gets.stream(op.state, op.queue)
+            op.stream.settling += 1
+
+    def _on_done(self, peer: str, meta: Any, frames: list[Any]) -> None:
+        pos = 0
+        pending = self._pending
+        for token, status, info in meta:
+            op = pending.pop(token)
+            if status == P.ITEMS:
+                items, pos = received_items(info, frames, pos)
+                if op is None or op.done():
+                    self._refused(peer, op, token, items)  # before held operations go out
+                    if op is not None and op.stream is not None:
+                        self.gets.slot_withdrawn(op.stream)
+                    continue
+                if op.stream is not None:
+                    self.gets.slot_items(op, items)
+                    continue
+                try:
+                    if op.kind == P.GET_BATCH:
+                        value: Any = [decode_item(p, f) for p, _, f in items]
+                    else:
+                        p, _, f = items[0]
+                        value = decode_item(p, f)
+                except BaseException as exc:  # noqa: BLE001 - the consumer learns why
+                    op.set_exception(exc)
+                    continue
+                op.set_result(value)
+                continue
+            if status == P.CREDIT:
+                self._on_credit(peer, info)
+                continue
+            if status == P.PEEKED:
+                items, pos = received_items(info, frames, pos)
+                if op is not None and not op.done():
+                    try:
+                        op.set_result([QueuedItem(decode_item(p, f), weight)
+                                       for p, (weight, _), f in items])
+                    except BaseException as exc:  # noqa: BLE001 - the caller learns why
+                        op.set_exception(exc)
+                continue
+            if op is None:
+                if status == P.ERROR:  # a pipelined put the channel worker refused
+                    st = self._by_address.get(peer)
+                    if st is not None:
+                        self._pipelined_failed(st, RemoteError(
+                            st.worker, st.rank, "ChannelError", str(info), ""))
+                continue
+            if op.done():
+                if op.stream is not None:  # CANCELLED: a withdrawn slot
+                    self.gets.slot_withdrawn(op.stream)
+                continue  # CANCELLED after a local cancel, or a late answer nobody awaits
+            if op.stream is not None:
+                self.gets.slot_answered(op, status, info)
+            elif status == P.OK:
+                if op.kind == P.STATS:
+                    op.set_result({
+                        key_from_wire(q): QueueStats(int(v[0]), float(v[1]), int(v[2]),
+                                                     int(v[3]), int(v[4]), int(v[5]))
+                        for q, v in info.items()
+                    })
+                elif op.kind == P.ROUTE:
+                    self._routed(op, int(info))
+                elif op.kind == P.INFO:
+                    op.set_result((int(info[0]), int(info[1])))
+                else:
+                    op.set_result(None)
+            elif status == P.FULL:
+                op.set_exception(QueueFull(
+                    f"queue {op.queue!r} of channel {op.state.name!r} is full"))
+            elif status == P.EMPTY:
+                op.set_exception(QueueEmpty(
+                    f"queue {op.queue!r} of channel {op.state.name!r} is empty"))
+            else:
+                op.set_exception(RemoteError(
+                    op.state.worker, op.state.rank, "ChannelError", str(info), ""))
+
+    def _on_credit(self, peer: str, info: Any) -> None:
+        st = self._by_address.get(peer)
+        if st is None:
+            return  # from a channel worker this process no longer uses
+        queue, granted, admitted = info
+        if granted:
+            st.credits[queue] = st.credits.get(queue, 0) + int(granted)
+        st.unconfirmed -= int(admitted)
+
+    def _refused(self, peer: str, op: _Op | None, token: int, items: list[Received]) -> None:
+        """Items arrived for a get nobody waits for (it was cancelled): send them back."""
+        if op is None:
+            log.error("channel answer for unknown operation %s: %d item(s) dropped",
+                      token, len(items))
+            return
+        if items and not self.endpoint.is_lost(peer):
+            self._unget(peer, op.state, op.queue, items)
+
+    def _unget(self, address: str, st: _ChannelState, queue: QueueKey, items: Sequence[Received]) -> None:
+        frames = [f for _, _, fs in items for f in fs]
+        self._enqueue(address, _Op(self, st, P.UNGET, queue, [place for _, place, _ in items],
+                                   [p for p, _, _ in items], frames))
+
+    def _on_lost(self, address: str, exc: BaseException) -> None:
+        self._outboxes.pop(address, None)
+        st = self._by_address.pop(address, None)
+        if st is not None:
+            # Resolve again on the next operation: that fails with PeerLostError while
+            # the channel is dead, and finds a channel re-created under the same name.
+            st.address = None
+            st.credits.clear()
+            if st.unconfirmed > 0:
+                self._pipelined_failed(st, PeerLostError(
+                    f"channel {st.name!r} is gone (its worker {st.worker} was lost) with "
+                    f"{st.unconfirmed} pipelined put(s) not yet in their queue: {exc}"))
+            st.unconfirmed = 0
+            if st.rank == 0:  # learn the channel's shape and routes again (it may be re-created)
+                st.world_size = None
+                st.key_ranks.clear()
+            for stream in st.streams.values():  # prefetched items were lost with it
+                self.gets.stream_failed(stream, PeerLostError(
+                    f"channel {st.name!r} is gone (its worker {st.worker} was lost): {exc}"))
+        for op in [op for op in self._pending.values() if op.address == address]:  # oldest first
+            self._fail(op, PeerLostError(
+                f"channel {op.state.name!r} is gone (its worker {op.state.worker} was lost): "
+                f"{exc}"))
+
+    # ------------------------------------------------------------------ resolution (loop)
+    def _ensure_resolving(self, st: _ChannelState) -> None:
+        if st.address is None and st.task is None:
+            self._start(st, self._connect(st, DEFAULT_CONNECT_TIMEOUT))
+
+    def _start(self, st: _ChannelState, coro: Coroutine[Any, Any, dict[str, Any]]) -> None:
+        task = self.loop.create_task(coro)
+        st.task = task
+        task.add_done_callback(functools.partial(self._resolved, st))
+
+    def _resolved(self, st: _ChannelState, task: asyncio.Task[dict[str, Any]]) -> None:
+        exc = task.exception() if not task.cancelled() else PeerLostError("resolution cancelled")
+        if exc is None:
+            if st.address is None:
+                info = task.result()
+                st.address = str(info["endpoint"])
+                st.node_rank = int(info["node_rank"])
+                self._by_address[st.address] = st
+                if st.rank == 0:
+                    self._learn_replicas(st, int(info["group_world_size"]))
+            if st.task is task:
+                st.task = None
+            if st.unrouted:  # before the backlog: they were issued first, or concern other keys
+                self._route_waiting(st)
+            backlog, st.backlog = st.backlog, []
+            for op in backlog:
+                self._enqueue(st.address, op)
+            waiters, st.ready_waiters = st.ready_waiters, []
+            for w in waiters:
+                resolve(w, None)
+            return
+        if st.task is not task or st.address is not None:
+            return  # a newer attempt decides (or another attempt already succeeded)
+        st.task = None
+        unrouted, st.unrouted = st.unrouted, {}
+        for ops in unrouted.values():
+            for op in ops:
+                if not op.done():
+                    op.set_exception(exc)
+        backlog, st.backlog = st.backlog, []
+        for op in backlog:
+            self._fail(op, exc)
+        waiters, st.ready_waiters = st.ready_waiters, []
+        for w in waiters:
+            reject(w, exc)
+
+    def _learn_replicas(self, st: _ChannelState, world_size: int) -> None:
+        """Replica 0 of channel ``st`` says the channel has ``world_size`` replicas."""
+        if len(st.replicas) != world_size:
+            st.replicas = [st] + [self.state(st.name, r) for r in range(1, world_size)]
+        st.world_size = world_size
+
+    def ready(self, st: _ChannelState) -> AsyncChannelWork[None]:
+        """A work done once ``st`` is resolved (starting a connect if nothing is under way)."""
+        work: AsyncChannelWork[None] = AsyncChannelWork(self.loop)
+
+        def check() -> None:
+            if st.address is not None:
+                resolve(work, None)
+                return
+            st.ready_waiters.append(work)
+            self._ensure_resolving(st)
+
+        self.runtime.submit(check)
+        return work
+
+    async def _connect(self, st: _ChannelState, timeout: float,
+                       launched: bool = False) -> dict[str, Any]:
+        """The registry's info on the channel worker of ``st`` once it is ready."""
+        name = st.worker
+        try:
+            # Also makes this runtime watch the channel worker: when it dies, the endpoint
+            # marks it lost and _on_lost fails what waits on it.
+            info = await self.runtime.resolve_worker(name, timeout, wait_for_group=True)
+        except PeerLostError:
+            # This process may remember an earlier channel worker of this name that died
+            # (the channel was destroyed and created again): ask the registry, which knows
+            # the newest one; after our own launch, wait for it.
+            newest = await self._lookup_ready(name, timeout if launched else 0.0)
+            if newest is None or self.endpoint.is_lost(str(newest["endpoint"])):
+                raise
+            info = newest
+        return info
+
+    async def _lookup_ready(self, name: str, wait: float) -> dict[str, Any] | None:
+        """The registry's info on worker ``name`` once ready (None if not within ``wait`` s).
+
+        Raises [`WorkerInitError`][aiorl.WorkerInitError] if it failed to start.
+        """
+        deadline = self.loop.time() + wait
+        delay = 0.01
+        while True:
+            try:
+                record = await self.runtime.registry.lookup(name)
+            except NotFoundError:
+                record = None  # not registered (yet)
+            if record is not None and record.state == WorkerState.READY:
+                return record.info.to_wire()
+            if record is not None and record.state == WorkerState.FAILED:
+                d = record.detail
+                raise WorkerInitError(name, record.info.rank, str(d.get("type", "Exception")),
+                                      str(d.get("message", "")), str(d.get("traceback", "")))
+            if self.loop.time() + delay > deadline:
+                return None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    async def _create(self, st: _ChannelState, session: Session, maxsize: int,
+                      where: NodeChoice, distributed: bool, timeout: float,
+                      policy: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Launch the channel's worker group (one rank per node ``where`` gives), or
+        connect to the channel of that name if it exists, as RLinf does, with a warning."""
+        launched = False
+        if not await self._group_exists(st.group):
+            if isinstance(session, WorkerSession):
+                await session.refresh()  # its node list must be current for the placement
+            nodes = await where(session)
+            args = (st.name, maxsize, nodes) if distributed else (st.name, maxsize)
+            builder = WorkerGroupBuilder(ChannelHost, args, {})
+            try:
+                await builder.launch_async(session, NodePlacementStrategy(nodes), st.group,
+                                           **(policy or {}))
+                launched = True
+            except GroupExistsError:
+                pass  # another creator won the race: connect to its channel
+        if not launched:
+            _warn_exists(st.name)
+        return await self._connect(st, timeout, launched)
+
+    async def _group_exists(self, group: str) -> bool:
+        try:
+            await self.runtime.registry.lookup_group(group)
+        except GroupNotFoundError:
+            return False
+        return True
+
+
+def _warn_exists(name: str) -> None:
+    log.warning("channel %r already exists; connecting to it (its maxsize and replicas stay "
+                "as they are)", name)
+
+
+_cores: weakref.WeakKeyDictionary[Runtime, _ClientCore] = weakref.WeakKeyDictionary()
+_cores_lock = threading.Lock()
+
+
+def _core_for(runtime: Runtime) -> _ClientCore:
+    with _cores_lock:
+        core = _cores.get(runtime)
+        if core is None:
+            core = _cores[runtime] = _ClientCore(runtime)
+        return core

@@ -1,0 +1,213 @@
+"""What the channel client keeps per operation, per channel worker and per queue.
+
+`_Op` is one operation (and the future its work wraps), `_Outbox` what leaves for one
+channel worker this loop turn, `_GetStream` the gets of this process on one queue, and
+`_ChannelState` what this process knows about one channel worker. The engine that moves
+them is `aiorl.channels._core`; the gets' rules are in `aiorl.channels._gets`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from aiorl.channels import _protocol as P
+from aiorl.channels._server import QueueKey, group_name_for
+from aiorl.runtime import AsyncChannelWork
+
+_PARKABLE = frozenset((P.PUT, P.GET, P.GET_BATCH))  # kinds the channel worker may hold back
+#: Client-side only, never on the wire: a user's ``get``, served by its queue's _GetStream.
+_USER_GET = -1
+#: Operations that must see the items this process prefetched back in their queue first
+#: (``STATS`` too, for every queue of the channel).
+_SEES_PREFETCH = frozenset((P.GET_NOWAIT, P.GET_BATCH, P.INFO, P.PEEK))
+#: Of those, the ones that take items: a queue's gets made after one are served after it.
+_TAKES = frozenset((P.GET_NOWAIT, P.GET_BATCH))
+#: Puts that complete at once while their queue's credits last (see _protocol, Credits).
+_CREDITED = frozenset((P.PUT, P.PUT_NOWAIT))
+
+Received = tuple[Any, tuple[float, int], Sequence[Any]]  # (payload, (weight, seq), frames)
+
+
+class Engine(Protocol):
+    """What operations and the gets need of the per-process engine
+    (`aiorl.channels._core._ClientCore`), which this module cannot import."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def _issue(self, op: _Op) -> None: ...
+
+    def _accept(self, op: _Op) -> None: ...
+
+    def _unget(self, address: str, st: _ChannelState, queue: QueueKey,
+               items: Sequence[Received]) -> None: ...
+
+    def _on_cancel(self, op: _Op) -> None: ...
+
+    def _withdraw_get(self, op: _Op) -> None: ...
+
+
+
+class _Op(asyncio.Future):  # type: ignore[type-arg]
+    """One operation: the future its [`AsyncChannelWork`][aiorl.AsyncChannelWork] wraps, and its
+    wire data.
+
+    Being the future itself (rather than an object holding one) saves an
+    allocation per operation, and overriding ``cancel`` catches every way a work
+    gets cancelled (``work.cancel()``, ``wait(timeout)`` expiring, a task
+    cancelled while awaiting it) without a done callback per operation.
+    Operations that nobody awaits (``CANCEL``, ``UNGET``, the ``GET`` and
+    ``PREFETCH`` slots of a `_GetStream`) are never completed.
+    """
+
+    __slots__ = ("core", "state", "kind", "queue", "number", "payload", "frames", "token",
+                 "address", "stream")
+
+    def __init__(self, core: Engine, state: _ChannelState, kind: int, queue: QueueKey,
+                 number: Any, payload: Any, frames: Sequence[Any],
+                 stream: _GetStream | None = None) -> None:
+        super().__init__(loop=core.loop)
+        self.core = core
+        self.state = state  # replica 0's until a routed operation knows its replica
+        self.kind = kind
+        self.queue = queue
+        self.number = number
+        self.payload = payload  # inline pickle bytes, or the number of frames in ``frames``
+        self.frames = frames
+        self.token = 0
+        self.address: str | None = None  # set once it is handed to an outbox
+        #: the stream a GET/PREFETCH sent on behalf of users feeds; for a cancelled
+        #: get_batch, the stream whose gets wait for its answer (``settling``)
+        self.stream = stream
+
+    def cancel(self, msg: Any = None) -> bool:
+        if not super().cancel(msg=msg):
+            return False
+        if self.kind == _USER_GET:
+            self.core._withdraw_get(self)
+        elif self.kind in _PARKABLE:
+            self.core._on_cancel(self)
+        return True
+
+
+class _Outbox:
+    """What leaves for one channel worker at the end of this loop turn."""
+
+    __slots__ = ("meta", "frames", "ops", "nbytes", "inline", "credited")
+
+    def __init__(self) -> None:
+        self.meta: list[Any] = []
+        self.frames: list[Any] = []
+        self.ops: list[_Op] = []  # the operations that await an answer, or are withdrawn
+        self.nbytes = 0
+        self.inline = 0
+        #: The channel whose credited puts (already complete, no _Op) are in ``meta``.
+        self.credited: _ChannelState | None = None
+
+
+class _GetStream:
+    """The gets of this process on one queue of one channel (loop thread only).
+
+    User gets wait in ``waiting``; the channel worker sees *slots* instead:
+    ``PREFETCH`` requests for up to ``depth`` items already queued while the
+    user's gets follow each other closely (streaming), and a parkable ``GET`` for
+    each waiting user get that no prefetch in flight can serve. ``depth`` doubles
+    while user gets still have to wait and halves when a prefetch finds the queue
+    empty. Prefetched items go back to the queue (``UNGET``, at their places) after
+    `PREFETCH_IDLE` seconds without a get, and
+    before any other operation on the queue that must see them (``get_batch``,
+    ``get_nowait``, ``qsize``, ``statistics``).
+
+    Ordering (docs/ordering.md): the channel worker handles the slots in the order
+    they were sent, each taking from the head of the queue (a ``GET`` parks only
+    while the queue is empty, and a ``PREFETCH`` behind it then takes nothing), so
+    **items arrive in queue order**, and each goes to the oldest waiting user get or,
+    if none waits, to ``ready`` for the next one: the user gets receive the items in
+    queue order, as if each get had been sent alone. Giving items *back* is what can
+    break this: an item given back while a slot sent earlier is still out lets that
+    slot's newer items reach a user get first, and a slot sent after an item was
+    taken but before it is back in the queue takes the items behind it. So:
+
+    * ``ready`` goes back only when no ``PREFETCH`` is out (`Gets.idle`
+      waits for it), or while ``held`` keeps every later operation back and the
+      prefetch's items follow them back (`Gets.prefetch_returned`);
+    * only ``GET`` slots newer than every ``PREFETCH`` out are withdrawn, so an item
+      a withdrawn slot gives back is newer than every item still to arrive;
+    * while a withdrawn request (a slot, or a cancelled ``get_batch``) may still give
+      items back (``settling``), no new slot is sent (`Gets.top_up`);
+    * before held operations are released, the user gets waiting since before them
+      get their slots (`Gets.settled`);
+    * slots serve whichever user get is oldest, so a slot sent for a get that was then
+      cancelled serves a later get; that must not cross a ``get_batch`` or
+      ``get_nowait`` sent in between (it is behind the slot at the channel worker, but
+      was made before the later get): cancelling a get made before such a *fence*
+      withdraws a GET slot ahead of it (`Gets.withdraw_get`).
+    """
+
+    __slots__ = ("state", "queue", "waiting", "ready", "demand", "requested", "requested_total",
+                 "settling", "depth", "last_get", "held", "timer", "fences")
+
+    def __init__(self, state: _ChannelState, queue: QueueKey) -> None:
+        self.state = state
+        self.queue = queue
+        self.waiting: collections.deque[_Op] = collections.deque()  # user gets, in call order
+        self.ready: collections.deque[Received] = collections.deque()  # prefetched items
+        self.demand: collections.deque[_Op] = collections.deque()  # GET slots not answered
+        self.requested: dict[_Op, int] = {}  # PREFETCH slots not answered -> items asked for
+        self.requested_total = 0
+        #: withdrawn requests (CANCEL sent: GET slots, cancelled get_batches) whose answer
+        #: (CANCELLED, or items that go back) has not arrived
+        self.settling = 0
+        self.depth = 0
+        self.last_get = -1e9  # when a user get was last issued or served
+        #: Operations on this queue held back until withdrawn and in-flight slots are
+        #: answered, so that they see the prefetched items back in the queue.
+        self.held: list[_Op] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        #: ``[token, gets]`` of each get_batch or get_nowait sent for this queue while user
+        #: gets waited, oldest first: ``gets`` of the oldest waiting user gets were made
+        #: before it, and their GET slots, one each, are ahead of it at the channel worker.
+        self.fences: collections.deque[list[int]] = collections.deque()
+
+    def can_serve(self) -> bool:
+        """Whether a new user get takes a prefetched item now (nothing waits before it)."""
+        return bool(self.ready) and not self.waiting and self.held is None
+
+    def in_flight(self) -> int:
+        """Items that slots may still bring beyond what waiting user gets need."""
+        return len(self.demand) + self.requested_total - len(self.waiting)
+
+
+class _ChannelState:
+    """What one process knows about one channel worker (a plain channel's, or one replica
+    of a distributed channel), shared by all its handles to that channel.
+
+    Replica 0's state (every channel has one) also holds what this process knows about
+    the channel as a whole: how many replicas it has and which replica holds which key.
+    """
+
+    def __init__(self, name: str, rank: int = 0) -> None:
+        self.name = name
+        self.group = group_name_for(name)
+        self.rank = rank
+        self.worker = f"{self.group}:{rank}"
+        self.address: str | None = None  # the channel worker's endpoint, once resolved
+        self.node_rank: int | None = None  # the channel worker's node, once resolved
+        self.backlog: list[_Op] = []  # operations issued before the address was known
+        self.task: asyncio.Task[dict[str, Any]] | None = None  # the resolution whose outcome counts
+        self.ready_waiters: list[AsyncChannelWork[Any]] = []
+        self.credits: dict[QueueKey, int] = {}  # queue -> puts that may complete at once
+        self.unconfirmed = 0  # credited puts sent and not yet reported admitted
+        #: The error of a pipelined (credited) put, raised by the next operation.
+        self.failure: BaseException | None = None
+        self.streams: dict[QueueKey, _GetStream] = {}
+        # ---- replica 0 only: the channel as a whole (see Engine.submit_routed)
+        #: replicas of the channel, learnt when replica 0 is resolved (None: not yet)
+        self.world_size: int | None = None
+        self.replicas: list[_ChannelState] = [self]
+        self.key_ranks: dict[QueueKey, int] = {}  # the routing cache: key -> replica rank
+        #: operations on keys whose replica is not known yet, in call order per key
+        self.unrouted: dict[QueueKey, list[_Op]] = {}
+        self.routing: dict[QueueKey, _Op] = {}  # ROUTE requests in flight, per key

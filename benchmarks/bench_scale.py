@@ -1,0 +1,157 @@
+"""The control plane at scale: launch to first answer and the fan-out group call, by size.
+
+For each layout (``N`` workers on one node agent, or ``A`` agents x ``N/A`` workers) and
+each run, a fresh interpreter starts a fresh embedded cluster, warms every agent's zygote
+(one throw-away worker per node, so torch is preloaded as in a running job), then times
+
+* **launch to first answer**: ``launch(num_workers=N)`` until a no-op call to every rank
+  has answered (spawn messages, forks, registrations, readiness, the first call);
+* **fan-out group call, p50**: the median of ``--calls`` sequential no-op calls to all
+  ``N`` ranks (after a few unmeasured ones).
+
+The table shows the median over ``--runs`` runs (each a fresh cluster). With ``--baseline
+DIR`` the same measurement runs against the tree in ``DIR`` as well (``PYTHONPATH=DIR``,
+e.g. ``git archive 4b36fc5 | tar -x -C DIR``), interleaved run by run so that machine noise
+hits both alike, and the two are printed side by side with their ratio::
+
+    python benchmarks/bench_scale.py --sizes 8,16,64,128,256 --agents 4x64 --runs 3 \\
+        [--baseline /tmp/aiorl-main] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+
+PROBE = textwrap.dedent("""\
+    import json, statistics, sys, time
+    import aiorl
+
+    nodes, workers, calls = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+
+    class Probe(aiorl.Worker):
+        def noop(self):
+            return None
+
+    with aiorl.Cluster(num_nodes=nodes, timeout=120) as cluster:
+        warm = Probe.create_group().launch(cluster, num_workers=nodes, name="warm")
+        warm.noop().wait(300)  # every zygote has imported torch
+        warm.close()
+        begin = time.perf_counter()
+        group = Probe.create_group().launch(cluster, num_workers=workers, name="probe")
+        group.noop().wait(300)
+        launch = time.perf_counter() - begin
+        for _ in range(max(5, calls // 10)):
+            group.noop().wait(60)
+        samples = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            group.noop().wait(60)
+            samples.append(time.perf_counter() - t)
+        group.close()
+    print(json.dumps({"launch_s": launch, "call_p50_ms": statistics.median(samples) * 1e3,
+                      "source": aiorl.__file__}))
+    """)
+
+
+@dataclass(frozen=True)
+class Layout:
+    nodes: int
+    workers: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.workers}" if self.nodes == 1 else f"{self.workers} on {self.nodes} agents"
+
+
+def parse_layouts(sizes: str, agents: str) -> list[Layout]:
+    layouts = [Layout(1, int(s)) for s in sizes.split(",") if s.strip()]
+    for item in filter(None, (a.strip() for a in agents.split(","))):
+        count, _, per_agent = item.partition("x")
+        layouts.append(Layout(int(count), int(count) * int(per_agent)))
+    return layouts
+
+
+def run_probe(layout: Layout, calls: int, tree: str | None, timeout: float) -> dict[str, float]:
+    """One fresh interpreter and cluster; ``tree`` (a source tree) goes first on its path."""
+    env = {k: v for k, v in os.environ.items() if k != "AIORL_REGISTRY"}
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-c", PROBE, str(layout.nodes), str(layout.workers),
+                          str(calls)], capture_output=True, text=True, timeout=timeout, env=env,
+                         cwd=tree or os.getcwd())
+    if out.returncode != 0:
+        raise RuntimeError(f"probe {layout} ({tree or 'this tree'}) failed:\n{out.stderr[-3000:]}")
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    source = str(result.pop("source"))
+    if tree is not None and not os.path.realpath(source).startswith(os.path.realpath(tree)):
+        raise RuntimeError(f"the baseline run imported aiorl from {source}, not from {tree}")
+    return result
+
+
+def machine() -> str:
+    load = os.getloadavg()
+    return (f"{platform.node()}: {os.cpu_count()} cores, Python {platform.python_version()}, "
+            f"load average {load[0]:.2f} at start")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="8,16,64,128,256",
+                        help="worker counts on one node agent (comma-separated)")
+    parser.add_argument("--agents", default="4x64",
+                        help="AxN layouts: A agents with N workers each (comma-separated; '' none)")
+    parser.add_argument("--runs", type=int, default=3, help="fresh clusters per layout and tree")
+    parser.add_argument("--calls", type=int, default=100, help="measured group calls per run")
+    parser.add_argument("--baseline", default=None,
+                        help="a source tree to measure side by side (git archive REV | tar -x -C DIR)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    parser.add_argument("--json", help="also write every sample here")
+    args = parser.parse_args()
+    layouts = parse_layouts(args.sizes, args.agents)
+    trees: dict[str, str | None] = {"this tree": None}
+    if args.baseline:
+        trees = {"baseline": os.path.abspath(args.baseline), "this tree": None}
+    print(machine(), flush=True)
+    samples: dict[str, dict[str, dict[str, list[float]]]] = {t: {} for t in trees}
+    for layout in layouts:
+        for run in range(args.runs):
+            for tree_name, tree in trees.items():  # interleaved: noise hits both trees alike
+                result = run_probe(layout, args.calls, tree, args.timeout)
+                per = samples[tree_name].setdefault(layout.label, {})
+                for key, value in result.items():
+                    per.setdefault(key, []).append(value)
+                print(f"  {layout.label:>18} run {run + 1}/{args.runs} {tree_name:>9}: "
+                      f"launch {result['launch_s']:.2f} s, call p50 {result['call_p50_ms']:.2f} ms",
+                      file=sys.stderr, flush=True)
+    print(f"\nmachine: {machine()}; median of {args.runs} runs, {args.calls} calls each")
+    for key, title, unit in (("launch_s", "launch to first answer", "s"),
+                             ("call_p50_ms", "fan-out group call, p50", "ms")):
+        print(f"\n{title} ({unit})")
+        header = f"{'workers':>18}" + "".join(f"{t:>14}" for t in trees)
+        if args.baseline:
+            header += f"{'ratio':>10}{'range (this tree)':>22}"
+        print(header)
+        for layout in layouts:
+            values = [statistics.median(samples[t][layout.label][key]) for t in trees]
+            row = f"{layout.label:>18}" + "".join(f"{v:>14.2f}" for v in values)
+            if args.baseline:
+                mine = samples["this tree"][layout.label][key]
+                row += f"{values[0] / values[1]:>9.2f}x{min(mine):>12.2f}-{max(mine):.2f}"
+            print(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "runs": args.runs, "calls": args.calls,
+                       "samples": samples}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
