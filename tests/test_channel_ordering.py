@@ -10,6 +10,7 @@ handle's own timers fired, as under heavy machine load.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import time
@@ -204,3 +205,107 @@ def test_a_cancelled_get_does_not_let_a_later_get_overtake_a_get_batch(
         return [await asyncio.wait_for(w, 10) for w in works]
 
     assert cluster.runtime.run_sync(consume(), 30) == [0, [1], 2]
+
+
+# ---------------------------------------------------------------------- several consumers
+class Taker(aiorl.Worker):
+    """Producer and consumer of the tests with several processes on one queue."""
+
+    async def take(self, ch: Channel, n: int, key: str = "default") -> list[Any]:
+        return [await asyncio.wait_for(ch.get(key), 20) for _ in range(n)]
+
+    async def produce(self, ch: Channel, n: int, key: str) -> int:
+        for i in range(n):
+            await ch.put((self.rank, i), weight=1, key=key)  # awaited one by one, as users do
+        await ch.flush()
+        return n
+
+    async def consume(self, ch: Channel, key: str) -> list[Any]:
+        got: list[Any] = []
+        while (item := await asyncio.wait_for(ch.get(key), 60)) != "STOP":
+            got.append(item)
+        return got
+
+
+@pytest.fixture(scope="module")
+def takers(cluster: aiorl.Cluster) -> Iterator[Any]:
+    group = Taker.create_group().launch(cluster, num_workers=4, name="takers")
+    group.wait_ready()
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+def test_items_another_consumer_gave_back_never_reach_a_consumer_after_newer_ones(
+        cluster: aiorl.Cluster, stoppable: tuple[Channel, int], takers: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 27, item 1 (docs/ordering.md, several consumers).
+
+    The driver streams three gets, so its handle prefetches, and then pauses holding
+    prefetched items. A worker takes everything that is left. Its gets used to be served
+    at once with the *newer* items; when the driver's idle timer gave its prefetched items
+    back, the worker got them after those: producer order broken for that consumer. The
+    channel worker now holds the worker's gets until the driver says it holds nothing.
+    """
+    monkeypatch.setattr(P, "PREFETCH_IDLE", 0.5)  # the driver pauses "idle" for this long
+    ch, _ = stoppable
+    n = 40
+    for i in range(n):
+        ch.put(i, weight=1)
+    ch.flush().wait(10)
+
+    async def hold_prefetched() -> tuple[list[Any], int]:
+        burst = [ch.get() for _ in range(3)]  # gets in one turn: the handle prefetches
+        got = [await w for w in burst]
+        stream = ch._bind()[1].streams["default"]
+        deadline = time.monotonic() + 10
+        while stream.requested:  # its prefetch is answered: items kept for the next gets
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.001)
+        return got, len(stream.ready)
+
+    first, kept = cluster.runtime.run_sync(hold_prefetched(), 30)
+    assert first == [0, 1, 2] and kept > 0, "precondition: the driver holds prefetched items"
+    rest = takers.execute_on(0).take(ch, n - 3).wait(60)[0]
+    assert rest == list(range(3, n))
+
+
+@pytest.mark.timeout(600)
+def test_two_producers_two_consumers_keep_each_producers_order_with_the_cpus_hogged(
+        cluster: aiorl.Cluster, takers: Any) -> None:
+    """The shape that broke order under load (issue 27, item 1): two producers put 1,500
+    items each, awaiting every put, into a ``maxsize=16`` channel; two consumers get one
+    at a time; two processes spin on the CPUs. Each consumer must see each producer's
+    items in put order, in every one of 20 repetitions, and nothing lost or doubled."""
+    ch = Channel.create(cluster, "two-by-two", maxsize=16)
+    n, reps = 1500, 20
+    producers, consumers = takers.execute_on(0, 1), takers.execute_on(2, 3)
+    hogs = [multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
+            for _ in range(2)]
+    for hog in hogs:
+        hog.start()
+    try:
+        for rep in range(reps):
+            key = f"rep{rep}"
+            consumed = consumers.consume(ch, key)
+            assert producers.produce(ch, n, key).wait(120) == [n, n]
+            for _ in range(2):
+                ch.put("STOP", weight=1, key=key)
+            per_consumer = consumed.wait(120)
+            everything = sorted(item for got in per_consumer for item in got)
+            assert everything == sorted((p, i) for p in range(2) for i in range(n)), rep
+            for got in per_consumer:
+                for p in range(2):
+                    seq = [i for (src, i) in got if src == p]
+                    assert seq == sorted(seq), f"repetition {rep}: producer {p} out of order"
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.join(10)
+        ch.destroy().wait(10)
+
+
+def _spin() -> None:
+    while True:
+        pass

@@ -495,7 +495,10 @@ class _ClientCore:
                     self.gets.slot_withdrawn(op.stream)
                 continue  # CANCELLED after a local cancel, or a late answer nobody awaits
             if op.stream is not None:
-                self.gets.slot_answered(op, status, info)
+                if status == P.NO_PREFETCH:
+                    self.gets.prefetch_refused(op)
+                else:
+                    self.gets.slot_answered(op, status, info)
             elif status == P.OK:
                 if op.kind == P.STATS:
                     op.set_result({

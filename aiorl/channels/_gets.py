@@ -41,7 +41,8 @@ class Gets:
             self.serve_ready(stream, op)
             return
         now = self.loop.time()
-        if now - stream.last_get < P.PREFETCH_IDLE:  # streaming, and it has to wait:
+        if now - stream.last_get < P.PREFETCH_IDLE and now >= stream.prefetch_off_until:
+            # streaming, and it has to wait:
             stream.depth = min(P.PREFETCH_MAX, max(2, stream.depth * 2))  # prefetch deeper
         stream.last_get = now
         stream.waiting.append(op)
@@ -52,6 +53,7 @@ class Gets:
         stream.last_get = self.loop.time()
         self.resolve(fut, stream.ready.popleft())
         self.top_up(stream)
+        self.drained(stream)
 
     def top_up(self, stream: _GetStream) -> None:
         """Cover every waiting user get by a slot, and prefetch up to ``depth`` items.
@@ -98,13 +100,39 @@ class Gets:
             stream.demand.remove(slot)  # the oldest: answers come in order
         else:
             stream.requested_total -= stream.requested.pop(slot)
-            if not items:
+            if items:
+                stream.lent = True  # the channel worker holds others' gets until DRAINED
+            else:
                 stream.depth //= 2  # the queue ran dry: the consumer is not behind
         for item in items:
             self.item_arrived(stream, item)
         if stream.held is None and stream.waiting:
             self.top_up(stream)  # a prefetch brought less than the waiting gets need
         self.settled(stream)
+        self.drained(stream)
+
+    def prefetch_refused(self, slot: _Op) -> None:
+        """``NO_PREFETCH``: another process takes from the queue too. Stop prefetching
+        for `SHARED_WINDOW` s; gets take one request each meanwhile."""
+        stream = slot.stream
+        assert stream is not None
+        stream.requested_total -= stream.requested.pop(slot)
+        stream.depth = 0
+        stream.prefetch_off_until = self.loop.time() + P.SHARED_WINDOW
+        if stream.held is None and stream.waiting:
+            self.top_up(stream)  # the gets it was to serve need GET slots now
+        self.settled(stream)
+        self.drained(stream)
+
+    def drained(self, stream: _GetStream) -> None:
+        """Tell the channel worker once no prefetched item is here or on its way: it holds
+        the gets of other processes until then (see `_protocol`, Prefetch). An ``UNGET``
+        of the items given back, if any, was sent before (one outbox, in order)."""
+        if (stream.lent and not stream.ready and not stream.requested
+                and stream.state.address is not None):
+            stream.lent = False
+            self.core._enqueue(stream.state.address,
+                               _Op(self.core, stream.state, P.DRAINED, stream.queue, 0, 0, ()))
 
     def item_arrived(self, stream: _GetStream, item: Received) -> None:
         waiting = stream.waiting
@@ -209,6 +237,7 @@ class Gets:
             items, stream.ready = list(stream.ready), collections.deque()
             if stream.state.address is not None:
                 self.core._unget(stream.state.address, stream.state, stream.queue, items)
+        self.drained(stream)
 
     def prefetch_returned(self, stream: _GetStream, op: _Op) -> bool:
         """Before ``op`` (get_nowait, get_batch, qsize, statistics) sees the queue: return
@@ -222,6 +251,7 @@ class Gets:
             return False
         if op.kind == P.GET_NOWAIT and stream.ready and not stream.waiting:
             self.resolve(op, stream.ready.popleft())
+            self.drained(stream)
             return False
         self.return_prefetch(stream)
         if stream.settling or stream.requested:
@@ -267,6 +297,7 @@ class Gets:
         stream.ready.clear()  # lost with the channel worker, like the items still queued
         stream.settling = 0
         stream.depth = 0
+        stream.lent = False  # the channel worker that lent them is gone
         stream.fences.clear()
         waiting, stream.waiting = stream.waiting, collections.deque()
         held, stream.held = stream.held or [], None

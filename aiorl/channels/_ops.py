@@ -44,6 +44,8 @@ class Engine(Protocol):
     def _unget(self, address: str, st: _ChannelState, queue: QueueKey,
                items: Sequence[Received]) -> None: ...
 
+    def _enqueue(self, address: str, op: _Op) -> None: ...
+
     def _on_cancel(self, op: _Op) -> None: ...
 
     def _withdraw_get(self, op: _Op) -> None: ...
@@ -147,7 +149,8 @@ class _GetStream:
     """
 
     __slots__ = ("state", "queue", "waiting", "ready", "demand", "requested", "requested_total",
-                 "settling", "depth", "last_get", "held", "timer", "fences")
+                 "settling", "depth", "last_get", "held", "timer", "fences", "lent",
+                 "prefetch_off_until")
 
     def __init__(self, state: _ChannelState, queue: QueueKey) -> None:
         self.state = state
@@ -170,6 +173,10 @@ class _GetStream:
         #: gets waited, oldest first: ``gets`` of the oldest waiting user gets were made
         #: before it, and their GET slots, one each, are ahead of it at the channel worker.
         self.fences: collections.deque[list[int]] = collections.deque()
+        #: prefetched items arrived since the channel worker was last told DRAINED
+        self.lent = False
+        #: no prefetching before then (loop time): the queue has another consumer
+        self.prefetch_off_until = 0.0
 
     def can_serve(self) -> bool:
         """Whether a new user get takes a prefetched item now (nothing waits before it)."""

@@ -56,7 +56,16 @@ Prefetch (streaming gets)
     A client whose gets follow each other closely sends ``PREFETCH`` entries for
     items already queued: they take nothing when the queue is empty (never
     waiting, so they cannot take items that arrive for other getters), and what
-    they bring is kept for the client's next gets.
+    they bring is kept for the client's next gets. A client that received
+    prefetched items *holds* the queue's prefetch until it says ``DRAINED`` (each of
+    those items went to one of its gets, or back with an ``UNGET`` sent before).
+    Items given back return to the head of the queue; so that they can never reach
+    another process after a newer item did, the channel worker holds the gets of
+    every other process (``GET``, ``GET_BATCH``, ``GET_NOWAIT``) while one process
+    holds prefetched items, at most `LENT_HOLD_MAX` seconds, and refuses
+    ``PREFETCH`` (``NO_PREFETCH``) on a queue that a second process took from within
+    `SHARED_WINDOW` seconds. One consumer streams with prefetch; several take one
+    request each, and each sees every producer's items in put order.
 """
 
 from __future__ import annotations
@@ -89,6 +98,9 @@ PREFETCH = 11
 ROUTE = 12
 #: up to ``number`` queued items (all if negative) copied, not taken; answered ``PEEKED``
 PEEK = 13
+#: this client holds no prefetched item of queue ``queue_name`` any more (all served to its
+#: gets, or given back with an ``UNGET`` sent before); never answered (see Prefetch)
+DRAINED = 14
 
 # answer statuses
 OK = 0
@@ -99,6 +111,9 @@ ERROR = 4
 ITEMS = 5  #: a successful get; its own status so frames can be skipped without knowing the op
 CREDIT = 6  #: a credit grant (token 0): ``[queue_name, granted, admitted]``
 PEEKED = 7  #: the answer to ``PEEK``: items as for ``ITEMS``, still queued (never re-queued)
+#: the answer to a ``PREFETCH`` while another process also takes from the queue: no items,
+#: and prefetch no more for `SHARED_WINDOW` seconds
+NO_PREFETCH = 8
 
 #: Pickles up to this size travel inline in the message header instead of as a frame.
 INLINE_MAX = 32 * 1024
@@ -117,3 +132,10 @@ PREFETCH_MAX = 256
 #: Prefetched items a consumer has not asked for within this many seconds go back
 #: to their queue, so an idle consumer does not hold items others are waiting for.
 PREFETCH_IDLE = 0.005
+#: A queue counts as *shared* (prefetch refused) for this long after a second process took
+#: from it: prefetching alternately would make each consumer wait for the other's items.
+SHARED_WINDOW = 1.0
+#: The longest the channel worker holds another process's gets while one process holds
+#: prefetched items of the queue (it answers in milliseconds unless its loop is stuck or it
+#: died); after this, the gets are served and a late give-back may reach them out of order.
+LENT_HOLD_MAX = 2.0

@@ -28,6 +28,7 @@ Distributed channels
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from typing import Any, cast
@@ -76,6 +77,36 @@ class _Chunk:
         self.handed_out: list[tuple[QueueKey, list[Entry]]] = []
 
 
+#: Operations that take items from a queue (whose takers `_Takers` follows).
+_TAKING = frozenset((P.GET, P.GET_BATCH, P.GET_NOWAIT, P.PREFETCH))
+#: A taking operation held back: ``(client identity, kind, token, number)``.
+Held = tuple[bytes, int, int, Any]
+
+
+class _Takers:
+    """The processes that take from one queue, for prefetch (see `_protocol`, Prefetch).
+
+    Items a process prefetched and gives back return to the head of the queue. Were
+    another process served meanwhile, it would get them after newer items of the same
+    producer; so while a process holds prefetched items (``lent``) the gets of every
+    other process wait here (``held``, in arrival order) until it says ``DRAINED``, and
+    prefetch is refused while a second process takes from the queue.
+    """
+
+    __slots__ = ("last", "shared_until", "lent", "held", "timer")
+
+    def __init__(self) -> None:
+        self.last: bytes | None = None  # the process that took last
+        self.shared_until = 0.0  # prefetch is refused until then (loop time)
+        self.lent: set[bytes] = set()  # processes that hold prefetched items
+        self.held: list[Held] = []
+        self.timer: asyncio.TimerHandle | None = None  # ends the hold (LENT_HOLD_MAX)
+
+    def others_lent(self, identity: bytes) -> bool:
+        """Whether a process other than ``identity`` holds prefetched items."""
+        return bool(self.lent) and (len(self.lent) > 1 or identity not in self.lent)
+
+
 class ChannelServer:
     """Serves `OPS` on ``endpoint`` (its loop thread only).
 
@@ -112,6 +143,7 @@ class ChannelServer:
         self._admitted: dict[CreditKey, int] = {}  # credited puts admitted, not yet reported
         self._grant_due: set[CreditKey] = set()  # (client, queue) whose credits to top up
         self._flushes: dict[bytes, list[int]] = {}  # FLUSH tokens waiting for credited puts
+        self._takers: dict[QueueKey, _Takers] = {}  # per queue: prefetch and held gets
         endpoint.handle(P.OPS, self._on_ops)
 
     # ------------------------------------------------------------------ requests
@@ -143,6 +175,8 @@ class ChannelServer:
     def _dispatch(self, identity: bytes, kind: int, token: int, qname: QueueKey, number: Any,
                   item: Item) -> None:
         waiter = (identity, token)
+        if kind in _TAKING and self._hold(identity, kind, token, qname, number):
+            return
         if kind == P.PUT_CREDITED:
             self._put_credited(identity, waiter, qname, float(number), item)
         elif kind == P.PUT:
@@ -180,6 +214,9 @@ class ChannelServer:
             self._answer_items(identity, token, qname, [entry])
             self._deliver(qname, done)
         elif kind == P.CANCEL:
+            if self._withdraw_held(identity, token, qname):
+                self._answer(identity, token, P.CANCELLED, None)
+                return
             parked_in = self._parked.pop(waiter, None)
             if parked_in is None:
                 return  # already answered: the result is on its way
@@ -195,7 +232,15 @@ class ChannelServer:
                 taken.append(entry)
                 if done:  # parked putters admitted into the room it made
                     self._deliver(qname, done)
+            if taken:
+                self._takers[qname].lent.add(identity)
             self._answer_items(identity, token, qname, taken)
+        elif kind == P.DRAINED:
+            takers = self._takers.get(qname)
+            if takers is not None and identity in takers.lent:
+                takers.lent.discard(identity)
+                if takers.held:
+                    self._release(qname)
         elif kind == P.FLUSH:
             if self._credited_parked.get(identity):
                 self._flushes.setdefault(identity, []).append(token)
@@ -215,6 +260,66 @@ class ChannelServer:
             self._answer(identity, token, P.OK, [size, self.maxsize])
         else:
             raise ValueError(f"unknown channel operation kind {kind!r}")
+
+    # ------------------------------------------------------------------ takers
+    def _hold(self, identity: bytes, kind: int, token: int, qname: QueueKey, number: Any) -> bool:
+        """Whether taking operation ``kind`` must wait or is answered ``NO_PREFETCH``."""
+        takers = self._takers.get(qname)
+        if takers is None:
+            takers = self._takers[qname] = _Takers()
+        now = self.endpoint.loop.time()
+        if takers.last != identity:
+            if takers.last is not None:
+                takers.shared_until = now + P.SHARED_WINDOW
+            takers.last = identity
+        if kind == P.PREFETCH:
+            if takers.others_lent(identity) or now < takers.shared_until:
+                self._answer(identity, token, P.NO_PREFETCH, None)
+                return True
+            return False
+        if takers.others_lent(identity) or any(h[0] == identity for h in takers.held):
+            takers.held.append((identity, kind, token, number))
+            if takers.timer is None:
+                takers.timer = self.endpoint.loop.call_later(P.LENT_HOLD_MAX, self._hold_expired,
+                                                             qname)
+            return True
+        return False
+
+    def _release(self, qname: QueueKey) -> None:
+        """Handle the held operations of ``qname`` again, in arrival order (some may wait on)."""
+        takers = self._takers[qname]
+        if takers.timer is not None:
+            takers.timer.cancel()
+            takers.timer = None
+        held, takers.held = takers.held, []
+        for identity, kind, token, number in held:
+            try:
+                self._dispatch(identity, kind, token, qname, number, None)
+            except Exception as exc:  # as in _on_ops: that operation fails alone
+                self._answer(identity, token, P.ERROR, f"{type(exc).__name__}: {exc}")
+        self._schedule_flush()
+
+    def _hold_expired(self, qname: QueueKey) -> None:
+        """A process held prefetched items for `LENT_HOLD_MAX` s without a word (its loop is
+        stuck, or it died): serve the others; its items, if they come back, go to their
+        places in the queue as any returned item."""
+        takers = self._takers[qname]
+        takers.timer = None
+        log.warning("channel %s: %d process(es) held prefetched items of a queue for %.0f s; "
+                    "serving %d waiting get(s) without them", self.name, len(takers.lent),
+                    P.LENT_HOLD_MAX, len(takers.held))
+        takers.lent.clear()
+        self._release(qname)
+
+    def _withdraw_held(self, identity: bytes, token: int, qname: QueueKey) -> bool:
+        takers = self._takers.get(qname)
+        if takers is None:
+            return False
+        for i, held in enumerate(takers.held):
+            if held[0] == identity and held[2] == token:
+                del takers.held[i]
+                return True
+        return False
 
     def _route(self, key: QueueKey, node_rank: int) -> int:
         """The replica that holds ``key``: assigned on first use, to the asker's node's."""
@@ -283,8 +388,10 @@ class ChannelServer:
         out = {}
         for name, q in self.queues.items():
             s = q.stats()
-            out[name] = [s.qsize, s.weight, s.maxsize, s.waiting_putters, s.waiting_getters,
-                         s.reserved]
+            takers = self._takers.get(name)
+            held = len(takers.held) if takers is not None else 0
+            out[name] = [s.qsize, s.weight, s.maxsize, s.waiting_putters,
+                         s.waiting_getters + held, s.reserved]
         return out
 
     # ------------------------------------------------------------------ answers
@@ -379,6 +486,12 @@ class ChannelServer:
         # Most recent first: each unget goes to the front, so the original order is restored.
         for qname, items in reversed(handed_out):
             self._deliver(qname, self._queue(qname).unget(items))
+        # Whatever it held, it holds no longer (what it was sent came back above).
+        for qname, takers in self._takers.items():
+            takers.lent.discard(identity)
+            takers.held = [h for h in takers.held if h[0] != identity]
+            if takers.held:
+                self._release(qname)
         self._schedule_flush()
 
 
