@@ -607,8 +607,10 @@ def test_sequential_streaming_keeps_order_and_get_batch_rules(cluster: aiorl.Clu
         ch.destroy().wait(10)
 
 
-def test_pipelined_puts_lost_with_the_channel_worker_fail_the_next_operation(
-        cluster: aiorl.Cluster) -> None:
+def test_puts_sent_on_credits_complete_only_once_in_the_queue(cluster: aiorl.Cluster) -> None:
+    """Issue 27, item 5: a put sent at once on a credit used to complete before its item
+    left the process. Now it travels at once and completes when the channel worker has
+    it: with that worker stopped, no put completes; when it dies, each fails and says so."""
     ch = Channel.create(cluster, "pipelined")
     ch.put(0).wait(10)  # answered, with credits for the next ones
     ch.flush().wait(10)
@@ -616,15 +618,41 @@ def test_pipelined_puts_lost_with_the_channel_worker_fail_the_next_operation(
     os.kill(pid, signal.SIGSTOP)
     try:
         works = [ch.put(i) for i in range(1, 50)]
-        for w in works:
-            w.wait(5)  # done at once (credited), though the channel worker is stopped
+        with pytest.raises(aiorl.WaitTimeout):
+            works[0].wait(0.3)  # sent, but nobody has it yet: not done
+        assert not any(w.done() for w in works[1:])
     finally:
         os.kill(pid, signal.SIGKILL)
-    time.sleep(1.0)  # the node agent reports the death; the handle learns it
-    with pytest.raises(PeerLostError, match="pipelined"):
-        ch.flush().wait(10)
+    for w in works[1:]:
+        with pytest.raises(PeerLostError, match="not yet admitted"):
+            w.wait(10)
     with pytest.raises(PeerLostError):  # and later operations fail as for any dead channel
         ch.put("after").wait(10)
+
+
+class SuddenDeath(aiorl.Worker):
+    async def put_then_die(self, ch: Channel, n: int) -> None:
+        for i in range(n):
+            await ch.put(i, weight=1)
+        os.kill(os.getpid(), signal.SIGKILL)  # no flush, no goodbye
+
+
+def test_every_put_that_returned_stays_when_its_producer_is_killed(
+        cluster: aiorl.Cluster) -> None:
+    """Issue 27, item 5: 5,000 awaited puts, then SIGKILL: the channel held 4,098 (the
+    rest had completed on credits while still in the producer's process)."""
+    n = 5000
+    ch = Channel.create(cluster, "survives-its-producer")
+    group = SuddenDeath.create_group().launch(cluster, NodePlacementStrategy([1]),
+                                              name="sudden-death")
+    try:
+        with pytest.raises(aiorl.AiorlError):
+            group.put_then_die(ch, n).wait(120)
+        assert ch.qsize() == n
+        assert [ch.get().wait(10) for _ in range(3)] == [0, 1, 2]
+    finally:
+        group.close()
+        ch.destroy().wait(10)
 
 
 def test_invalid_arguments(cluster: aiorl.Cluster) -> None:

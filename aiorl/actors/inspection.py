@@ -39,7 +39,7 @@ from typing import Any
 
 from aiorl.channels._core import _cores
 from aiorl.channels._ops import _USER_GET
-from aiorl.channels._protocol import GET, GET_BATCH, PUT
+from aiorl.channels._protocol import GET, GET_BATCH, PUT, PUT_CREDITED
 from aiorl.channels._server import ChannelHost
 from aiorl.names import WorkerInfo
 from aiorl.p2p import P2PEngine
@@ -51,7 +51,8 @@ from aiorl.transport.endpoint import Incoming
 
 __all__ = ["serve_inspection", "snapshot", "traced_execution"]
 
-_CHANNEL_KINDS = {PUT: "put", GET: "get", GET_BATCH: "get_batch", _USER_GET: "get"}
+_CHANNEL_KINDS = {PUT: "put", PUT_CREDITED: "put", GET: "get", GET_BATCH: "get_batch",
+                  _USER_GET: "get"}
 #: Frames of a stack kept per thread or task (the innermost ones).
 STACK_LIMIT = 40
 #: Asyncio tasks a snapshot describes; the rest are counted, by coroutine (see ``_tasks``).
@@ -161,6 +162,8 @@ def serve_inspection(runtime: Runtime, calls: Mapping[asyncio.Task[Any], Incomin
         if action == "metrics":
             return metrics(runtime, instance() if instance else None,
                            float(meta.get("window", 10.0)))
+        if action == "trace_page":  # a pull in bounded pieces (cluster/doctor.py dump_trace)
+            return _trace.drain_page(meta.get("first") is True, int(meta.get("max_spans", 0)))
         if action == "trace_pull":
             return _trace.drain()
         if action == "trace_start":
@@ -277,7 +280,7 @@ def _pending(runtime: Runtime, calls: Mapping[asyncio.Task[Any], Incoming] | Non
                     out.append({"kind": "channel.get", "channel": channel, "queue": queue,
                                 "peer": state.worker})
             for op in list(core._pending._pending.values()):
-                if op.state is state and op.kind in (PUT, GET_BATCH) and not op.done():
+                if op.state is state and op.kind in (PUT, PUT_CREDITED, GET_BATCH) and not op.done():
                     out.append({"kind": f"channel.{_CHANNEL_KINDS[op.kind]}",
                                 "channel": channel, "queue": op.queue, "peer": state.worker})
             for op in state.backlog:

@@ -52,6 +52,7 @@ from typing import Any, TypeVar, cast
 
 from aiorl.actors.lifecycle import Action, Event, Lifecycle, Transition, transition
 from aiorl.actors.worker import Worker
+from aiorl.errors import ClusterClosedError
 
 __all__ = ["PollResult", "PollingWorker"]
 
@@ -512,6 +513,11 @@ class PollingWorker(Worker):
                     await self._report()
             except asyncio.CancelledError:
                 raise
+            except ClusterClosedError:
+                # This process's own runtime is stopping (its group is being closed) while
+                # a poll was under way: the end of the worker, not a failure of run().
+                self._logger().info("%s stopped during run()", self._display_name())
+                return
             except BaseException:
                 self._logger().error("run() failed; %s is paused", self._display_name(),
                                      exc_info=True)

@@ -385,13 +385,16 @@ class Channel:
     def put(self, item: Any, weight: float = 0, key: Hashable = DEFAULT_KEY,
             async_op: bool = True, *,
             queue_name: Hashable | None = None) -> AsyncChannelWork[None] | None:
-        """Put ``item`` into queue ``key``; the work completes once the item is accepted.
+        """Put ``item`` into queue ``key``; the work completes once the item is in the queue.
 
-        Accepted means: in the queue, or, while this process holds a *credit* for
-        the queue, promised room there. The channel worker grants credits for
-        free room only, so with credits a put completes at once and travels
-        pipelined; without (a full queue) the work waits (backpressure) until a
-        get makes room. Puts from one process enter the queue in call order.
+        While this process holds a *credit* for the queue (room the channel worker
+        promised; granted for free room only) the put leaves at once, without
+        waiting for the puts before it, so many puts in flight cost a few messages;
+        without one (a full queue) it waits at the channel worker (backpressure)
+        until a get makes room. Either way the work completes when the channel
+        worker has the item: a put that returned is in the channel, seen by every
+        process, and stays if this process dies. Puts from one process enter the
+        queue in call order.
         ``item`` is pickled now; an item with out-of-band buffers (a tensor of
         64 KiB or more, sent zero-copy) always waits for the channel worker's
         answer, so it may be modified once its put is done. With
@@ -400,9 +403,8 @@ class Channel:
 
         Raises `SerializationError` at once
         for an item that cannot be pickled; the work fails with
-        [`PeerLostError`][aiorl.PeerLostError] if the channel worker dies. If a pipelined
-        put cannot reach its queue, the next operation on the channel from this
-        process (or [`flush`][aiorl.Channel.flush]) fails with that error.
+        [`PeerLostError`][aiorl.PeerLostError] if the channel worker dies before it has
+        the item. Cancelling a put that already left only stops waiting for it.
         """
         payload, frames = encode_item(item)
         work = self._submit(P.PUT, _queue_key(key, queue_name), _check_weight(weight, "weight"),
@@ -413,8 +415,8 @@ class Channel:
                    queue_name: Hashable | None = None) -> Any:
         """Put ``item`` only if its queue has room, else raise [`QueueFull`][aiorl.QueueFull].
 
-        From synchronous code this blocks for one round trip (none while this process
-        holds a credit for the queue, see [`put`][aiorl.Channel.put]) and returns None.
+        From synchronous code this blocks for one round trip, until the item is in the
+        queue (see [`put`][aiorl.Channel.put]), and returns None.
         On the runtime loop's thread (``async`` worker methods) it returns an
         [`AsyncChannelWork`][aiorl.AsyncChannelWork] to await, which raises ``QueueFull``.
         """
@@ -455,7 +457,7 @@ class Channel:
 
     def flush(self) -> AsyncChannelWork[None]:
         """A work that completes once every put this process issued to the channel before
-        it is in its queue; it fails with the error of a pipelined put that could not be."""
+        it is in its queue (every put's own work says so too; this waits for all at once)."""
         return self._everywhere(P.FLUSH, lambda _replicas, _answers: None)
 
     def get_nowait(self, key: Hashable = DEFAULT_KEY, *,
@@ -581,7 +583,6 @@ class Channel:
                 pass  # destroyed already
             for replica in st.replicas:
                 if replica.address is not None:
-                    replica.unconfirmed = 0  # pipelined puts are dropped with the queues
                     core.endpoint.mark_peer_lost(replica.address,
                                                  f"channel {st.name!r} was destroyed")
 

@@ -15,12 +15,14 @@ Batching
     in flight therefore cost a few messages, not a round trip each.
 
 Pipelining
-    A put of an item without out-of-band buffers completes at once while the
-    process holds a *credit* for its queue (room the channel worker promised);
-    credits come back as the worker accepts items, and a full queue grants
-    none, so backpressure holds. Gets that follow each other closely prefetch
-    items already queued (`_GetStream`). So ``await ch.put(x)`` and
-    ``await ch.get()`` in plain loops stream without a round trip per item.
+    A put of an item without out-of-band buffers leaves at once, without waiting
+    for the puts before it, while the process holds a *credit* for its queue (room
+    the channel worker promised); its work completes when the channel worker
+    reports it in the queue, so many puts in flight cost a few messages, and a put
+    that returned is in the channel. Credits come back as the worker accepts items,
+    and a full queue grants none, so backpressure holds. Gets that follow each
+    other closely prefetch items already queued (`_GetStream`), so a loop of
+    ``await ch.get()`` streams without a round trip per item.
 
 Ordering
     One process sends everything for one channel through one outbox, in call
@@ -35,8 +37,8 @@ Failure
     The process watches the channel worker through the registry
     (`resolve_worker`); when it dies the
     endpoint marks it lost and every pending operation fails with
-    [`PeerLostError`][aiorl.PeerLostError], and so does the next operation if
-    pipelined puts had not yet reached their queue.
+    [`PeerLostError`][aiorl.PeerLostError], puts sent on credits and not yet
+    reported in their queue included.
 
 Keys and distributed channels
     Each queue is named by a key: a ``str`` travels as it is, any other hashable
@@ -61,6 +63,7 @@ Cancellation
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import os
@@ -146,9 +149,6 @@ class _ClientCore:
         self._outboxes: dict[str, _Outbox] = {}
         self._flush_scheduled = False
         self.gets = Gets(self)  # user gets, per queue, and their slots
-        # The future of every put completed with a credit: shared, as it never changes.
-        self._accepted: asyncio.Future[None] = self.loop.create_future()
-        self._accepted.set_result(None)
         # Before any operation can be posted (call_soon keeps FIFO order).
         runtime.submit(self._install)
 
@@ -168,9 +168,7 @@ class _ClientCore:
     def submit(self, state: _ChannelState, kind: int, queue: QueueKey, number: Any, payload: Any = 0,
                frames: Sequence[Any] = ()) -> AsyncChannelWork[Any]:
         on_loop = self.runtime.on_loop_thread()
-        if on_loop and state.failure is None:  # the fast paths: no _Op, nothing to await
-            if kind in _CREDITED and self._put_credited(state, queue, number, payload, frames):
-                return AsyncChannelWork(self.loop, self._accepted)
+        if on_loop:  # the fast path of a get served from prefetched items: no _Op
             if kind == _USER_GET:
                 stream = state.streams.get(queue)
                 if stream is not None and stream.can_serve():
@@ -303,10 +301,6 @@ class _ClientCore:
         if op.done():  # cancelled before it could leave
             return
         st = op.state
-        if st.failure is not None:  # an earlier pipelined put failed: this operation says so
-            exc, st.failure = st.failure, None
-            op.set_exception(exc)
-            return
         kind = op.kind
         if kind == _USER_GET:
             self.gets.accept_get(op)
@@ -325,31 +319,34 @@ class _ClientCore:
             for stream in st.streams.values():
                 if not self.gets.prefetch_returned(stream, op):
                     return  # held: accepted again (and the other queues checked) once settled
-        elif kind in _CREDITED and self._put_credited(st, op.queue, op.number, op.payload,
-                                                      op.frames):
-            op.set_result(None)
+        elif kind in _CREDITED and self._put_credited(op):
             return
         self._issue(op)
 
-    def _put_credited(self, st: _ChannelState, queue: QueueKey, weight: float, payload: Any,
-                      frames: Sequence[Any]) -> bool:
-        """Send a put with a credit, complete already; False without a credit.
+    def _put_credited(self, op: _Op) -> bool:
+        """Send put ``op`` with a credit, without waiting for anything; False without one.
 
-        Only items with at most their own pickle in ``frames`` qualify: no user buffer
-        (tensor data sent zero-copy) that must stay untouched until it has been sent.
+        Its work completes once the channel worker reports it in its queue (a ``CREDIT``
+        answer counts the credited puts admitted, in order), so a put that returned is in
+        the channel, and a producer that dies after it loses nothing. Only items with at
+        most their own pickle in ``frames`` qualify: no user buffer (tensor data sent
+        zero-copy) that must stay untouched until it has been sent.
         """
+        st = op.state
         address = st.address
-        if address is None or len(frames) > 1:
+        if address is None or len(op.frames) > 1:
             return False
-        credits = st.credits.get(queue, 0)
+        credits = st.credits.get(op.queue, 0)
         if not credits:
             return False
-        st.credits[queue] = credits - 1
-        st.unconfirmed += 1
-        box = self._box(address)
-        box.credited = st
-        self._add(address, box, (P.PUT_CREDITED, self._pending.next_token(), queue, weight, payload),
-                  frames)
+        st.credits[op.queue] = credits - 1
+        op.kind = P.PUT_CREDITED  # not parkable: once sent, cancelling only stops the wait
+        op.token = self._pending.issue(op)
+        admitting = st.admitting.get(op.queue)
+        if admitting is None:
+            admitting = st.admitting[op.queue] = collections.deque()
+        admitting.append(op)
+        self._enqueue(address, op)
         return True
 
     def _issue(self, op: _Op) -> None:
@@ -402,25 +399,24 @@ class _ClientCore:
         except Exception as exc:  # PeerLostError for a dead channel; anything else is ours
             lost = exc if isinstance(exc, PeerLostError) else PeerLostError(
                 f"could not send to channel worker {address}: {exc}")
-            if box.credited is not None:
-                self._pipelined_failed(box.credited, lost)
             for op in box.ops:
                 self._fail(op, lost)
 
     def _fail(self, op: _Op, exc: BaseException) -> None:
         if self._pending.pop(op.token) is None:
             return
+        if op.kind == P.PUT_CREDITED:
+            self._not_admitted(op)
         if op.stream is not None:
             self.gets.stream_failed(op.stream, exc)
         elif not op.done():
             op.set_exception(exc)
 
-    def _pipelined_failed(self, st: _ChannelState, exc: BaseException) -> None:
-        """A put that already completed (with a credit) failed: the next operation raises it."""
-        if st.failure is None:
-            log.warning("channel %r: a pipelined put failed; the next operation on the channel "
-                        "(or flush()) raises it: %s", st.name, exc)
-            st.failure = exc
+    def _not_admitted(self, op: _Op) -> None:
+        """Credited put ``op`` failed: it will never be counted admitted (see _on_credit)."""
+        admitting = op.state.admitting.get(op.queue)
+        if admitting is not None and op in admitting:
+            admitting.remove(op)
 
     def _withdraw_get(self, op: _Op) -> None:
         """A user get was cancelled (`_Op.cancel`)."""
@@ -484,12 +480,9 @@ class _ClientCore:
                         op.set_exception(exc)
                 continue
             if op is None:
-                if status == P.ERROR:  # a pipelined put the channel worker refused
-                    st = self._by_address.get(peer)
-                    if st is not None:
-                        self._pipelined_failed(st, RemoteError(
-                            st.worker, st.rank, "ChannelError", str(info), ""))
-                continue
+                continue  # a late answer to an operation that failed here already
+            if op.kind == P.PUT_CREDITED:  # refused (ERROR): it will never be admitted
+                self._not_admitted(op)
             if op.done():
                 if op.stream is not None:  # CANCELLED: a withdrawn slot
                     self.gets.slot_withdrawn(op.stream)
@@ -529,7 +522,16 @@ class _ClientCore:
         queue, granted, admitted = info
         if granted:
             st.credits[queue] = st.credits.get(queue, 0) + int(granted)
-        st.unconfirmed -= int(admitted)
+        # Credited puts of one process enter their queue in the order they were sent
+        # (parked ones too, in arrival order), so the oldest ``admitted`` are in.
+        admitting = st.admitting.get(queue)
+        if admitted and admitting:
+            pending = self._pending
+            for _ in range(min(int(admitted), len(admitting))):
+                op = admitting.popleft()
+                pending.pop(op.token)
+                if not op.done():  # a cancelled one only stopped waiting
+                    op.set_result(None)
 
     def _refused(self, peer: str, op: _Op | None, token: int, items: list[Received]) -> None:
         """Items arrived for a get nobody waits for (it was cancelled): send them back."""
@@ -553,11 +555,6 @@ class _ClientCore:
             # the channel is dead, and finds a channel re-created under the same name.
             st.address = None
             st.credits.clear()
-            if st.unconfirmed > 0:
-                self._pipelined_failed(st, PeerLostError(
-                    f"channel {st.name!r} is gone (its worker {st.worker} was lost) with "
-                    f"{st.unconfirmed} pipelined put(s) not yet in their queue: {exc}"))
-            st.unconfirmed = 0
             if st.rank == 0:  # learn the channel's shape and routes again (it may be re-created)
                 st.world_size = None
                 st.key_ranks.clear()
@@ -565,9 +562,13 @@ class _ClientCore:
                 self.gets.stream_failed(stream, PeerLostError(
                     f"channel {st.name!r} is gone (its worker {st.worker} was lost): {exc}"))
         for op in [op for op in self._pending.values() if op.address == address]:  # oldest first
+            what = ("before this put was in its queue (it was sent, not yet admitted)"
+                    if op.kind == P.PUT_CREDITED else "")
             self._fail(op, PeerLostError(
-                f"channel {op.state.name!r} is gone (its worker {op.state.worker} was lost): "
-                f"{exc}"))
+                f"channel {op.state.name!r} is gone (its worker {op.state.worker} was lost)"
+                f"{' ' + what if what else ''}: {exc}"))
+        if st is not None:
+            st.admitting.clear()
 
     # ------------------------------------------------------------------ resolution (loop)
     def _ensure_resolving(self, st: _ChannelState) -> None:

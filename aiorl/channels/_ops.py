@@ -97,7 +97,7 @@ class _Op(asyncio.Future):  # type: ignore[type-arg]
 class _Outbox:
     """What leaves for one channel worker at the end of this loop turn."""
 
-    __slots__ = ("meta", "frames", "ops", "nbytes", "inline", "credited")
+    __slots__ = ("meta", "frames", "ops", "nbytes", "inline")
 
     def __init__(self) -> None:
         self.meta: list[Any] = []
@@ -105,8 +105,6 @@ class _Outbox:
         self.ops: list[_Op] = []  # the operations that await an answer, or are withdrawn
         self.nbytes = 0
         self.inline = 0
-        #: The channel whose credited puts (already complete, no _Op) are in ``meta``.
-        self.credited: _ChannelState | None = None
 
 
 class _GetStream:
@@ -206,9 +204,8 @@ class _ChannelState:
         self.task: asyncio.Task[dict[str, Any]] | None = None  # the resolution whose outcome counts
         self.ready_waiters: list[AsyncChannelWork[Any]] = []
         self.credits: dict[QueueKey, int] = {}  # queue -> puts that may complete at once
-        self.unconfirmed = 0  # credited puts sent and not yet reported admitted
-        #: The error of a pipelined (credited) put, raised by the next operation.
-        self.failure: BaseException | None = None
+        #: per queue: credited puts sent and not yet reported admitted, oldest first
+        self.admitting: dict[QueueKey, collections.deque[_Op]] = {}
         self.streams: dict[QueueKey, _GetStream] = {}
         # ---- replica 0 only: the channel as a whole (see Engine.submit_routed)
         #: replicas of the channel, learnt when replica 0 is resolved (None: not yet)

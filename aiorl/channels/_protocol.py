@@ -43,8 +43,10 @@ nothing (the answer is already on its way) is not answered.
 Credits (pipelined puts)
     The channel worker grants each client, per queue, *credits*: room it
     promises to accept items into. A client holding a credit sends its put as
-    ``PUT_CREDITED`` and completes it locally at once; such a put is never
-    answered, except with ``ERROR`` if it is malformed. Grants travel as answers
+    ``PUT_CREDITED`` at once, without waiting for an earlier put's answer; such a
+    put is never answered on its own (only with ``ERROR`` if it is malformed): its
+    work completes when a ``CREDIT`` report counts it ``admitted`` (a client's
+    credited puts enter their queue in the order sent, so the count names them). Grants travel as answers
     with token 0 and status ``CREDIT``, ``info = [queue_name, granted, admitted]``:
     ``granted`` new credits, and ``admitted`` credited puts that entered the queue
     since the last report (what ``FLUSH`` and a lost channel worker are judged by).
