@@ -21,7 +21,11 @@ import pytest
 
 import aiorl
 from aiorl.node.visible_devices import physical_visible_devices
-from aiorl.placement import FlexiblePlacementStrategy, PackedPlacementStrategy
+from aiorl.placement import (
+    FlexiblePlacementStrategy,
+    NodePlacementStrategy,
+    PackedPlacementStrategy,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -87,13 +91,34 @@ def test_zygote_that_initialised_cuda_starts_workers_by_exec(
     monkeypatch.setenv("AIORL_ZYGOTE_PRELOAD", "tests._fake_cuda_preload")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
     with aiorl.Cluster() as cluster:
-        group = EnvReporter.create_group().launch(cluster, num_workers=2, name="cudazyg")
+        # CPU workers by node rank: on a GPU machine the cluster declares its GPUs, and
+        # num_workers=2 would ask for two of them.
+        group = EnvReporter.create_group().launch(cluster, NodePlacementStrategy([0, 0]),
+                                                  name="cudazyg")
         try:
             assert group.started_by_exec().wait(60) == [True, True]
         finally:
             group.close()
     err = capfd.readouterr().err
     assert "tests._fake_cuda_preload" in err and "initialised CUDA" in err
+
+
+def test_a_group_with_its_own_torch_allocator_settings_starts_by_exec(
+        cluster: aiorl.Cluster) -> None:
+    """torch reads ``PYTORCH_CUDA_ALLOC_CONF`` when it is imported, which the zygote did: a
+    forked worker asking for another allocator failed on the H200 (issue 26). Such a
+    group starts by exec; a group without the setting still forks."""
+    special = EnvReporter.create_group().launch(
+        cluster, NodePlacementStrategy([0]), name="allocconf",
+        env={"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    plain = EnvReporter.create_group().launch(cluster, NodePlacementStrategy([0]),
+                                              name="allocplain")
+    try:
+        assert special.started_by_exec().wait(60) == [True]
+        assert plain.started_by_exec().wait(60) == [False]
+    finally:
+        special.close()
+        plain.close()
 
 
 class FailsAfterUsingP2P(aiorl.Worker):

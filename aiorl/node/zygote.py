@@ -178,9 +178,10 @@ def _child(
         os.close(log_fd)
         sys.stdout = os.fdopen(1, "w", buffering=1)
         sys.stderr = os.fdopen(2, "w", buffering=1)
+        by_exec = exec_always or _needs_exec(spec)  # before the worker's env: it compares
         os.environ.update(merge_environment(spec.launch.env, os.environ))
         _extend_sys_path(spec.launch.env.get("PYTHONPATH", ""))
-        if exec_always or _needs_exec(spec):
+        if by_exec:
             code = _exec_worker(spec, session)  # returns only if exec failed
             return
         from aiorl.actors import worker_process
@@ -230,13 +231,24 @@ def demote_working_directory() -> None:
             sys.path.append(first)
 
 
+#: Settings torch reads once, when it is imported: a worker that gives one a value other
+#: than the zygote's (which imported torch already) cannot be forked. Forked anyway, a
+#: worker asking for ``backend:cudaMallocAsync`` failed its first CUDA allocation with
+#: "Allocator backend parsed at runtime != allocator backend parsed at load time".
+READ_WHEN_TORCH_LOADS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
 def _needs_exec(spec: WorkerSpawn) -> bool:
-    """A worker under a profiler, or with an interpreter other than ours, must start as a
-    new program; naming this very interpreter (RLinf configs often do) still forks."""
+    """A worker under a profiler, with an interpreter other than ours, or with a setting torch
+    read when this zygote imported it, must start as a new program; naming this very
+    interpreter (RLinf configs often do) still forks."""
     interpreter = spec.launch.python_interpreter
     other = interpreter is not None and (
         os.path.realpath(interpreter) != os.path.realpath(sys.executable))
-    return bool(spec.launch.launcher) or other
+    env = spec.launch.env
+    torch_settings = "torch" in sys.modules and any(
+        name in env and env[name] != os.environ.get(name) for name in READ_WHEN_TORCH_LOADS)
+    return bool(spec.launch.launcher) or other or torch_settings
 
 
 def _exec_worker(spec: WorkerSpawn, session: _Session) -> int:
