@@ -15,7 +15,7 @@ PIP = $(PYTHON) -m pip install --progress-bar on -c $(LOCK)
 # (at least two) shorten the suite without starving it; TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -lt 2 ] && n=2; echo $$((n * 2)))
 
-.PHONY: torch setup demo test test-stress lock chaos bench lint docs docs-build
+.PHONY: torch setup demo test test-stress lock chaos bench gpu-check lint docs docs-build
 
 # torch alone from its index, with one short try (no retries: an unreachable index costs
 # seconds, not minutes of retry warnings; PyPI instead, said in one line), then its
@@ -52,6 +52,12 @@ lock:
 # and the registry while a pipeline runs; the normal suite runs a short one.
 chaos:
 	AIORL_CHAOS_KILLS=200 AIORL_CHAOS_STEPS=50 $(PYTHON) -m pytest -q -s -m chaos tests/test_chaos.py
+
+# Issue 26's GPU targets on one GPU, no network, about six minutes: the GPU tests, CUDA IPC,
+# small CUDA messages, weights on the GPU, idle CPU; one table, and
+# benchmarks/results/gpu-<device>.json to commit. Without CUDA it says so and exits 0.
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py
 
 bench: setup
 	$(PYTHON) -m pip install -q "ray==2.60.0" || echo "ray not installed: its columns stay empty"

@@ -124,14 +124,14 @@ def _worker_class() -> Any:
 
 def aiorl_run(gpus: tuple[int, int], sizes: list[int], reps: int) -> dict[str, Any]:
     import aiorl
-    from aiorl.placement import FlexiblePlacementStrategy
+    from aiorl.placement import FlexiblePlacementStrategy, NodePlacementStrategy
 
     with aiorl.Cluster(num_nodes=1, log_to_driver=False) as cluster:
-        group = (
-            _worker_class()
-            .create_group(0)
-            .launch(cluster, FlexiblePlacementStrategy([[gpus[0]], [gpus[1]]]), name="gpubench")
-        )
+        # Two workers on one GPU are placed by node: a GPU is one worker's accelerator, so
+        # FlexiblePlacementStrategy([[0], [0]]) is refused (the H200 run of 2026-11-26).
+        placement = (NodePlacementStrategy([0, 0]) if gpus[0] == gpus[1]
+                     else FlexiblePlacementStrategy([[gpus[0]], [gpus[1]]]))
+        group = _worker_class().create_group(0).launch(cluster, placement, name="gpubench")
         try:
             recv = group.execute_on(1).recv_sizes(sizes, reps)
             (sent,) = group.execute_on(0).send_sizes(sizes, reps).wait(3600)
