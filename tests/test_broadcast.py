@@ -319,3 +319,17 @@ def test_relay_tree_is_one_relay_per_other_node() -> None:
     assert plan.src == "b:1" and plan.members == ("b:1", "b:0", "a:0")
     same_set = plan_broadcast([("a", 0), ("b", [0, 1])], ("a", 0), WorkerAddress("b", 0))
     assert same_set.set_id == plan.set_id
+
+
+def test_a_bug_inside_a_broadcast_is_not_taken_for_a_missing_member() -> None:
+    """An IndexError or KeyError is a LookupError too: taken for a member that never
+    existed, it failed the whole set with only "list index out of range" (issue 26)."""
+    from aiorl.collective.broadcast import _member_gone
+    from aiorl.errors import NotFoundError, PeerLostError
+
+    assert _member_gone(PeerLostError("worker g:1 is gone"))
+    assert _member_gone(NotFoundError("no worker g:9"))
+    assert _member_gone(LookupError("broadcast failed: no worker g:9"))
+    assert not _member_gone(IndexError("list index out of range"))
+    assert not _member_gone(KeyError("k"))
+    assert not _member_gone(ValueError("v"))

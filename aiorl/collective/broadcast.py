@@ -42,7 +42,7 @@ import logging
 import os
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aiorl.collective.nccl_broadcast import CudaBroadcast
 from aiorl.collective.plan import BroadcastPlan, plan_broadcast, relay_tree
@@ -258,9 +258,10 @@ class Broadcaster:
                 ms.next_step += 1
                 try:
                     await step
-                except (PeerLostError, LookupError) as exc:
-                    self._fail_set(ms, exc)
                 except Exception as exc:  # noqa: BLE001 - a bug fails this broadcast, not the set
+                    if _member_gone(exc):
+                        self._fail_set(ms, cast(PeerLostError | LookupError, exc))
+                        continue
                     log.exception("%s: broadcast %s/%d failed", self.name, ms.set_id, seq)
                     self._fail_round(ms, ms.round(seq), repr(exc))
         finally:
@@ -494,11 +495,11 @@ class Broadcaster:
                 await self._relay(meta, inc, frames, frames[:start], children)
             if cudadesc is not None:
                 inc.cuda_fut = self.cuda.receive(ms.set_id, seq, inc, cudadesc)
-        except (PeerLostError, LookupError):
-            inc.release()
-            raise
         except Exception as exc:  # noqa: BLE001 - this member fails the broadcast, with why
             inc.release()
+            if _member_gone(exc):
+                raise
+            log.exception("%s: broadcast %s/%d: receiving failed", self.name, ms.set_id, seq)
             rnd.error = f"{type(exc).__name__}: {exc}"
         else:
             rnd.inc = inc
@@ -712,3 +713,13 @@ def get_broadcaster(runtime: Runtime, node_id: str | None = None) -> Broadcaster
     that arrives before this worker calls ``broadcast`` is kept, not refused.
     """
     return runtime.service(Broadcaster, runtime, node_id)
+
+
+def _member_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` says a member is dead (`PeerLostError`) or never existed (a lookup
+    error from the registry), rather than a bug: an ``IndexError`` or ``KeyError`` is a
+    ``LookupError`` too, and taken for a missing member it hid where it was raised (an
+    H200 run failed a broadcast with only "LookupError: list index out of range")."""
+    if isinstance(exc, PeerLostError):
+        return True
+    return isinstance(exc, LookupError) and not isinstance(exc, (IndexError, KeyError))
