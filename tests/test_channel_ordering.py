@@ -45,6 +45,13 @@ async def _stop(pid: int) -> None:
         await asyncio.sleep(0.001)
 
 
+def _fill(ch: Channel, n: int) -> None:
+    """Put ``0 .. n-1`` and wait until every one is in the queue."""
+    for i in range(n):
+        ch.put(i, weight=1)
+    ch.flush().wait(10)
+
+
 @pytest.fixture
 def stoppable(cluster: aiorl.Cluster, request: pytest.FixtureRequest) -> Iterator[tuple[Channel, int]]:
     """A fresh channel and its worker's pid; the worker is continued and destroyed after."""
@@ -73,9 +80,7 @@ def test_prefetch_in_flight_when_the_consumer_pauses_cannot_overtake_returned_it
     monkeypatch.setattr(P, "PREFETCH_IDLE", 0.25)
     ch, pid = stoppable
     n = 16
-    for i in range(n):
-        ch.put(i, weight=1)
-    ch.flush().wait(10)
+    _fill(ch, n)
 
     async def consume() -> list[Any]:
         burst = [ch.get() for _ in range(3)]  # gets in one turn: the handle prefetches
@@ -107,9 +112,7 @@ def test_gets_waiting_keep_their_items_when_statistics_returns_prefetched_ones(
     """
     ch, _ = stoppable
     n = 10
-    for i in range(n):
-        ch.put(i, weight=1)
-    ch.flush().wait(10)
+    _fill(ch, n)
 
     async def consume() -> tuple[list[Any], int]:
         gets = [ch.get(), ch.get()]
@@ -251,9 +254,7 @@ def test_items_another_consumer_gave_back_never_reach_a_consumer_after_newer_one
     monkeypatch.setattr(P, "PREFETCH_IDLE", 0.5)  # the driver pauses "idle" for this long
     ch, _ = stoppable
     n = 40
-    for i in range(n):
-        ch.put(i, weight=1)
-    ch.flush().wait(10)
+    _fill(ch, n)
 
     async def hold_prefetched() -> tuple[list[Any], int]:
         burst = [ch.get() for _ in range(3)]  # gets in one turn: the handle prefetches
