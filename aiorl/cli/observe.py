@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -116,7 +115,7 @@ def _trace(args: argparse.Namespace) -> int:
 
     async def body(endpoint: Any, registry: Any) -> Any:
         if args.action == "dump":
-            return await doctor.pull_trace(endpoint, registry, args.timeout)
+            return await doctor.dump_trace(endpoint, registry, args.output, args.timeout)
         return await doctor.switch_tracing(endpoint, registry, args.action == "start",
                                            args.timeout)
 
@@ -128,19 +127,16 @@ def _trace(args: argparse.Namespace) -> int:
     if result is None:
         return 2
     if args.action == "dump":
-        trace, probes = result
-        with open(args.output, "w") as f:
-            json.dump(trace, f)
-        spans = sum(1 for e in trace["traceEvents"] if e["ph"] in ("X", "b"))
-        print(f"wrote {args.output}: {spans} spans from "
-              f"{sum(p.reply is not None for p in probes)} processes "
+        summary, probes = result
+        print(f"wrote {args.output}: {summary['spans']} spans from "
+              f"{summary['processes']} processes "
               "(open it in https://ui.perfetto.dev); their buffers are empty now: the next "
               "dump holds what they record from here on")
     else:
         probes = result
         print(f"tracing {'on' if args.action == 'start' else 'off'} in "
               f"{sum(p.reply is not None for p in probes)} processes")
-    failed = [p for p in probes if p.reply is None]
+    failed = [p for p in probes if p.error is not None]
     for p in failed:
         print(f"  {p.name}: {p.error}", file=sys.stderr)
     return 1 if failed else 0

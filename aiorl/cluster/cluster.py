@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import json
 import logging
 import os
 import threading
@@ -284,14 +283,15 @@ class Cluster:
     def trace_dump(self, path: str, timeout: float = _doctor.DEFAULT_TIMEOUT) -> dict[str, Any]:
         """Pull every process's trace buffer and write one Chrome/Perfetto trace to ``path``.
 
-        Returns the trace (``{"traceEvents": [...]}``); open the file in ui.perfetto.dev.
+        The buffers are pulled in pages and written as they arrive, so the driver holds a
+        few MB whatever they hold. Returns what was written: ``{"path", "processes",
+        "spans", "events"}``; open the file in ui.perfetto.dev (``json.load`` reads it).
+        ``timeout`` bounds each process's answer to each page.
         """
         runtime = self.runtime
-        trace, _ = runtime.run_sync(_doctor.pull_trace(runtime.endpoint, runtime.registry,
-                                                      timeout), timeout=timeout + 10)
-        with open(path, "w") as f:
-            json.dump(trace, f)
-        return trace
+        summary, _ = runtime.run_sync(_doctor.dump_trace(runtime.endpoint, runtime.registry,
+                                                         path, timeout))
+        return summary
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:

@@ -11,6 +11,11 @@ and chrome://tracing open as is:
 * flow arrows from each call to its execution and from each send to its receive;
 * counters (queue depths, pending operations) as counter tracks.
 
+`merge` builds the trace in memory (small traces, tests); `TraceWriter` writes the same
+trace event by event to a file, which is how ``aiorl trace dump`` and ``cluster.trace_dump``
+write it: they pull each process's spans in pages and hold one page at a time
+(`aiorl.cluster.doctor.dump_trace`).
+
 Clocks: a pull records when it left and came back (the puller's clock) and the clock the
 process read while answering; NTP-style, the process's offset is its clock minus the
 midpoint of the round trip, known within half the round trip. Processes on the puller's
@@ -20,12 +25,16 @@ pull with the shortest round trip.
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
-__all__ = ["PulledBuffer", "estimate_offset", "merge", "node_offsets"]
+__all__ = [
+    "PulledBuffer", "TraceWriter", "estimate_offset", "merge", "node_offsets", "open_spans",
+    "ordered", "process_events", "span_events",
+]
 
 
 @dataclass
@@ -76,36 +85,86 @@ def _track_name(b: PulledBuffer) -> str:
     return f"node{b.node} {name}" if b.group else f"{name}@{b.node}"
 
 
+def ordered(buffers: Sequence[PulledBuffer]) -> list[PulledBuffer]:
+    """``buffers`` in track order: the driver first, then by node, group and rank."""
+    return sorted(buffers, key=lambda b: (b.group != "", b.node, b.group, b.rank))
+
+
+def process_events(index: int, b: PulledBuffer) -> list[dict[str, Any]]:
+    """The metadata events of the ``index``-th process track: its name, place, threads."""
+    pid = int(b.dump.get("pid", index))
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": _track_name(b)}},
+        {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": index}},
+    ]
+    for tid, tname in (b.dump.get("threads") or {}).items():
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": int(tid),
+                       "args": {"name": tname}})
+    return events
+
+
+def open_spans(dump: dict[str, Any]) -> list[list[Any]]:
+    """The spans still open when ``dump`` was pulled, drawn up to the pull."""
+    now = int(dump.get("clock_ns", 0))
+    spans = []
+    for raw in dump.get("open") or ():
+        pending = list(raw)
+        pending[3] = now
+        pending[9] = "pending when the trace was pulled"
+        spans.append(pending)
+    return spans
+
+
 def merge(buffers: Sequence[PulledBuffer]) -> dict[str, Any]:
     """The Chrome trace of ``buffers`` (clock offsets estimated and corrected)."""
     node_offsets(buffers)
-    ordered = sorted(buffers, key=lambda b: (b.group != "", b.node, b.group, b.rank))
     events: list[dict[str, Any]] = []
-    for index, b in enumerate(ordered):
+    for index, b in enumerate(ordered(buffers)):
         pid = int(b.dump.get("pid", index))
-        events.append({"ph": "M", "name": "process_name", "pid": pid,
-                       "args": {"name": _track_name(b)}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": pid,
-                       "args": {"sort_index": index}})
-        for tid, tname in (b.dump.get("threads") or {}).items():
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": int(tid),
-                           "args": {"name": tname}})
-        spans = list(b.dump.get("spans") or ())
-        now = int(b.dump.get("clock_ns", 0))
-        for raw in b.dump.get("open") or ():
-            pending = list(raw)
-            pending[3] = now  # still open when pulled: drawn up to the pull
-            pending[9] = "pending when the trace was pulled"
-            spans.append(pending)
-        events.extend(_span_events(pid, spans, b.offset_ns))
+        events.extend(process_events(index, b))
+        spans = [*(b.dump.get("spans") or ()), *open_spans(b.dump)]
+        events.extend(span_events(pid, spans, b.offset_ns))
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"producer": "aiorl", "processes": len(buffers)}}
 
 
-def _span_events(pid: int, spans: Iterable[Sequence[Any]], offset_ns: int) -> list[dict[str, Any]]:
+class TraceWriter:
+    """Write the trace `merge` returns to ``out``, a page of events at a time.
+
+    ``{"traceEvents": [`` first, each `write` appends its events, `close` ends the list and
+    adds what `merge` puts after it. The writer holds nothing between calls, so a trace of
+    any size costs the memory of one page."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+        self._empty = True
+        self.events = 0
+        self.spans = 0  # slices: what `aiorl trace dump` reports
+        out.write('{"traceEvents": [')
+
+    def write(self, events: Iterable[dict[str, Any]]) -> None:
+        dumps = json.dumps
+        texts = []
+        for e in events:
+            texts.append(dumps(e))
+            self.spans += e["ph"] in ("X", "b")
+        if texts:
+            self._out.write(("" if self._empty else ", ") + ", ".join(texts))
+            self._empty = False
+            self.events += len(texts)
+
+    def close(self, processes: int) -> None:
+        other = json.dumps({"producer": "aiorl", "processes": processes})
+        self._out.write(f'], "displayTimeUnit": "ms", "otherData": {other}}}')
+
+
+def span_events(pid: int, spans: Iterable[Sequence[Any]], offset_ns: int,
+                first: int = 0) -> list[dict[str, Any]]:
+    """The events of ``spans`` of process ``pid``; ``first`` is the index of the first of
+    them among the process's spans (pages of one pull continue the count: async ids)."""
     out: list[dict[str, Any]] = []
     for n, (cat, name, t0, t1, tid, end_tid, peer, nbytes, ok, error, flow_out, flow_in, tags,
-            on_loop) in enumerate(spans):
+            on_loop) in enumerate(spans, first):
         ts = (t0 - offset_ns) / 1000.0
         end_ts = (t1 - offset_ns) / 1000.0
         args: dict[str, Any] = dict(tags or {})

@@ -4,8 +4,9 @@ Hooks in the runtime services read the module-level `ON` once per operation; wit
 tracing off that check is all they cost. With tracing on, an operation becomes one
 `Span` (a slotted object: ~0.5 µs to open and close) that stays in `open_spans`
 while it is pending (what ``aiorl doctor`` shows as pending work with its age) and moves to
-the ring buffer when it ends. Nothing is sent per span: the buffer is pulled in bulk
-(`drain`) by ``aiorl trace dump`` / ``cluster.trace_dump``.
+the ring buffer when it ends. Nothing is sent per span: the buffer is pulled in pages
+(`drain_page`) by ``aiorl trace dump`` / ``cluster.trace_dump``, which stream them to the
+file (`aiorl.cluster.doctor.dump_trace`).
 
 Flows (the arrows from a send to its receive, from a call to its execution) need no extra
 message either. A call's flow is named by its request id, which both ends know (the caller
@@ -28,10 +29,12 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import chain
 from typing import Any, ClassVar
 
 __all__ = [
-    "ON", "CompactShape", "Span", "append", "begin", "counter", "disable", "drain", "enable",
+    "ON", "CompactShape", "Span", "append", "begin", "counter", "disable", "drain", "drain_page",
+    "enable",
     "enable_from_environment", "error_text", "flow_seq", "mark", "now", "open_spans", "payload_bytes", "recent", "record",
     "set_process_name", "span",
 ]
@@ -319,11 +322,41 @@ def drain() -> dict[str, Any]:
     global _buffer, append
     taken, _buffer = _buffer, deque(maxlen=_buffer.maxlen)
     append = _buffer.append
+    return {**_header(), "spans": [_full(rec) for rec in taken],
+            "full": len(taken) == taken.maxlen}
+
+
+def _header() -> dict[str, Any]:
     threads = {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
-    return {
-        "process": _process_name, "pid": os.getpid(), "on": ON,
-        "spans": [_full(rec) for rec in taken],
-        "open": [s.to_wire() for s in list(open_spans)],
-        "threads": threads, "clock_ns": _now(),
-        "full": len(taken) == taken.maxlen,
-    }
+    return {"process": _process_name, "pid": os.getpid(), "on": ON,
+            "open": [s.to_wire() for s in list(open_spans)], "threads": threads,
+            "clock_ns": _now()}
+
+
+#: The spans a pull in pages took from the buffer and has not fetched yet (`drain_page`).
+_taken: deque[tuple[Any, ...] | bytes] = deque()
+
+
+def drain_page(first: bool, max_spans: int) -> dict[str, Any]:
+    """One page of a pull: at most ``max_spans`` of the oldest spans not yet pulled.
+
+    ``first`` starts a pull: it takes every finished span from the buffer (later spans are
+    for the next pull) and the answer also carries what `drain` does besides spans (open
+    spans, thread names, this process's clock). The answer's ``more`` says whether spans
+    remain; the puller asks for the next page until none do. A whole buffer in one answer
+    (200,000 spans) cost the puller hundreds of MB per process, decoded at once (issue 28,
+    item 7); a page costs it a few MB. Spans left by a pull that stopped midway (its puller
+    died) come first in the next one."""
+    global _buffer, append, _taken
+    out: dict[str, Any] = {}
+    if first:
+        taken, _buffer = _buffer, deque(maxlen=_buffer.maxlen)
+        append = _buffer.append
+        out = {**_header(), "full": len(taken) == taken.maxlen}
+        if _taken:  # bounded: beyond one buffer's worth, the oldest are dropped
+            taken = deque(chain(_taken, taken), maxlen=taken.maxlen)
+        _taken = taken
+    pop = _taken.popleft
+    out["spans"] = [_full(pop()) for _ in range(min(max(max_spans, 0), len(_taken)))]
+    out["more"] = bool(_taken)
+    return out

@@ -95,8 +95,11 @@ from aiorl.transport.wire import (
     decode_header,
     encode_batch,
     encode_header,
+    join_frames,
+    oversized,
     pack,
     split_batch,
+    split_frames,
     unpack,
 )
 from aiorl.util.batching import TurnBatcher
@@ -108,9 +111,9 @@ log = logging.getLogger("aiorl.transport")
 _dispatch_errors = RateLimitedLog(log)
 
 # Plain ints on the hot path: comparing IntEnum members costs more than the send itself.
-_REQUEST, _REPLY, _ERROR, _ONEWAY, _EVENT, _BATCH, _PACKED = (
+_REQUEST, _REPLY, _ERROR, _ONEWAY, _EVENT, _BATCH, _PACKED, _SPLIT = (
     int(Kind.REQUEST), int(Kind.REPLY), int(Kind.ERROR), int(Kind.ONEWAY), int(Kind.EVENT),
-    int(Kind.BATCH), int(Kind.PACKED),
+    int(Kind.BATCH), int(Kind.PACKED), int(Kind.SPLIT),
 )
 
 # The Cython socket methods, called directly: pyzmq's Python "sugar" layer (enum flags,
@@ -347,7 +350,11 @@ class _Watched:
 
     def _packed(self, parts: Sequence[Any]) -> Sequence[Any]:
         """``parts`` as one PACKED frame when they are many and small (see wire.py): the
-        receiver then reads one frame instead of hundreds."""
+        receiver then reads one frame instead of hundreds. A message with a frame over
+        `MAX_FRAME_BYTES` leaves SPLIT instead (wire.py: one huge frame under CURVE outlasted
+        the ZMTP heartbeat timeout, and the connection dropped it)."""
+        if oversized(parts, self.routed):
+            return [parts[0], *split_frames(parts[1:])] if self.routed else split_frames(parts)
         if len(parts) < PACK_MIN_FRAMES + self.routed:
             return parts
         if self.routed:  # the routing id stays its own frame: ZMQ routes by it
@@ -822,16 +829,21 @@ class Endpoint:
 
 def _opens(kind: int, within: int) -> bool:
     """Whether a message of ``kind`` read inside ``within`` (0: at the top, else the kind of
-    the message that held it) is a container to open: PACKED only at the top, BATCH at the
-    top or inside a PACKED (that is how endpoints send them; anything else is malformed)."""
-    return (kind == _PACKED and within == 0) or (kind == _BATCH and within != _BATCH)
+    the message that held it) is a container to open: PACKED and SPLIT only at the top,
+    BATCH at the top or inside a PACKED or a SPLIT (that is how endpoints send them;
+    anything else is malformed)."""
+    if within == 0:
+        return kind == _PACKED or kind == _BATCH or kind == _SPLIT
+    return kind == _BATCH and within != _BATCH
 
 
 def _contents(header: Any, payload: list[Any]) -> list[list[Any]]:
-    """The messages inside a PACKED (one) or BATCH (several) message; ProtocolError if its
-    meta does not describe its frames."""
+    """The messages inside a PACKED or SPLIT (one) or BATCH (several) message;
+    ProtocolError if its meta does not describe its frames."""
     if header.kind == _PACKED:
         return [unpack(header.meta, payload)]
+    if header.kind == _SPLIT:
+        return [join_frames(header.meta, payload)]
     return split_batch(header.meta, payload)
 
 

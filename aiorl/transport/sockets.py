@@ -55,6 +55,11 @@ def get_context() -> zmq.Context[zmq.Socket[Any]]:
 #: Messages queued per peer, each way, on a ROUTER (see :func:`make_socket`): far above what
 #: a peer that reads has outstanding (1,000 calls in flight), far below what floods memory.
 ROUTER_HWM = 100_000
+#: libzmq's own keep-alive on DEALERs (ZMTP PING every IVL; the connection is dropped when
+#: no whole frame arrived within TIMEOUT of a PING). Read when a socket is made (tests lower
+#: them). A frame must take less than the timeout end to end: see wire.MAX_FRAME_BYTES.
+ZMTP_HEARTBEAT_IVL_MS = 1000
+ZMTP_HEARTBEAT_TIMEOUT_MS = 3000
 
 
 def make_socket(
@@ -87,8 +92,8 @@ def make_socket(
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if kind == zmq.DEALER:
         # Detect dead TCP peers even when no request is in flight.
-        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ZMTP_HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMTP_HEARTBEAT_TIMEOUT_MS)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
     if identity is not None:

@@ -31,6 +31,7 @@ Nothing here unpickles: headers are msgpack, which cannot execute code.
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -39,9 +40,9 @@ import msgpack
 from aiorl.errors import ProtocolError
 
 __all__ = [
-    "MAX_BATCH_MESSAGES", "PACK_MIN_FRAMES", "PROTOCOL_VERSION", "Header", "Kind",
-    "decode_header", "encode_batch",
-    "encode_header", "pack", "split_batch", "unpack",
+    "MAX_BATCH_MESSAGES", "MAX_FRAME_BYTES", "PACK_MIN_FRAMES", "PROTOCOL_VERSION", "Header",
+    "Kind", "decode_header", "encode_batch", "encode_header", "join_frames", "oversized", "pack",
+    "split_batch", "split_frames", "unpack",
 ]
 
 # 2: errors travel as data, typed control messages, one tensor reducer (pickles name it by path).
@@ -60,6 +61,12 @@ PACK_MIN_FRAMES = 3
 PACK_MAX_FRAME_BYTES = 64 * 1024
 #: At most this many bytes are packed into one frame (the copy must stay cheap).
 PACK_MAX_BYTES = 1 << 20
+#: A frame larger than this travels as pieces of at most this size (a SPLIT message, see
+#: above). 64 MiB takes well under a second to encrypt, send and decrypt under CURVE even on
+#: a slow core or a 1 Gb/s link: far inside the 3 s ZMTP heartbeat timeout. A 64 MB tensor
+#: still travels as one frame. ``AIORL_MAX_FRAME_BYTES`` lowers it (tests move a moderate
+#: payload through the split path with it); it is read once, at import.
+MAX_FRAME_BYTES = max(1, int(os.environ.get("AIORL_MAX_FRAME_BYTES", 64 << 20)))
 
 
 class Kind(enum.IntEnum):
@@ -70,6 +77,7 @@ class Kind(enum.IntEnum):
     EVENT = 5  #: pushed by a server to a client that subscribed
     BATCH = 6  #: several messages in one: meta lists each one's frame count (see below)
     PACKED = 7  #: one message's frames as one frame: meta lists their lengths (see below)
+    SPLIT = 8  #: one message with frames over MAX_FRAME_BYTES in pieces (see above)
 
 
 _KINDS = frozenset(int(k) for k in Kind)
@@ -181,4 +189,65 @@ def unpack(lengths: Any, frames: list[Any]) -> list[bytes]:
     for n in lengths:
         out.append(bytes(body[pos:pos + n]))
         pos += n
+    return out
+
+
+def _nbytes(frame: Any) -> int:
+    return len(frame) if frame.__class__ is bytes else memoryview(frame).nbytes
+
+
+def oversized(frames: Sequence[Any], start: int = 0) -> bool:
+    """Whether any of ``frames[start:]`` is larger than `MAX_FRAME_BYTES` (O(frames), no copy)."""
+    limit = MAX_FRAME_BYTES
+    # Inline and without an index: this runs for every message an endpoint sends.
+    for f in frames[start:] if start else frames:
+        if (len(f) if f.__class__ is bytes else memoryview(f).nbytes) > limit:
+            return True
+    return False
+
+
+def split_frames(frames: Sequence[Any]) -> list[Any]:
+    """The frames of one SPLIT message carrying ``frames``: each frame larger than
+    `MAX_FRAME_BYTES` as pieces of at most that size, views of it (not copies)."""
+    limit = MAX_FRAME_BYTES
+    counts: list[int] = []
+    out: list[Any] = []
+    for f in frames:
+        n = _nbytes(f)
+        if n <= limit:
+            counts.append(1)
+            out.append(f)
+            continue
+        view = memoryview(f)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")  # raises for a non-contiguous buffer, as sending it would
+        pieces = range(0, n, limit)
+        counts.append(len(pieces))
+        out.extend(view[at:at + limit] for at in pieces)
+    return [encode_header(Kind.SPLIT, 0, "", counts), *out]
+
+
+def join_frames(counts: Any, frames: list[Any]) -> list[Any]:
+    """The frames of the message inside a SPLIT message (``frames`` = what follows its
+    header): pieces joined into one buffer per original frame (one copy), others as they
+    are. `ProtocolError` when ``counts`` does not describe ``frames``."""
+    if (not isinstance(counts, list) or not counts
+            or not all(c.__class__ is int and c > 0 for c in counts)
+            or sum(counts) != len(frames)):
+        raise ProtocolError("SPLIT piece counts do not match its frames")
+    out: list[Any] = []
+    pos = 0
+    for c in counts:
+        if c == 1:
+            out.append(frames[pos])
+        else:
+            pieces = frames[pos:pos + c]
+            whole = bytearray(sum(len(p) for p in pieces))
+            at = 0
+            for p in pieces:
+                n = len(p)
+                whole[at:at + n] = p
+                at += n
+            out.append(whole)
+        pos += c
     return out

@@ -13,6 +13,7 @@ ui.perfetto.dev).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -53,10 +54,12 @@ def run(path: str, steps: int = 3) -> dict[str, int]:
                 train = trainer.train(step, RANKS)
                 rollout.generate(step).wait(60)
                 assert train.wait(60) == [RANKS]
-            trace = cluster.trace_dump(path)
+            cluster.trace_dump(path)
         finally:
             rollout.close()
             trainer.close()
+    with open(path) as f:
+        trace = json.load(f)
     events = trace["traceEvents"]
     spans = sum(1 for e in events if e["ph"] == "b" or (e["ph"] == "X" and e["dur"] > 0))
     return {"spans": spans, "processes": int(trace["otherData"]["processes"])}
