@@ -7,7 +7,11 @@ each run, a fresh interpreter starts a fresh embedded cluster, warms every agent
 * **launch to first answer**: ``launch(num_workers=N)`` until a no-op call to every rank
   has answered (spawn messages, forks, registrations, readiness, the first call);
 * **fan-out group call, p50**: the median of ``--calls`` sequential no-op calls to all
-  ``N`` ranks (after a few unmeasured ones).
+  ``N`` ranks (after a few unmeasured ones);
+* **driver CPU per call**: the driver process's CPU time (every thread) over those calls,
+  divided by their number: the part that grows with the job on the driver, whatever the
+  machine (on this VM every worker shares the driver's two cores, so the p50 also pays
+  for all of the workers' own wake-ups; docs/scale.md).
 
 The table shows the median over ``--runs`` runs (each a fresh cluster). With ``--baseline
 DIR`` the same measurement runs against the tree in ``DIR`` as well (``PYTHONPATH=DIR``,
@@ -51,13 +55,15 @@ PROBE = textwrap.dedent("""\
         for _ in range(max(5, calls // 10)):
             group.noop().wait(60)
         samples = []
+        cpu = time.process_time()  # the driver's own CPU, all its threads (ZMQ's included)
         for _ in range(calls):
             t = time.perf_counter()
             group.noop().wait(60)
             samples.append(time.perf_counter() - t)
+        cpu = time.process_time() - cpu
         group.close()
     print(json.dumps({"launch_s": launch, "call_p50_ms": statistics.median(samples) * 1e3,
-                      "source": aiorl.__file__}))
+                      "driver_cpu_ms": cpu / calls * 1e3, "source": aiorl.__file__}))
     """)
 
 
@@ -96,6 +102,40 @@ def run_probe(layout: Layout, calls: int, tree: str | None, timeout: float) -> d
     return result
 
 
+TABLES = (("launch_s", "launch to first answer", "s"),
+          ("call_p50_ms", "fan-out group call, p50", "ms"),
+          ("driver_cpu_ms", "driver CPU per group call", "ms"))
+
+
+def plot(samples: dict[str, dict[str, dict[str, list[float]]]], path: str) -> None:
+    """A panel per table: each tree's medians by layout, with the range of its runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trees = list(samples)
+    layouts = list(next(iter(samples.values())))
+    fig, axes = plt.subplots(1, len(TABLES), figsize=(5 * len(TABLES), 3.4))
+    width = 0.8 / len(trees)
+    for ax, (key, title, unit) in zip(axes, TABLES, strict=True):
+        for k, tree in enumerate(trees):
+            values = [samples[tree][layout][key] for layout in layouts]
+            medians = [statistics.median(v) for v in values]
+            spread = [[m - min(v) for m, v in zip(medians, values, strict=True)],
+                      [max(v) - m for m, v in zip(medians, values, strict=True)]]
+            ax.bar([i + (k - (len(trees) - 1) / 2) * width for i in range(len(layouts))],
+                   medians, width, yerr=spread, capsize=2, label=tree)
+        ax.set_xticks(range(len(layouts)), [x.replace(" on ", "\non ") for x in layouts],
+                      fontsize=8)
+        ax.set_title(f"{title} ({unit})", fontsize=10)
+        ax.set_xlabel("workers")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
 def machine() -> str:
     load = os.getloadavg()
     return (f"{platform.node()}: {os.cpu_count()} cores, Python {platform.python_version()}, "
@@ -114,7 +154,13 @@ def main() -> int:
                         help="a source tree to measure side by side (git archive REV | tar -x -C DIR)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     parser.add_argument("--json", help="also write every sample here")
+    parser.add_argument("--plot", help="draw the tables into this PNG file")
+    parser.add_argument("--plot-from", help="only draw --plot from a --json file written before")
     args = parser.parse_args()
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            plot(json.load(f)["samples"], args.plot or "scale.png")
+        return 0
     layouts = parse_layouts(args.sizes, args.agents)
     trees: dict[str, str | None] = {"this tree": None}
     if args.baseline:
@@ -129,11 +175,11 @@ def main() -> int:
                 for key, value in result.items():
                     per.setdefault(key, []).append(value)
                 print(f"  {layout.label:>18} run {run + 1}/{args.runs} {tree_name:>9}: "
-                      f"launch {result['launch_s']:.2f} s, call p50 {result['call_p50_ms']:.2f} ms",
+                      f"launch {result['launch_s']:.2f} s, call p50 {result['call_p50_ms']:.2f} ms"
+                      f", driver CPU {result['driver_cpu_ms']:.2f} ms/call",
                       file=sys.stderr, flush=True)
     print(f"\nmachine: {machine()}; median of {args.runs} runs, {args.calls} calls each")
-    for key, title, unit in (("launch_s", "launch to first answer", "s"),
-                             ("call_p50_ms", "fan-out group call, p50", "ms")):
+    for key, title, unit in TABLES:
         print(f"\n{title} ({unit})")
         header = f"{'workers':>18}" + "".join(f"{t:>14}" for t in trees)
         if args.baseline:
@@ -150,6 +196,8 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "runs": args.runs, "calls": args.calls,
                        "samples": samples}, f, indent=1)
+    if args.plot:
+        plot(samples, args.plot)
     return 0
 
 

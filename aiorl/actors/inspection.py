@@ -10,7 +10,9 @@ Every worker process (and every driver's ``Cluster``) serves ``WorkerOp.INSPECT`
   the P2P inboxes' posted receives and senders' unacknowledged sends, the channel client's
   parked operations), so they cost nothing while nobody asks; with tracing on, the open
   spans add each operation's age.
-* ``trace_pull``: the trace ring buffer, drained (`aiorl.trace.recorder.drain`).
+* ``trace_page``: the trace ring buffer, drained a page at a time
+  (`aiorl.trace.recorder.drain_page`: ``first`` starts a pull, ``max_spans`` bounds a page);
+  ``trace_pull``: all of it in one answer (`aiorl.trace.recorder.drain`).
 * ``trace_start`` / ``trace_stop``: switch tracing in this process.
 * ``metrics``: CPU, RSS, pending operations by kind, hosted channel depths and, while
   tracing is on, operations, errors and bytes per second (``aiorl status --watch`` and

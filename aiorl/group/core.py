@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiorl.errors import ClusterClosedError, PeerLostError, WorkerInitError
+from aiorl.group import relay as _relay
 from aiorl.group.supervision import HISTORY, EventKind, GroupEvent, GroupEvents, Supervision
 from aiorl.group.timeouts import describe_timeout
 from aiorl.names import WorkerAddress
@@ -31,6 +32,7 @@ from aiorl.protocol.registry import DETAIL_FENCED_IN, DETAIL_GROUP_CLOSED
 from aiorl.protocol.spawn import SpawnRequest, WorkerLaunch
 from aiorl.registry.client import INCARNATION_VARIABLE
 from aiorl.runtime import AsyncWork, Runtime, Session, describe_death
+from aiorl.runtime.descriptors import check_descriptors_for
 from aiorl.runtime.promise import explain_timeouts, is_settled, link_threads, reject, resolve
 from aiorl.trace import recorder as _trace
 from aiorl.transport import serialization
@@ -248,6 +250,9 @@ class GroupCore:
         self._last_calls: dict[int, dict[str, list[Any]]] = {}
         # What a restart or ``add_ranks`` needs to start a process: rank -> (node, launch).
         self._launches: dict[int, tuple[int, WorkerLaunch]] = {}
+        #: This process starts the group (set before `start` runs, so calls made at once see
+        #: it): it knows, or will know, where each rank runs. A view attached by name does not.
+        self.launched_here = False
         self._payload = b""
         self._extra_env: dict[str, str] = {}
         self._master: tuple[str, int] | None = None  # MASTER_ADDR, MASTER_PORT
@@ -257,6 +262,8 @@ class GroupCore:
         self._tasks: set[asyncio.Task[None]] = set()  # pending restarts (strong references)
         #: Tracing: what a traced call's records share, by method and rank list (on the loop).
         self._call_traces: dict[str, dict[tuple[int, ...], _CallTrace]] = {}
+        #: Large calls go through the node agents, one message per node (group/relay.py).
+        self._relay = _relay.RelayPath(self, self._send_call)
         # The runtime stopping (its Cluster closed, or its embedded registry died) fails what
         # is pending here, queued calls on ranks not ready yet included.
         self.runtime.on_close(self._runtime_closed)
@@ -289,6 +296,10 @@ class GroupCore:
             call = _GroupCall(work, len(ranks))
         call.core, call.method, call.ranks = self, method, ranks
         explain_timeouts(work, call)
+        # A traced call keeps the direct path: its spans are per rank, sent and answered here.
+        if len(ranks) >= _relay.RELAY_MIN_RANKS and not _trace.ON and self._relay.dispatch(
+                call, method, ranks, frames):
+            return
         send = self._send_call
         for i, r in enumerate(ranks):
             state = self.ranks[r]
@@ -350,6 +361,12 @@ class GroupCore:
     async def start(self, placements: list[Placement], payload: bytes, extra_env: dict[str, str]) -> None:
         self._payload, self._extra_env = payload, extra_env
         try:
+            # This process talks to each rank directly unless its calls go through the
+            # agents: too low a file limit is one clear error now, not a ZMQ one mid-launch.
+            nodes = {p.node_rank for p in placements}
+            relayed = len(placements) >= _relay.RELAY_MIN_RANKS and len(nodes) >= 2
+            check_descriptors_for(len(nodes) if relayed else len(placements),
+                                  f"ranks of group {self.name}")
             await self.watch()
             await self._wait_for_nodes({p.node_rank for p in placements})
             await self._plan(placements, len(placements))
@@ -376,6 +393,14 @@ class GroupCore:
 
     def _nodes(self) -> dict[int, dict[str, Any]]:
         return {n["node_rank"]: n for n in self.session._node_list()}
+
+    nodes_by_rank = _nodes
+
+    @property
+    def launches(self) -> dict[int, tuple[int, WorkerLaunch]]:
+        """rank -> (node rank, launch) of each rank this process started (empty in a view
+        attached by name)."""
+        return self._launches
 
     async def _wait_for_nodes(self, node_ranks: set[int]) -> None:
         """Wait (bounded) until the driver's node list holds every node a launch was planned on.
@@ -428,6 +453,7 @@ class GroupCore:
                 launcher=profiler.argv if profiler else (),
                 python_interpreter=p.python_interpreter,
             ))
+        self._relay.forget_placement()
 
     async def _spawn(self, ranks: Sequence[int]) -> None:
         """Ask the node agents to start ``ranks``, each as its current incarnation."""
@@ -525,6 +551,10 @@ class GroupCore:
                 self._fail_rank(st, PeerLostError(reason))
             st.address = None
             st.restarting = False
+            if DETAIL_FENCED_IN in detail:  # its node left the cluster, with its agent
+                self._relay.node_lost(rank, reason)
+            else:
+                self._relay.rank_died(rank, PeerLostError(reason))
             # A lost node's workers stop themselves only after this (its agent's fence).
             self._on_death(rank, st, reason, _seconds(detail.get(DETAIL_FENCED_IN)))
 
@@ -610,6 +640,7 @@ class GroupCore:
                         self.name, r, target)
             self._launches[r] = (target, dataclasses.replace(
                 launch, env={**launch.env, "NODE_RANK": str(target)}))
+            self._relay.forget_placement()
 
     def _restarted(self, rank: int, st: _Rank) -> None:
         """A restarted rank is ready: tell the driver, let its hook speak first, then send

@@ -286,6 +286,7 @@ class WorkerGroupBuilder(Generic[W]):
         def start() -> WorkerGroup[W]:
             cluster.groups[group_name] = request  # restored if the registry restarts
             core = GroupCore(cluster, self.cls, group_name, len(placements), supervision)
+            core.launched_here = True
             group: WorkerGroup[W] = WorkerGroup(core)
             runtime.submit(
                 lambda: runtime.loop.create_task(core.start(placements, payload, env or {})))

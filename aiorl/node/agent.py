@@ -19,10 +19,12 @@ process group. Started by an embedded ``Cluster``, the agent also exits when
 its standard input closes (the driver died).
 
 No split brain: an agent whose heartbeats have gone unanswered for two of its
-lease's expiries kills its workers itself. The registry declares the node dead
-after one expiry, and owners restart its workers elsewhere only after the
-second, so no worker of a node the registry declared dead acts beside its
-replacement.
+lease's expiries, and whose connection to the registry is down (a registry that
+is slow but alive keeps it up: `aiorl.transport.link`), kills its workers itself.
+The registry declares the node dead after one expiry, and owners restart its
+workers elsewhere only after the second, so no worker of a node the registry
+declared dead acts beside its replacement; workers the registry declared dead
+while the agent waited for it are stopped when it answers again.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from typing import Any
 
 from aiorl.errors import AddressError, AiorlError, ProtocolError, RegistryUnavailable
 from aiorl.names import WorkerInfo
+from aiorl.node.relay import CallRelay
 from aiorl.node.visible_devices import physical_visible_devices
 from aiorl.node.zygote import encode_message, read_message, write_message
 from aiorl.protocol.fields import Fields
@@ -62,9 +65,11 @@ from aiorl.protocol.registry import (
 )
 from aiorl.protocol.spawn import HostNode, SpawnReply, SpawnRequest, WorkerLaunch, WorkerSpawn
 from aiorl.registry.client import INCARNATION_VARIABLE, RegistryClient
+from aiorl.runtime.descriptors import check_descriptors_for
 from aiorl.transport import security
 from aiorl.transport.address import normalize_address
 from aiorl.transport.endpoint import Endpoint, Incoming
+from aiorl.transport.link import LinkWatch
 from aiorl.transport.sockets import local_ip
 from aiorl.util.limits import raise_open_file_limit
 from aiorl.util.processes import pid_alive
@@ -81,6 +86,10 @@ OUTPUT_INTERVAL_S = 0.2
 OUTPUT_CHUNK_BYTES = 1 << 20
 KILL_GRACE_S = 1.0
 FENCE_CHECK_S = 0.1
+#: A registry that answers no heartbeat but whose connection stays up (stopped, swapping, a
+#: long loop turn) is waited for up to this many expiries (60 s by default) before the
+#: workers are fenced anyway: how long a node may run with a registry that hangs.
+STALLED_REGISTRY_FACTOR = 20
 
 
 def detect_accelerators() -> tuple[int, str]:
@@ -176,28 +185,48 @@ class NodeAgent:
         self.endpoint.handle(AgentOp.FREE_PORT, lambda m: m.reply({"port": _free_port(self.host)}))
         self.endpoint.handle(AgentOp.PING, lambda m: m.reply({"node_id": self.node_id}))
         self.endpoint.handle(AgentOp.WORKER_READY, self._on_worker_ready)
+        self.relay = CallRelay(self.endpoint)
+        self.endpoint.handle(AgentOp.RELAY_CALL, self.relay.on_relay_call)
         self._zygote_ready = loop.create_future()
         self._start_zygote()
+        #: Whether the registry's connection is up: tells a slow registry from a dead one.
+        self._link = LinkWatch(f"node-{self.node_id}", self.registry_address, self.keys)
+        self._link.start()
         await self._register()
-        self.registry.start_heartbeats(self.node_id, self._heartbeat_interval, self._register)
+        self.registry.start_heartbeats(self.node_id, self._heartbeat_interval, self._rejoin)
         self._output_task = loop.create_task(self._forward_output_forever())
         self._fence_task = loop.create_task(self._fence_forever())
 
     # ------------------------------------------------------------------ fencing
     async def _fence_forever(self) -> None:
-        """Kill our workers once the registry has not answered for ``FENCE_FACTOR`` expiries.
+        """Kill our workers once the registry has not answered for ``FENCE_FACTOR`` expiries
+        and its connection is down.
 
         After one expiry the registry has declared this node dead (if it is alive and we
         are cut off from it); owners restart its workers elsewhere only after the rest of
         the fence time, so ours never act beside their replacements. A registry that is
         merely restarting answers again sooner, and then nothing is lost
-        (docs/failures.md)."""
+        (docs/failures.md). A registry whose connection stays up is slow, not dead (a
+        dead process's connection is reset at once, a partition's within about 3 s of TCP
+        keep-alive): it is waited for up to ``STALLED_REGISTRY_FACTOR`` expiries; it
+        declares nobody dead while it answers nothing, and whom it declared dead once it
+        answers again is stopped then (`_rejoin`). Before, two expiries of a registry held
+        up for seconds had every agent SIGKILL every worker (issue 28, item 2)."""
         fenced = False
+        waiting = False
         while True:
             await asyncio.sleep(FENCE_CHECK_S)
             silent = time.monotonic() - self.registry.last_answered
             if silent <= FENCE_FACTOR * self._expiry:
-                fenced = False
+                fenced = waiting = False
+                continue
+            if self._link.up and silent <= STALLED_REGISTRY_FACTOR * self._expiry:
+                if not waiting and self.children:
+                    log.warning("no answer from the registry for %.1f s (its expiry is %.1f s), "
+                                "but its connection is up: it is slow, not gone; this node's "
+                                "workers keep running (for up to %.0f s)", silent, self._expiry,
+                                STALLED_REGISTRY_FACTOR * self._expiry)
+                waiting = True
                 continue
             victims = list(self.children.values())
             if victims and not fenced:
@@ -237,6 +266,33 @@ class NodeAgent:
                                       {"name": child.name, "pid": child.pid, "lines": lines})
         except Exception:
             child.output_to = None  # the driver is gone; keep the output in the file only
+
+    async def _rejoin(self) -> None:
+        """The registry did not know us (it restarted, or it declared this node dead, e.g.
+        after a stall of its own or of ours): register again, then stop the workers it holds
+        dead. Their owners were told they died and restart them elsewhere; left running they
+        would act beside their replacements."""
+        rejoining = self.node_rank >= 0
+        await self._register()
+        if not rejoining:
+            return
+        # One request per group, not per worker: every agent asks this right after a
+        # registry restart.
+        for group in {c.group for c in self.children.values() if c.info is not None}:
+            try:
+                records = (await self.registry.lookup_group(group)).workers
+            except AiorlError:
+                continue  # not known (it closed) or no answer: nothing says it is dead
+            for child in [c for c in self.children.values() if c.group == group]:
+                record = records.get(child.name)
+                if record is None or child.info is None:
+                    continue
+                if record.incarnation > child.incarnation or (
+                        record.incarnation == child.incarnation
+                        and record.state == WorkerState.DEAD):
+                    log.warning("the registry holds %s (pid %d) dead: stopping it",
+                                child.name, child.pid)
+                    _signal_group(child.pid, signal.SIGKILL)
 
     async def _register(self) -> None:
         wanted = self.requested_rank if self.node_rank < 0 else self.node_rank
@@ -375,7 +431,10 @@ class NodeAgent:
         self.groups[request.group] = request.group_spec()
         node = HostNode(self.node_id, self.node_rank, self.host, socket.gethostname(),
                         self.accelerator_type, self.endpoint.address)
-        pids = []
+        check_descriptors_for(len(self.children) + len(request.workers))
+        loop = asyncio.get_running_loop()
+        specs: list[tuple[WorkerSpawn, asyncio.Future[int]]] = []
+        messages = []
         for launch in request.workers:
             launch = self._with_physical_devices(launch)
             # The group name's grammar (aiorl.names) keeps this path inside log_dir.
@@ -387,20 +446,33 @@ class NodeAgent:
             self._kill([c for c in self.children.values() if c.name == spec.name
                         and c.incarnation < _incarnation_of(launch.env)])
             spawn_id = next(self._spawn_ids)
-            fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            fut: asyncio.Future[int] = loop.create_future()
             self._spawn_waiters[spawn_id] = fut
-            # The channel is non-blocking (its reads run on the loop): sendall would raise
-            # after a partial write when the zygote is busy and the message is larger than
-            # the socket buffer (a few hundred KiB of constructor arguments), leaving the
-            # zygote a torn message and this node unable to start any worker again.
-            async with self._zygote_write:
-                await asyncio.get_running_loop().sock_sendall(
-                    self._zygote_channel, encode_message(("spawn", spawn_id, spec)))
-            pid = await fut
-            self.children[pid] = _Child(spec.name, request.group, pid, log_path, time.time(),
-                                        output_to=request.output_to,
-                                        incarnation=_incarnation_of(launch.env))
-            pids.append(pid)
+            specs.append((spec, fut))
+            messages.append(encode_message(("spawn", spawn_id, spec)))
+        # Every fork of the request is asked for at once (one write), not one round trip
+        # per worker: the zygote forks them back to back while the first children start
+        # (256 workers: ~0.5 s less to the first answer). The channel is non-blocking
+        # (its reads run on the loop): sendall would raise after a partial write when the
+        # zygote is busy and the message is larger than the socket buffer (a few hundred
+        # KiB of constructor arguments), leaving the zygote a torn message and this node
+        # unable to start any worker again.
+        async with self._zygote_write:
+            await loop.sock_sendall(self._zygote_channel, b"".join(messages))
+        outcomes = await asyncio.gather(*(fut for _, fut in specs), return_exceptions=True)
+        pids = []
+        failure: BaseException | None = None
+        for (spec, _), outcome in zip(specs, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                failure = failure or outcome
+                continue
+            # Every forked child is ours to supervise, even when a sibling's fork failed.
+            self.children[outcome] = _Child(spec.name, request.group, outcome, spec.log_path,
+                                            time.time(), output_to=request.output_to,
+                                            incarnation=_incarnation_of(spec.launch.env))
+            pids.append(outcome)
+        if failure is not None:
+            raise failure
         return pids
 
     def _with_physical_devices(self, launch: WorkerLaunch) -> WorkerLaunch:
@@ -427,6 +499,8 @@ class NodeAgent:
         tail = tail_lines(child.log_path)
         how = f"killed by {signal.Signals(sig).name}" if sig else f"exited with code {exit_code}"
         log.info("worker %s (pid %d) %s", child.name, pid, how)
+        self.relay.worker_exited(child.name, child.info.endpoint if child.info else None,
+                                 f"worker {child.name} (pid {pid}) {how}")
         report = WorkerExit(child.name, pid, exit_code, sig, tail,
                             f"worker {child.name} (pid {pid}) {how}", child.incarnation)
         asyncio.get_running_loop().create_task(self._report_exit(report))
@@ -492,6 +566,7 @@ class NodeAgent:
         except Exception:
             pass
         self.registry.close()
+        self._link.stop()
         if self.zygote.poll() is None:
             self.zygote.kill()
         self.zygote.wait()

@@ -60,6 +60,8 @@ class AgentOp(StrEnum):
     FREE_PORT = "free_port"
     PING = "ping"
     WORKER_READY = "worker_ready"
+    #: A group call to this node's ranks, answered once for all of them (protocol/relay.py).
+    RELAY_CALL = "relay_call"
 
 
 class WorkerOp(StrEnum):

@@ -57,6 +57,7 @@ from aiorl.protocol.registry import (
     WorkerStateReport,
     root_of,
 )
+from aiorl.registry.framing import unframe
 from aiorl.transport.endpoint import Endpoint
 from aiorl.transport.pulse import Pulse
 
@@ -111,10 +112,11 @@ class RegistryClient:
         below say which).
         """
         try:
-            reply_meta, _ = await self.endpoint.request(self.address, op, meta, timeout=timeout)
+            reply_meta, frames = await self.endpoint.request(self.address, op, meta,
+                                                             timeout=timeout)
         except (TimeoutError, PeerLostError, AuthenticationError) as exc:
             raise self._unavailable(op, timeout, exc) from exc
-        return reply_meta
+        return unframe(reply_meta, frames)  # a large reply travels as a frame (framing.py)
 
     def _unavailable(self, op: str, timeout: float, exc: BaseException) -> RegistryUnavailable:
         if isinstance(exc, AuthenticationError):  # whoever answers is not our registry (yet)
@@ -235,7 +237,7 @@ class RegistryClient:
                 return  # the caller gave up (cancelled)
             if error is None:
                 try:
-                    snapshot = WatchSnapshot.from_wire(reply[0])
+                    snapshot = WatchSnapshot.from_wire(unframe(reply[0], reply[1]))
                     deliver(snapshot)
                 except Exception as exc:  # noqa: BLE001 - the watcher's caller gets it
                     error = exc

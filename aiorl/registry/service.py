@@ -95,6 +95,8 @@ from aiorl.protocol.registry import (
     WorkerStateReport,
     root_of,
 )
+from aiorl.registry.framing import MAY_BE_LARGE, frame
+from aiorl.registry.table import WorkerTable
 from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.util.limits import raise_open_file_limit
 from aiorl.util.ratelimit import RateLimitedLog
@@ -143,7 +145,7 @@ class _Group:
     orphan_since: float | None = None  # when its owner was last found missing
 
 
-@dataclass
+@dataclass(slots=True)
 class _Worker:
     record: WorkerRecord
     since: float  # when it entered its current state (monotonic)
@@ -172,7 +174,7 @@ class RegistryService:
         self.orphan_grace = 2 * expiry
         self.nodes: dict[str, _Node] = {}
         self.drivers: dict[str, _Driver] = {}
-        self.workers: dict[str, _Worker] = {}
+        self.workers: WorkerTable[_Worker] = WorkerTable()  # indexed by root group
         self.groups: dict[str, _Group] = {}
         self.watchers: dict[str, set[bytes]] = {}  # pattern -> client identities
         self._watch_counts: dict[bytes, int] = {}  # client identity -> patterns it watches
@@ -215,7 +217,12 @@ class RegistryService:
             self._warn.warning(f"failed {op}", f"registry handler {op} failed", exc_info=exc)
             msg.reply_error(exc)
         else:
-            msg.reply(None if reply is None else reply.to_wire())
+            if reply is None:
+                msg.reply(None)
+            elif op in MAY_BE_LARGE:  # past a header's cap it travels as a frame
+                msg.reply(*frame(reply.to_wire()))
+            else:
+                msg.reply(reply.to_wire())
 
     # ------------------------------------------------------------------ nodes and drivers
     def _register_node(self, req: NodeRegistration, identity: bytes) -> NodeRegistered:
@@ -315,13 +322,40 @@ class RegistryService:
 
     # ------------------------------------------------------------------ expiry
     async def _expire_loop(self) -> None:
+        period = self.heartbeat_interval / 2
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(self.heartbeat_interval / 2)
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            # Time this process did not run (stopped, swapped out, a loop turn that took
+            # seconds): the heartbeats sent meanwhile are still unread in its sockets, and
+            # this sweep runs before they are read. Not crediting it, a registry that was
+            # itself held up declared every node and driver dead as it resumed (issue 28).
+            stalled = now - last - period
+            last = now
+            if stalled > period:
+                self.credit_stall(stalled)
             try:
-                self.sweep(time.monotonic())
+                self.sweep(now)
             except Exception as exc:  # the sweep must outlive any bug: it is how the dead leave
                 self._warn.warning("sweep", "the registry's expiry sweep failed; it runs again",
                                    exc_info=exc)
+
+    def credit_stall(self, seconds: float) -> None:
+        """This registry did not run for ``seconds``: nobody was heard meanwhile, so the
+        silence is not held against them (their leases and grace periods move on by it)."""
+        log.warning("the registry did not run for %.1f s (stopped or starved); the silence "
+                    "of nodes and drivers meanwhile is not held against them", seconds)
+        for node in self.nodes.values():
+            node.last_seen += seconds
+        for driver in self.drivers.values():
+            driver.last_seen += seconds
+        for group in self.groups.values():
+            if group.orphan_since is not None:
+                group.orphan_since += seconds
+        for w in self.workers.values():
+            if w.unconfirmed:
+                w.since += seconds
 
     def sweep(self, now: float) -> None:
         """Declare silent nodes and drivers dead, expire orphans, forget what is long over."""
@@ -400,8 +434,8 @@ class RegistryService:
             # restart keeps them: a tombstone may be the news its owner has not heard yet.)
             # Their pids are remembered: the exit report of such a worker can arrive after
             # the new group exists, and must not become a tombstone of the new worker.
-            for name in [n for n, w in self.workers.items()
-                         if root_of(n) == req.group and w.record.state.is_final]:
+            for name in [n for n, w in self.workers.of_group(req.group).items()
+                         if w.record.state.is_final]:
                 self._retired[(name, self.workers.pop(name).record.info.pid)] = None
             while len(self._retired) > MAX_RETIRED:
                 del self._retired[next(iter(self._retired))]
@@ -417,8 +451,8 @@ class RegistryService:
         del self.groups[name]
         for node in self.nodes.values():
             self._send_kill(node, name)
-        for wname in [n for n, w in self.workers.items()
-                      if root_of(n) == name and not w.record.state.is_final]:
+        for wname in [n for n, w in self.workers.of_group(name).items()
+                      if not w.record.state.is_final]:
             self._set_state(wname, WorkerState.DEAD, {"reason": reason, DETAIL_GROUP_CLOSED: True})
 
     def _send_kill(self, node: _Node, group: str) -> None:
@@ -477,8 +511,7 @@ class RegistryService:
                            {n: w.record for n, w in self._members(req.group)})
 
     def _members(self, pattern: str) -> Iterable[tuple[str, _Worker]]:
-        return ((n, w) for n, w in self.workers.items()
-                if pattern == WILDCARD or n == pattern or root_of(n) == pattern)
+        return self.workers.members(pattern, WILDCARD)
 
     # ------------------------------------------------------------------ watches
     def _watch(self, req: WatchRequest, identity: bytes) -> WatchSnapshot:

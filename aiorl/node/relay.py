@@ -1,0 +1,88 @@
+"""The node agent's half of a relayed group call (`aiorl.protocol.relay`).
+
+A driver calling a large group sends one ``relay_call`` per node instead of one ``call``
+per rank; the agent sends each of its ranks the ordinary worker ``call`` and answers the
+driver once, when every one of them has answered. The driver's cost of a call then grows
+with the number of nodes, not of workers (docs/scale.md).
+
+A rank's process that ends while its call is pending fails that rank only: the agent sees
+the exit (`CallRelay.worker_exited`) and fails what is pending on the worker's endpoint,
+so the driver's answer comes without waiting for the registry's news.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from aiorl.errors import ProtocolError, to_wire
+from aiorl.protocol.ops import WorkerOp
+from aiorl.protocol.relay import RelayedAnswers, RelayedCall
+from aiorl.transport.endpoint import Endpoint, Incoming
+from aiorl.util.ratelimit import RateLimitedLog
+
+__all__ = ["CallRelay"]
+
+log = logging.getLogger("aiorl.node")
+_warn = RateLimitedLog(log)
+
+#: The worker call op as a plain str (an enum member costs a look-up per rank).
+_CALL: str = WorkerOp.CALL.value
+
+
+class _Gathered:
+    """One relayed call's answers, in the request's order, until the last rank answered."""
+
+    __slots__ = ("msg", "frames", "errors", "remaining")
+
+    def __init__(self, msg: Incoming, n: int) -> None:
+        self.msg = msg
+        self.frames: list[list[Any]] = [[] for _ in range(n)]
+        self.errors: dict[int, dict[str, Any]] = {}
+        self.remaining = n
+
+    def settle(self, i: int, error: BaseException | None, reply: Any) -> None:
+        if error is not None:
+            self.errors[i] = to_wire(error)
+        else:
+            self.frames[i] = reply[1]
+        self.remaining -= 1
+        if self.remaining == 0:
+            counts = tuple(0 if i in self.errors else len(f) for i, f in enumerate(self.frames))
+            flat = [frame for frames in self.frames for frame in frames]
+            try:
+                self.msg.reply(RelayedAnswers(counts, self.errors).to_wire(), flat)
+            except Exception as exc:  # noqa: BLE001 - e.g. many long tracebacks past the
+                # header's cap: the driver must still hear, and each of these ranks fails
+                self.msg.reply_error(exc)
+
+
+class CallRelay:
+    """Serves ``relay_call`` on a node agent's endpoint."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        #: The endpoint each worker name was last called at: where an exit fails its calls.
+        self._endpoints: dict[str, str] = {}
+
+    def on_relay_call(self, msg: Incoming) -> None:
+        try:
+            call = RelayedCall.from_wire(msg.meta)
+        except ProtocolError as exc:
+            _warn.warning("relay_call", "refused a malformed relay_call: %s", exc)
+            msg.reply_error(exc)
+            return
+        gathered = _Gathered(msg, len(call.ranks))
+        request = self.endpoint.request_then
+        frames = msg.frames
+        for i, (name, endpoint) in enumerate(zip(call.names, call.endpoints, strict=True)):
+            self._endpoints[name] = endpoint
+            request(endpoint, _CALL, call.method, frames, functools.partial(gathered.settle, i))
+
+    def worker_exited(self, name: str, endpoint: str | None, reason: str) -> None:
+        """Worker ``name`` (at ``endpoint``, None if it never said where) ended: what is
+        pending on it fails now, and calls relayed to it later fail at once, naming why."""
+        for address in {self._endpoints.pop(name, None), endpoint}:
+            if address is not None:
+                self.endpoint.mark_peer_lost(address, reason)
