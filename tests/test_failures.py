@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -12,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 
 import msgpack
 import pytest
@@ -103,6 +105,17 @@ class ClusterProcesses:
 
     def close(self) -> None:
         stop_processes([*self.agents, self.registry])
+
+
+@contextlib.contextmanager
+def stoppable_processes(tmp_path, nodes: int = 1) -> Iterator[ClusterProcesses]:
+    """`ClusterProcesses` whose registry a test may SIGSTOP: continued before it is closed."""
+    procs = ClusterProcesses(tmp_path, nodes=nodes)
+    try:
+        yield procs
+    finally:
+        procs.registry.send_signal(signal.SIGCONT)
+        procs.close()
 
 
 @pytest.fixture

@@ -53,14 +53,10 @@ class Member(aiorl.Worker):
 
 @pytest.fixture
 def processes(tmp_path):
-    from tests.test_failures import ClusterProcesses
+    from tests.test_failures import stoppable_processes
 
-    procs = ClusterProcesses(tmp_path, nodes=1)  # the registry's expiry: 2 s
-    try:
+    with stoppable_processes(tmp_path) as procs:  # the registry's expiry: 2 s
         yield procs
-    finally:
-        procs.registry.send_signal(signal.SIGCONT)
-        procs.close()
 
 
 def test_a_stalled_registry_is_waited_for_and_holds_nobody_dead_for_its_own_stall(processes):

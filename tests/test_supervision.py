@@ -224,14 +224,10 @@ def test_a_dead_groups_worker_names_are_free_for_a_new_group(cluster):
 
 @pytest.fixture
 def processes(tmp_path):
-    from tests.test_failures import ClusterProcesses
+    from tests.test_failures import stoppable_processes
 
-    procs = ClusterProcesses(tmp_path, nodes=1)
-    try:
+    with stoppable_processes(tmp_path) as procs:  # the registry's expiry: 2 s
         yield procs
-    finally:
-        procs.registry.send_signal(signal.SIGCONT)
-        procs.close()
 
 
 def test_node_cut_off_from_the_registry_stops_its_workers_after_the_expiry(processes):

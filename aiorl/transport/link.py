@@ -23,8 +23,6 @@ with the caller (the agent's fence, aiorl/node/agent.py).
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from typing import Any
 
@@ -32,6 +30,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from aiorl.transport.security import ClusterKeys
+from aiorl.transport.socket_thread import SocketThread
 from aiorl.transport.sockets import get_context, make_socket
 
 __all__ = ["KEEPALIVE_COUNT", "KEEPALIVE_IDLE_S", "KEEPALIVE_INTERVAL_S", "LinkWatch"]
@@ -55,7 +54,7 @@ _EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CL
 _GIVEN_UP = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
-class LinkWatch:
+class LinkWatch(SocketThread):
     """Keep an idle connection to ``address`` and report whether it is established.
 
     `up` is true from a completed handshake until the connection is lost (a plain bool:
@@ -63,22 +62,8 @@ class LinkWatch:
     """
 
     def __init__(self, name: str, address: str, keys: ClusterKeys | None) -> None:
-        self.address = address
-        self._keys = keys
-        self._identity = f"{name}-link-{os.getpid()}-{id(self):x}".encode()
+        super().__init__("link", name, address, keys)
         self.up = False
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"aiorl-link-{name}",
-                                        daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        """End the thread (within about 0.1 s) and close its socket."""
-        self._stopping.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(2)
 
     def _connect(self) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
         sock = make_socket(zmq.DEALER, identity=self._identity, keys=self._keys)

@@ -18,8 +18,6 @@ error replies; answers to beats sent before a registry restarted count the same 
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +26,7 @@ import zmq
 
 from aiorl.errors import ProtocolError
 from aiorl.transport.security import ClusterKeys
+from aiorl.transport.socket_thread import SocketThread
 from aiorl.transport.sockets import make_socket
 from aiorl.transport.wire import Kind, decode_header, encode_header, split_batch, unpack
 
@@ -53,7 +52,7 @@ def _messages(frames: list[Any]) -> list[list[Any]]:
     return [frames]
 
 
-class Pulse:
+class Pulse(SocketThread):
     """Send ``op`` with ``meta`` to ``address`` every ``interval`` seconds from a thread.
 
     ``on_reply(meta)`` runs on the pulse thread for each reply, ``on_error(meta)`` for each
@@ -64,25 +63,11 @@ class Pulse:
     def __init__(self, name: str, address: str, keys: ClusterKeys | None, op: str, meta: Any,
                  interval: float, on_reply: Callable[[Any], None],
                  on_error: Callable[[Any], None]) -> None:
-        self.address = address
-        self._keys = keys
+        super().__init__("pulse", name, address, keys)
         self._request = (op, meta)
         self._interval = interval
         self._on_reply = on_reply
         self._on_error = on_error
-        self._identity = f"{name}-pulse-{os.getpid()}-{id(self):x}".encode()
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"aiorl-pulse-{name}",
-                                        daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        """End the thread (within about 0.1 s) and close its socket."""
-        self._stopping.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(2)
 
     def _run(self) -> None:
         sock = self._connect()
