@@ -450,7 +450,9 @@ class Channel:
         ``async_op=False`` it waits and returns the item itself (synchronous code).
         Waiting getters are served in the order their requests reached the channel.
         Gets that follow each other closely prefetch items already queued, so a
-        loop of ``await ch.get()`` streams without a round trip per item.
+        loop of ``await ch.get()`` streams without a round trip per item while this process
+        is the queue's one consumer; with several, each get is one request, and every
+        consumer receives each producer's items in put order (docs/ordering.md).
         """
         work = self._submit(_USER_GET, _queue_key(key, queue_name), 0)
         return work if async_op else work.wait()
