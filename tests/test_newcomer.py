@@ -6,6 +6,7 @@ say what went wrong and what to write instead.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pathlib
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -82,6 +84,25 @@ class Trainer(aiorl.Worker):
 
     def misspelt(self) -> Any:
         return self.reward.scroe(1).wait(30)
+
+
+@contextlib.contextmanager
+def registry_on(key: pathlib.Path) -> Iterator[str]:
+    """A registry process with ``key`` (made if missing) on a free port; its address. Killed
+    after, its pipes closed."""
+    registry = subprocess.Popen(
+        [sys.executable, "-m", "aiorl.registry.service", "--host", "127.0.0.1", "--port", "0",
+         "--print-address", "--key-file", str(key), "--exit-on-stdin-close"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert registry.stdout is not None
+        yield registry.stdout.readline().decode().strip().split("=", 1)[1]
+    finally:
+        registry.kill()
+        registry.wait()
+        for stream in (registry.stdin, registry.stdout):
+            if stream:
+                stream.close()
 
 
 @pytest.fixture(scope="module")
@@ -221,13 +242,7 @@ def test_a_closed_cluster_fails_at_once_and_forgets_its_runtime_file() -> None:
 
 def test_wrong_key_and_wrong_address_are_told_apart(tmp_path) -> None:
     key = tmp_path / "cluster.key"
-    registry = subprocess.Popen(
-        [sys.executable, "-m", "aiorl.registry.service", "--host", "127.0.0.1", "--port", "0",
-         "--print-address", "--key-file", str(key), "--exit-on-stdin-close"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    try:
-        assert registry.stdout is not None
-        address = registry.stdout.readline().decode().strip().split("=", 1)[1]
+    with registry_on(key) as address:
         other = tmp_path / "other.key"
         ClusterKeys.generate().save(str(other))
 
@@ -245,12 +260,6 @@ def test_wrong_key_and_wrong_address_are_told_apart(tmp_path) -> None:
                "mismatch" in wrong.stderr
         missing = status(AIORL_INSECURE="1")  # no key: the registry refuses, and we know it
         assert f"{address} refused 'status': wrong or missing key" in missing.stderr
-    finally:
-        registry.kill()
-        registry.wait()
-        for stream in (registry.stdin, registry.stdout):
-            if stream:
-                stream.close()
 
 
 # ---------------------------------------------------------------------------- nothing left
@@ -492,13 +501,7 @@ def test_a_driver_with_the_wrong_key_is_told_so_at_once(tmp_path) -> None:
     key, other = tmp_path / "cluster.key", tmp_path / "other.key"
     ClusterKeys.generate().save(str(key))
     ClusterKeys.generate().save(str(other))
-    registry = subprocess.Popen(
-        [sys.executable, "-m", "aiorl.registry.service", "--host", "127.0.0.1", "--port", "0",
-         "--print-address", "--key-file", str(key), "--exit-on-stdin-close"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    try:
-        assert registry.stdout is not None
-        address = registry.stdout.readline().decode().strip().split("=", 1)[1]
+    with registry_on(key) as address:
         script = textwrap.dedent(f"""\
             import time, aiorl
             started = time.monotonic()
@@ -514,9 +517,3 @@ def test_a_driver_with_the_wrong_key_is_told_so_at_once(tmp_path) -> None:
         assert "answers but drops this driver at the handshake" in message, out
         assert "this process's key is not that cluster's" in message
         assert float(seconds) < 8, f"the key mismatch took {seconds} s to tell"
-    finally:
-        registry.kill()
-        registry.wait()
-        for stream in (registry.stdin, registry.stdout):
-            if stream:
-                stream.close()

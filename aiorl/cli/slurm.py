@@ -214,12 +214,7 @@ class _Step:
         except subprocess.TimeoutExpired:
             _say(f"the {self.name} step did not end {STEP_GRACE_S:.0f} s after its stdin "
                  "closed: killing it")
-            self.process.terminate()
-            try:
-                self.process.wait(STEP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            _end(self.process, STEP_GRACE_S)
         self._reader.join(timeout=5)
         return self.process.returncode
 
@@ -303,12 +298,7 @@ class SlurmLauncher:
         """Stop the driver if it still runs, then the agents, then the registry (agents
         unregister from a live registry); remove the key's directory. Says what it did."""
         if self.driver is not None and self.driver.poll() is None:
-            self.driver.terminate()
-            try:
-                self.driver.wait(DRIVER_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.driver.kill()
-                self.driver.wait()
+            _end(self.driver, DRIVER_GRACE_S)
         ended = [f"the {step.name} step (srun exit code {step.stop()})"
                  for step in reversed(self.steps)]
         said = f"stopped {' and '.join(ended) or 'nothing'}"
@@ -578,3 +568,13 @@ def _remove_directory(directory: str) -> None:
 
 if __name__ == "__main__":
     sys.exit(node_main())
+
+
+def _end(process: subprocess.Popen[Any], grace: float) -> None:
+    """SIGTERM ``process``; SIGKILL it if it has not ended ``grace`` seconds later."""
+    process.terminate()
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
