@@ -14,6 +14,11 @@ CLOCK_MONOTONIC, so comparable across processes of one host):
   ``torch.distributed`` NCCL ``send``/``recv`` and ``batch_isend_irecv`` between two plain
   processes on the same GPUs.
 * **Small message latency**: a 4-byte CUDA tensor vs a small CPU object, A -> B, median.
+* **Fixed cost per message** (issue 26): the 1 KB one-way of a CUDA ``send_tensor`` into a
+  posted CUDA buffer minus that of a CPU ``send_tensor`` into a posted CPU buffer: what the
+  CUDA path adds to a message. Measured on both roads a small CUDA tensor can take: inline
+  through pinned host memory (the default up to ``AIORL_CUDA_INLINE_BYTES``, 64 KiB) and
+  CUDA IPC (a second pair of workers started with ``AIORL_CUDA_INLINE_BYTES=0``).
 
 Targets (issue 13): IPC >= 80 % of a raw device copy from 64 MB; NCCL >= 90 % of raw
 NCCL send/recv; small CUDA message latency <= 2x a CPU message. The table marks each.
@@ -77,10 +82,11 @@ def _worker_class() -> Any:
             torch.cuda.set_device(device)
             self.dev = torch.device("cuda", device)
 
-        async def send_sizes(self, sizes: list[int], reps: int) -> list[list[float]]:
+        async def send_sizes(self, sizes: list[int], reps: int,
+                             cpu: bool = False) -> list[list[float]]:
             stamps = []
             for nbytes in sizes:
-                t = torch.ones(max(1, nbytes // 4), device=self.dev)
+                t = torch.ones(max(1, nbytes // 4), device="cpu" if cpu else self.dev)
                 row = []
                 for _ in range(reps + 1):
                     await self.recv("gpubench", 1)  # the receiver posted its buffer
@@ -90,10 +96,11 @@ def _worker_class() -> Any:
                 stamps.append(row[1:])
             return stamps
 
-        async def recv_sizes(self, sizes: list[int], reps: int) -> list[list[float]]:
+        async def recv_sizes(self, sizes: list[int], reps: int,
+                             cpu: bool = False) -> list[list[float]]:
             stamps = []
             for nbytes in sizes:
-                buf = torch.empty(max(1, nbytes // 4), device=self.dev)
+                buf = torch.empty(max(1, nbytes // 4), device="cpu" if cpu else self.dev)
                 row = []
                 for _ in range(reps + 1):
                     work = self.recv_tensor(buf, "gpubench", 0)
@@ -122,6 +129,42 @@ def _worker_class() -> Any:
     return Bench
 
 
+def _one_way(group: Any, sizes: list[int], reps: int, cpu: bool = False) -> dict[int, float]:
+    """Median one-way seconds per size, into a posted buffer (CPU tensors with ``cpu``)."""
+    recv = group.execute_on(1).recv_sizes(sizes, reps, cpu)
+    (sent,) = group.execute_on(0).send_sizes(sizes, reps, cpu).wait(3600)
+    (landed,) = recv.wait(3600)
+    return {
+        n: statistics.median(b - a for a, b in zip(s, r, strict=True))
+        for n, s, r in zip(sizes, sent, landed, strict=True)
+    }
+
+
+def fixed_costs(reps: int) -> dict[str, float]:
+    """1 KB one-way on both small-tensor roads and for a CPU tensor, and small-message
+    latencies (seconds): the fixed cost of a CUDA message is its excess over the CPU one."""
+    import aiorl
+    from aiorl.placement import NodePlacementStrategy
+
+    kb = 1 << 10
+    out: dict[str, float] = {}
+    with aiorl.Cluster(num_nodes=1, log_to_driver=False) as cluster:
+        for road, limit in (("inline", None), ("ipc", "0")):
+            env = {} if limit is None else {"AIORL_CUDA_INLINE_BYTES": limit}
+            group = _worker_class().create_group(0).launch(
+                cluster, NodePlacementStrategy([0, 0]), name="gpubench", env=env)
+            try:
+                out[f"{road}_1kb_s"] = _one_way(group, [kb], max(reps, 50))[kb]
+                if road == "inline":
+                    out["cpu_1kb_s"] = _one_way(group, [kb], max(reps, 50), cpu=True)[kb]
+                out[f"{road}_small_s"] = group.small(500, True).wait(600)[0]
+            finally:
+                group.close()
+    for road in ("inline", "ipc"):
+        out[f"{road}_fixed_s"] = out[f"{road}_1kb_s"] - out["cpu_1kb_s"]
+    return out
+
+
 def aiorl_run(gpus: tuple[int, int], sizes: list[int], reps: int) -> dict[str, Any]:
     import aiorl
     from aiorl.placement import FlexiblePlacementStrategy, NodePlacementStrategy
@@ -133,13 +176,7 @@ def aiorl_run(gpus: tuple[int, int], sizes: list[int], reps: int) -> dict[str, A
                      else FlexiblePlacementStrategy([[gpus[0]], [gpus[1]]]))
         group = _worker_class().create_group(0).launch(cluster, placement, name="gpubench")
         try:
-            recv = group.execute_on(1).recv_sizes(sizes, reps)
-            (sent,) = group.execute_on(0).send_sizes(sizes, reps).wait(3600)
-            (landed,) = recv.wait(3600)
-            one_way = {
-                n: statistics.median(b - a for a, b in zip(s, r, strict=True))
-                for n, s, r in zip(sizes, sent, landed, strict=True)
-            }
+            one_way = _one_way(group, sizes, reps)
             small_cuda = group.small(500, True).wait(600)[0]
             small_cpu = group.small(500, False).wait(600)[0]
         finally:
@@ -234,6 +271,16 @@ def main() -> int:
         f"{ipc['small_cpu_s'] * 1e6:.0f} us, ratio {ratio:.2f}"
         f"{'  ok' if ratio <= 2 else '  ABOVE 2x'}"
     )
+    fixed = fixed_costs(reps)
+    results["fixed_cost"] = fixed
+    for road in ("inline", "ipc"):
+        cost = fixed[f"{road}_fixed_s"] * 1e6
+        print(
+            f"1 KB one-way, {road:>6} road: {fixed[f'{road}_1kb_s'] * 1e6:.0f} us (CPU tensor "
+            f"{fixed['cpu_1kb_s'] * 1e6:.0f} us): fixed cost {cost:.0f} us"
+            f"{'  ok' if cost <= 50 else '  ABOVE 50 us'}; small message "
+            f"{fixed[f'{road}_small_s'] * 1e6:.0f} us"
+        )
     if torch.cuda.device_count() >= 2:
         nccl = aiorl_run((0, 1), sizes, reps)
         send_recv = raw_nccl(sizes, reps, batch=False)

@@ -332,3 +332,58 @@ def test_a_bug_inside_a_broadcast_is_not_taken_for_a_missing_member() -> None:
     assert not _member_gone(IndexError("list index out of range"))
     assert not _member_gone(KeyError("k"))
     assert not _member_gone(ValueError("v"))
+
+
+class _RecordingEndpoint:
+    """What `CudaBroadcast` uses of an endpoint, recording what it would send."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str, Any]] = []
+
+    def handle(self, op: str, handler: Any) -> None:
+        pass
+
+    def send_oneway(self, address: str, op: str, meta: Any, frames: Any = ()) -> None:
+        self.sent.append((address, op, meta))
+
+
+class _CudaHost:
+    """A broadcaster as `CudaBroadcast` sees it: member ``g:0`` on one GPU with two others."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.endpoint = _RecordingEndpoint()
+        self.name = "g:0"
+        self.node_id = "node"
+        self.waiter: Any = None
+
+    def call_soon_threadsafe(self, fn: Any, *args: Any) -> None:
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def address_of(self, member: str) -> str | None:
+        return f"ipc://{member}"
+
+
+def test_source_on_one_gpu_sends_no_ipc_for_an_all_empty_cuda_payload() -> None:
+    """H200 failure 5 of issue 26 ("LookupError: list index out of range"): members on one
+    GPU, the source the GPU's representative and an all-empty CUDA payload
+    (``torch.empty(0, device="cuda")``, the last of test_p2p_cuda's payloads). The source
+    handed its followers IPC handles of the payload's non-empty tensors, none, and took the
+    device from the first. Its followers allocate an all-empty payload themselves, so the
+    source must send them nothing. Runs without CUDA: nothing here reaches the GPU."""
+    from aiorl.collective.nccl_broadcast import CudaBroadcast
+    from aiorl.p2p.message import OutMessage
+    from aiorl.p2p.proto import K_CUDA
+
+    host = _CudaHost()
+    try:
+        cuda = CudaBroadcast(host)  # type: ignore[arg-type]
+        out = OutMessage(K_CUDA, ["float32", [0], False], None, [], [torch.empty(0)])
+        followers = {"g:1": "g:0", "g:2": "g:0"}
+        desc = ["key", None, ["g:0"], 0, followers, [["float32", [0]]]]
+        cuda.send("set", 1, out, desc)  # raised IndexError before the fix
+        assert host.endpoint.sent == []
+        with pytest.raises(ValueError, match="no CUDA tensor"):
+            cuda._serve("set", 1, ["g:1"], [], None)
+    finally:
+        host.loop.close()

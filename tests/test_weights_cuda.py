@@ -59,6 +59,13 @@ class GpuTrainer(aiorl.Worker):
         fanout: Any = self.weight_publisher(self.name, bucket_mb=1)._fanout
         return (fanout.rounds_intact, fanout.rounds_failed) if fanout else (0, 0)
 
+    def host_copies(self) -> tuple[int, int, bool, bool]:
+        """(versions written to host memory, of those copied there after their publish,
+        whether host copies are wanted now, whether the host slots are page-locked)."""
+        publisher: Any = self.weight_publisher(self.name, bucket_mb=1)
+        return (publisher.host_writes, publisher.host_backfills, publisher.host_wanted,
+                publisher._pinned is not None)
+
     def die(self) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -77,6 +84,12 @@ class GpuRollout(aiorl.Worker):
         version = await self.weight_subscriber(self.name).pull(into=self.sd)
         values = sorted({float(v) for t in self.sd.values() for v in torch.unique(t.float())})
         return version, values, str(next(iter(self.sd.values())).device)
+
+    async def pull_to_cpu(self) -> tuple[int, list[float]]:
+        """Pull into CPU tensors (this subscriber's model stays where it is)."""
+        into = model(-1, "cpu")
+        version = await self.weight_subscriber(self.name).pull(into=into)
+        return version, sorted({float(v) for t in into.values() for v in torch.unique(t.float())})
 
     async def on_my_gpu(self, version: int, timeout: float = 60.0) -> bool:
         """Wait until ``version`` (or newer) is on this worker's GPU: every shard either
@@ -241,6 +254,58 @@ def test_gpu_publisher_to_gpu_and_cpu_subscribers(cluster: aiorl.Cluster) -> Non
     finally:
         for g in (pub, on_gpu, on_cpu):
             g.close()
+
+
+@needs_cuda
+def test_gpu_subscribers_only_no_host_copies_and_a_host_reader_gets_one(
+        cluster: aiorl.Cluster) -> None:
+    """Every subscriber on the publisher's GPU: versions stay on the GPU (no host write per
+    publish). A CPU subscriber arriving later gets the newest version (copied to host memory
+    once, beside publish), host copies go on while it lives and stop once it is gone; a GPU
+    subscriber that pulls into CPU tensors once gets the newest version too."""
+    name = "gpu-only"
+    pub = GpuTrainer.create_group(0, name).launch(cluster, NodePlacementStrategy([0]),
+                                                  name="gopub")
+    subs = GpuRollout.create_group("cuda:0", name).launch(
+        cluster, NodePlacementStrategy([0, 0]), name="gosub")
+    cpu: Any = None
+    try:
+        # First pulls name the subscribers' GPU; until then a host copy is written.
+        for version in (1, 2):
+            assert pub.publish(version).wait(120) == [version]
+            assert subs.pull().wait(120) == [(version, [float(version)], "cuda:0")] * 2
+        ((writes, backfills, wanted, _pinned),) = pub.host_copies().wait(30)
+        assert not wanted
+        for version in (3, 4, 5):
+            assert pub.publish(version).wait(120) == [version]
+            assert subs.pull().wait(120) == [(version, [float(version)], "cuda:0")] * 2
+        assert pub.host_copies().wait(30)[0][:2] == (writes, backfills)
+        # A CPU subscriber: version 5 is copied to host memory for it, then every version.
+        cpu = GpuRollout.create_group("cpu", name).launch(cluster, NodePlacementStrategy([0]),
+                                                          name="gocpu")
+        assert cpu.pull().wait(120) == [(5, [5.0], "cpu")]
+        assert pub.publish(6).wait(120) == [6]
+        assert cpu.pull().wait(120) == [(6, [6.0], "cpu")]
+        assert subs.pull().wait(120) == [(6, [6.0], "cuda:0")] * 2
+        ((writes6, backfills6, wanted6, pinned),) = pub.host_copies().wait(30)
+        assert (writes6, backfills6, wanted6) == (writes + 1, backfills + 1, True)
+        assert pinned, "the host slots were not page-locked (cudaHostRegister refused)"
+        # It goes: host copies stop once the directory learnt of its death.
+        cpu.close()
+        cpu = None
+        deadline = time.monotonic() + 30
+        while pub.host_copies().wait(30)[0][2]:
+            assert time.monotonic() < deadline, "host copies still wanted 30 s after"
+            time.sleep(0.1)
+        assert pub.publish(7).wait(120) == [7]
+        assert pub.host_copies().wait(30)[0][0] == writes6
+        # A GPU subscriber pulls into CPU tensors once: it gets version 7 all the same.
+        assert subs.execute_on(0).pull_to_cpu().wait(120) == [(7, [7.0])]
+        assert subs.pull().wait(120) == [(7, [7.0], "cuda:0")] * 2
+    finally:
+        for g in (pub, subs, cpu):
+            if g is not None:
+                g.close()
 
 
 # ----------------------------------------------------------------------------- two GPUs

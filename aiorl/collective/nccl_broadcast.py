@@ -232,7 +232,7 @@ class CudaBroadcast:
             comm = self._comms[key]
             comm.lane.run(comm.broadcast, [flat_u8(t) for t in live], root, out.event)
         mine = [n for n, rep in followers.items() if rep == self.host.name]
-        if mine:
+        if mine and live:  # (followers of an all-empty payload allocate it: `receive`)
             self._serve(set_id, seq, mine, live, out.event)
 
     # ------------------------------------------------------------------ members
@@ -288,7 +288,11 @@ class CudaBroadcast:
 
         Torch's export records the IPC event on the current stream of the tensor's device:
         a side stream of this thread that first waited for ``events`` (the caller's), so
-        no default stream is made to wait."""
+        no default stream is made to wait. ``tensors`` are the payload's non-empty ones:
+        there must be one (a follower lands an all-empty payload without handles, and the
+        device is taken from the first)."""
+        if not tensors:
+            raise ValueError("no CUDA tensor to export: an all-empty payload needs no IPC")
         reductions = _torch("torch.multiprocessing.reductions")
         cuda = _torch("torch.cuda")
         if self._serve_stream is None:

@@ -41,6 +41,8 @@ from aiorl.p2p.message import (
     encode_object,
     encode_tensor,
 )
+from aiorl.p2p.paths.cuda_host import stage
+from aiorl.p2p.paths.cuda_ipc import release_ref_counter_files
 from aiorl.p2p.proto import (
     OP_ACK,
     OP_BATCH,
@@ -152,7 +154,10 @@ class P2PEngine:
         `SerializationError` (a TypeError)
         for an object that cannot be pickled.
         """
-        return self._start_send(_worker_name(dst_group_name, dst_rank), encode_object(obj))
+        msg = encode_object(obj)
+        if msg.cuda:
+            stage(msg)  # small CUDA tensors: copied to pinned memory now, sent inline
+        return self._start_send(_worker_name(dst_group_name, dst_rank), msg)
 
     def send_tensor(
         self, tensor: Any, dst_group_name: str, dst_rank: int | Sequence[int]
@@ -167,6 +172,8 @@ class P2PEngine:
         name = _worker_name(dst_group_name, dst_rank)
         msg = encode_tensor(tensor)
         msg.raw = True
+        if msg.cuda:
+            stage(msg)
         return self._start_send(name, msg)
 
     def recv(self, src_group_name: str, src_rank: int | Sequence[int]) -> AsyncWork[Any]:
@@ -430,6 +437,9 @@ class P2PEngine:
             ib.close()
         for task in list(self._tasks):
             task.cancel()
+        # Last: torch unlinks its CUDA IPC reference-counter files only in a static
+        # destructor, which a forked worker's os._exit skips (the files stayed in /dev/shm).
+        release_ref_counter_files()
 
 
 def _pid_of(identity: bytes) -> int:

@@ -11,8 +11,11 @@ CUDA tensor is sent, received or broadcast). docs/gpu.md states the rules it imp
   stream. Buffers allocated for a receive are allocated on the lane's stream and marked
   used by the device's default stream (``record_stream``), so freeing them later cannot
   hand their memory to a transfer while user kernels still read it.
-* **No thread per transfer, no spinning.** Completion is one CUDA event (and the NCCL
-  works' status) polled by the runtime's single waiter thread (`gpu_done`).
+* **No thread per transfer, no spinning, no polling for copies.** A copy's completion is
+  one blocking-sync CUDA event (`blocking_event`) waited for by a thread that does nothing
+  else (`EventWaiter`, one per lane, in record order), which then wakes the loop once
+  (`CudaLane.landed`). NCCL transfers, whose events may depend on what the peer does
+  next, are polled with their works' status by the runtime's waiter thread (`gpu_done`).
 * **NCCL that reports instead of killing.** `new_nccl_group` creates aiorl's
   communicators with `NCCL_SETTINGS` in force, non-blocking initialisation (so an
   abort interrupts a set-up whose peer died) and aborts them off the event loop
@@ -44,9 +47,11 @@ __all__ = [
     "NCCL_SETTINGS",
     "ByteWindow",
     "CudaLane",
+    "EventWaiter",
     "GpuHost",
     "abort_in_background",
     "allocate",
+    "blocking_event",
     "cuda_needs_init",
     "device_uuid",
     "flat_u8",
@@ -214,9 +219,83 @@ def allocate(specs: Sequence[tuple[Any, Sequence[int]]], device: int, stream: An
     return out
 
 
+def blocking_event() -> Any:
+    """A CUDA event whose ``synchronize()`` puts the waiting thread to sleep until the GPU
+    gets there (``cudaEventBlockingSync``) instead of spinning a core: what an
+    `EventWaiter` waits for."""
+    return untyped("torch.cuda").Event(blocking=True)
+
+
 # ----------------------------------------------------------------------------- lanes
 class LaneClosed(PeerLostError):
     """Work submitted to a lane that was closed (its peer was lost or the engine closed)."""
+
+
+class EventWaiter:
+    """One daemon thread that waits for CUDA events, one after the other, and reports each.
+
+    ``watch(event, report)`` hands it an event (anything with ``query()`` and a blocking
+    ``synchronize()``); the thread calls ``report(None)`` once the event completed, or
+    ``report(error)``. It waits with ``synchronize()`` (the GIL released; with a
+    `blocking_event` the thread sleeps in the driver), so a transfer's completion costs
+    one wake-up, not a poll with back-off, and an idle waiter costs no CPU (it sleeps on
+    its queue). ``query()`` first: an event already done costs no driver wait.
+
+    In order, on purpose: a lane records its events on one stream per device, in the
+    order it hands them here, and a stream completes them in that order, so waiting for
+    the first never delays the report of a later one. Only events whose work depends on
+    nothing this process has yet to do may be watched (a copy after an event the peer
+    already recorded); an NCCL transfer waits for its peer and is polled instead
+    (`gpu_done`).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.closed = False
+        self._jobs: queue.SimpleQueue[
+            tuple[Any, Callable[[BaseException | None], None]] | None
+        ] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def watch(self, event: Any, report: Callable[[BaseException | None], None]) -> None:
+        """Report ``event``'s completion (any thread); a closed waiter reports at once."""
+        with self._lock:
+            closed = self.closed
+            if not closed:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name=self.name, daemon=True
+                    )
+                    self._thread.start()
+                self._jobs.put((event, report))
+        if closed:
+            report(LaneClosed(f"CUDA event waiter {self.name} is closed"))
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            event, report = item
+            error: BaseException | None = None
+            try:
+                if not event.query():
+                    event.synchronize()
+            except BaseException as exc:  # noqa: BLE001 - reported to the event's owner
+                error = exc
+            try:
+                report(error)
+            except Exception:
+                log.exception("reporting a CUDA event's completion failed")
+
+    def close(self) -> None:
+        """Stop once the events handed over so far are reported (they are finite GPU work)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._jobs.put(None)
 
 
 class CudaLane:
@@ -235,6 +314,45 @@ class CudaLane:
         self._thread: threading.Thread | None = None
         self._streams: dict[int, Any] = {}
         self._lock = threading.Lock()
+        self._waiter: EventWaiter | None = None
+
+    @property
+    def waiter(self) -> EventWaiter:
+        """The lane's own `EventWaiter` (started on first use): its events complete in the
+        order the lane records them."""
+        waiter = self._waiter
+        if waiter is None:
+            with self._lock:
+                if self._waiter is None:
+                    self._waiter = EventWaiter(f"{self.name}-done")
+                waiter = self._waiter
+        return waiter
+
+    def issue(
+        self, host: GpuHost, fn: Callable[..., tuple[Any, Any]], *args: Any
+    ) -> asyncio.Future[None]:
+        """Run ``fn(*args)`` on the lane (it issues GPU work and returns ``(event, keep)``,
+        the event recorded after that work); a loop future done once the event completed.
+
+        One hop to the lane, one to the lane's waiter, one back to the loop: the loop is
+        woken once per transfer. ``keep`` (what the GPU reads or writes) stays referenced
+        until then; ``fn`` raising fails the future. Loop thread.
+        """
+        fut: asyncio.Future[None] = host.loop.create_future()
+
+        def on_lane() -> None:
+            try:
+                event, keep = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - the transfer fails, not the lane
+                host.call_soon_threadsafe(settle_future, fut, exc, None)
+                return
+            self.waiter.watch(
+                event, lambda error: host.call_soon_threadsafe(settle_future, fut, error, keep)
+            )
+
+        cf = self.run(on_lane)
+        cf.add_done_callback(lambda cf: _lane_refused(host, fut, cf))
+        return fut
 
     def run(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         """Run ``fn(*args)`` on the lane's thread, after everything submitted before it."""
@@ -255,6 +373,10 @@ class CudaLane:
         if stream is None:
             stream = self._streams[device] = untyped("torch.cuda").Stream(device)
         return stream
+
+    def existing_stream(self, device: int) -> Any | None:
+        """The lane's stream on ``device`` if the lane made one (any thread; never creates)."""
+        return self._streams.get(device)
 
     def _loop(self) -> None:
         while True:
@@ -290,6 +412,20 @@ class CudaLane:
         for fut in pending:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(LaneClosed(f"CUDA lane {self.name} is closed"))
+        if self._waiter is not None:
+            self._waiter.close()
+
+
+def _lane_refused(
+    host: GpuHost, fut: asyncio.Future[None], cf: concurrent.futures.Future[Any]
+) -> None:
+    """A lane job of `CudaLane.issue` that never ran (the lane closed): fail its future."""
+    if cf.cancelled():
+        host.call_soon_threadsafe(settle_future, fut, LaneClosed("the CUDA lane closed"), None)
+        return
+    exc = cf.exception()
+    if exc is not None:
+        host.call_soon_threadsafe(settle_future, fut, exc, None)
 
 
 # ----------------------------------------------------------------------------- completion

@@ -37,6 +37,7 @@ __all__ = [
     "InMessage",
     "OutMessage",
     "PostedRecv",
+    "Staged",
     "check_buffer",
     "cuda_specs",
     "record_event",
@@ -61,10 +62,37 @@ class Lease(Protocol):
         ...
 
 
+class Staged:
+    """A small message's CUDA tensors copied into one pinned host buffer (the inline CUDA
+    road, `aiorl.p2p.paths.cuda_host`): sent once ``events`` (one per device) are done."""
+
+    __slots__ = ("pinned", "events", "sources")
+
+    def __init__(self, pinned: Any, events: list[Any], sources: list[Any]) -> None:
+        self.pinned = pinned  # uint8, pinned: every tensor's bytes, in placeholder order
+        self.events = events  # recorded after the copies, on the staging streams
+        self.sources = sources  # the tensors copied, alive until the copies are done
+
+    def ready(self) -> bool:
+        """Whether every copy is done (never blocks)."""
+        return all(ev.query() for ev in self.events)
+
+
 class OutMessage:
     """An outgoing message, encoded on the caller's thread."""
 
-    __slots__ = ("kind", "head", "pickle", "bufs", "nbytes", "cuda", "event", "raw", "inline")
+    __slots__ = (
+        "kind",
+        "head",
+        "pickle",
+        "bufs",
+        "nbytes",
+        "cuda",
+        "event",
+        "raw",
+        "inline",
+        "staged",
+    )
 
     def __init__(
         self,
@@ -84,6 +112,8 @@ class OutMessage:
         self.raw = False  # from send_tensor: the receiver most likely fills its own buffer
         # The one frame of a small message that travels inline (batched, no payload path).
         self.inline: Any = None
+        # Small CUDA tensors copied to pinned host memory; sent once the copy is done.
+        self.staged: Staged | None = None
         if not cuda:
             if kind == K_OBJ:
                 if not bufs and pickle_frame is not None and len(pickle_frame) < INLINE_MAX:

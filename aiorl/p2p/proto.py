@@ -6,7 +6,7 @@ of a pair must agree on them. The thresholds decide which path a payload takes
 
 Control message ``p2p.data``, meta ``[src, kind, head, bufdesc, cudadesc]``: ``bufdesc``
 is ``None`` or a CPU path's descriptor (first item its tag: ``FRAMES``, ``SHM``,
-``CMA``), ``cudadesc`` ``None`` or a CUDA path's (``NCCL``, ``IPC``, ``NOTHING``).
+``CMA``), ``cudadesc`` ``None`` or a CUDA path's (``NCCL``, ``IPC``, ``HOST``, ``NOTHING``).
 ``p2p.batch``, meta ``[src, [[kind, head, bufdesc], ...]]``, one frame per message.
 """
 
@@ -56,7 +56,9 @@ FRAMES: Final = 0
 SHM: Final = 1
 CMA: Final = 2
 
-# CUDA payload path tags (cudadesc[0]); NOTHING: every CUDA tensor of the message is empty.
+# CUDA payload path tags (cudadesc[0]); NOTHING: every CUDA tensor of the message is empty;
+# HOST: small CUDA tensors staged through pinned host memory, in the message's last frame.
 NCCL: Final = 0
 IPC: Final = 1
 NOTHING: Final = 2
+HOST: Final = 3

@@ -19,7 +19,10 @@ the receiver, in call order (``docs/ordering.md``). The Sender keeps that order:
    * otherwise the pending batch is flushed first (order), then the message's CPU bytes
      take the first CPU path (`aiorl.p2p.paths.CPU_PATHS`: CMA, shared memory,
      frames) that fits and does not decline, and its CUDA tensors the first CUDA path
-     (CUDA IPC, NCCL); all-empty CUDA tensors take none (``NOTHING``).
+     (small ones inline through pinned memory, CUDA IPC, NCCL); all-empty CUDA tensors
+     take none (``NOTHING``). A message whose small CUDA tensors are still being copied
+     to pinned memory waits in the backlog until the copy is done, and later sends
+     behind it.
 4. **Completion**: when every path that placed part of the message says its bytes may
    be reused (at once, ZMQ released the frames, the receiver read them, the GPU is done).
 
@@ -50,6 +53,7 @@ from aiorl.p2p.paths.base import (
     lost_error,
     resolve,
 )
+from aiorl.p2p.paths.cuda_host import staged_future
 from aiorl.p2p.proto import (
     BATCH_MAX_BYTES,
     BATCH_MAX_MSGS,
@@ -184,7 +188,10 @@ class Sender:
             if msg.inline is not None:
                 self._enqueue(msg, work)
                 return
-            if not self.askers or not self._needs_setup(msg):
+            staged = msg.staged
+            if (staged is None or staged.ready()) and (
+                not self.askers or not self._needs_setup(msg)
+            ):
                 self._emit(msg, work)
                 return
         self.backlog.append((msg, work))
@@ -209,6 +216,17 @@ class Sender:
                 if work.done():  # cancelled before it left: withdraw it
                     backlog.popleft()
                     continue
+                staged = msg.staged
+                if staged is not None and not staged.ready():
+                    # Small CUDA tensors still being copied to pinned memory: later sends
+                    # wait behind this one (the pair's order).
+                    try:
+                        await staged_future(self.engine, staged)
+                    except Exception as exc:  # noqa: BLE001 - that copy failed: that send fails
+                        if backlog and backlog[0][1] is work:
+                            backlog.popleft()
+                        reject_work(work, exc)
+                    continue  # re-check: the loss of the peer may have emptied the backlog
                 if self.askers and self._needs_setup(msg):
                     await self._hello(msg)
                     continue  # re-check: the loss of the peer may have emptied the backlog

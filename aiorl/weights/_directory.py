@@ -18,6 +18,13 @@ marks its shard *lost* (``wait_for`` beyond the last complete version then raise
 ``PeerLostError``) until a new incarnation registers; a dead relay is replaced by the next
 subscriber of its node that polls.
 
+For a publisher on a GPU, the directory also decides whether its versions must reach host
+memory (`reads_from_gpu`): only while some subscriber reads that shard from the host
+slots (one on the CPU, on another GPU or another node, or one that has not yet said where
+it pulls to). It tells the publisher (``weights.host``, one-way, numbered so that a late
+message is ignored) and lists a version written to the GPU only as such
+(`ShardSource.device_only`): a subscriber that reads host memory is never offered it.
+
 The directory itself is *soft state*: its group restarts it when it dies
 (``restart="on_failure"``), empty, and every publisher and relay tells the new incarnation
 again what it holds (``register_publisher`` and ``announce`` of its complete slots,
@@ -30,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from aiorl.errors import PeerLostError
@@ -39,13 +47,16 @@ from aiorl.weights._layout import Layout
 from aiorl.weights._segment import SegmentRef
 from aiorl.weights.cuda import CudaExport
 
-__all__ = ["GROUP_PREFIX", "NodeView", "RelayJob", "ShardSource", "WeightDirectory",
-           "directory_group"]
+__all__ = ["GROUP_PREFIX", "OP_HOST", "NodeView", "RelayJob", "ShardSource", "WeightDirectory",
+           "directory_group", "reads_from_gpu"]
 
 log = logging.getLogger("aiorl.weights")
 
 #: The directory of weight name ``x`` is the worker group ``weights.x`` (rank 0).
 GROUP_PREFIX = "weights."
+#: Directory -> a GPU publisher, one-way, ``[name, shard, wanted, incarnation, counter]``:
+#: whether some subscriber reads the shard from host memory (docs/weights.md, "CUDA").
+OP_HOST = "weights.host"
 
 
 def directory_group(name: str) -> str:
@@ -60,7 +71,9 @@ def directory_group(name: str) -> str:
 @dataclass(frozen=True)
 class ShardSource:
     """One copy of a shard on one node: the worker writing it, its segment, version -> slot,
-    and for a publisher on a GPU its GPU slots (`aiorl.weights.cuda`)."""
+    and for a publisher on a GPU its GPU slots (`aiorl.weights.cuda`) and which versions of
+    ``slots`` are in the GPU slots only (``device_only``: their host bytes were not
+    written, no host reader may be given them)."""
 
     shard: int
     worker: str
@@ -68,6 +81,18 @@ class ShardSource:
     ref: SegmentRef
     slots: dict[int, int] = field(default_factory=dict)
     cuda: CudaExport | None = None
+    device_only: set[int] = field(default_factory=set)
+
+
+def reads_from_gpu(worker: str, node_id: str, publisher_node: str, publisher_gpu: str | None,
+                   gpu_of: Mapping[str, str], host_pulls: Collection[str]) -> bool:
+    """Whether subscriber ``worker`` of ``node_id`` reads a shard published from GPU
+    ``publisher_gpu`` (None: from host memory) on ``publisher_node`` without host memory:
+    it said it pulls into that very GPU (``gpu_of``, its first pull into a GPU) and never
+    pulled into host memory since (``host_pulls``). Every other subscriber, one that has not
+    pulled yet included, may read the host slots: the publisher must write them."""
+    return (publisher_gpu is not None and node_id == publisher_node
+            and gpu_of.get(worker) == publisher_gpu and worker not in host_pulls)
 
 
 @dataclass(frozen=True)
@@ -140,6 +165,13 @@ class WeightDirectory:
         self._gpu_reps: dict[tuple[str, str, int], str] = {}  # -> elected representative
         self._gpu_copies: dict[tuple[str, str, int], ShardSource] = {}  # -> its GPU slots
         self._by_endpoint: dict[str, str] = {}  # endpoint address -> worker name
+        # Who reads host memory (for GPU publishers): every subscriber that polled, by node,
+        # those that said they pulled into host memory, and what each GPU publisher was told
+        # last (shard -> (publisher, wanted, counter); the counter orders the messages).
+        self._subscribers: dict[str, str] = {}
+        self._host_pulls: set[str] = set()
+        self._host_told: dict[int, tuple[str, bool, int]] = {}
+        self._host_counter = 0
         self._watches: dict[str, asyncio.Task[None]] = {}  # worker name -> its death watch
         self._generation = 0
         self._changed: asyncio.Event | None = None
@@ -189,9 +221,13 @@ class WeightDirectory:
         return self._floors.get(source.shard)
 
     async def announce(self, worker: str, shard: int, version: int, slot: int,
-                       ref: SegmentRef | None = None, node_id: str = "") -> None:
+                       ref: SegmentRef | None = None, node_id: str = "",
+                       host: bool = True) -> list[object] | None:
         """``worker`` (the shard's publisher, or a relay with its ``ref`` and node) completed
-        ``version`` in ``slot``; the other slot keeps the version it held."""
+        ``version`` in ``slot``; the other slot keeps the version it held. ``host=False``: a
+        GPU publisher wrote it to its GPU slot only (announced again with ``host=True`` once
+        copied to host memory). A GPU publisher is answered whether host readers exist,
+        ``[wanted, incarnation, counter]`` (as ``weights.host`` says it)."""
         pub = self._publishers.get(shard)
         if pub is None:
             raise LookupError(f"shard {shard} of weights {self.name!r} has no publisher")
@@ -200,13 +236,27 @@ class WeightDirectory:
             self._floors[shard] = max(self._floors.get(shard, version), version)
         else:
             if self._relay_workers.get((node_id, shard)) != worker or ref is None:
-                return  # a relay that was replaced meanwhile
+                return None  # a relay that was replaced meanwhile
             relay = self._relays.get((node_id, shard))
             if relay is None or relay.ref != ref:
                 relay = self._relays[(node_id, shard)] = ShardSource(shard, worker, "", ref)
             self._relay_origins[(node_id, shard)] = pub.source.ref
             source = relay
-        self._hold(source, version, slot)
+            host = True  # a relay's copy is host memory
+        self._hold(source, version, slot, host)
+        told = self._host_told.get(shard)
+        if source is not pub.source or told is None or told[0] != worker:
+            return None
+        return [told[1], self.incarnation, told[2]]
+
+    async def host_pull(self, worker: str, node_id: str) -> None:
+        """Subscriber ``worker`` pulled into host memory (or another device than a GPU
+        publisher's): from now on it is given only versions whose host bytes exist, and GPU
+        publishers write their host slots (and copy their newest version there now)."""
+        self._subscriber(worker, node_id)
+        if worker not in self._host_pulls:
+            self._host_pulls.add(worker)
+            self._bump()
 
     async def restore_relay(self, worker: str, node_id: str, shard: int, ref: SegmentRef,
                             slots: dict[int, int], origin: SegmentRef) -> None:
@@ -246,12 +296,16 @@ class WeightDirectory:
             copy = self._gpu_copies[key] = ShardSource(shard, worker, "", ref, cuda=export)
         self._hold(copy, version, slot)
 
-    def _hold(self, source: ShardSource, version: int, slot: int) -> None:
-        """``source`` holds ``version`` in ``slot`` now (and no longer what it held there)."""
+    def _hold(self, source: ShardSource, version: int, slot: int, host: bool = True) -> None:
+        """``source`` holds ``version`` in ``slot`` now (and no longer what it held there);
+        ``host``: in its host bytes too."""
         for held, held_slot in list(source.slots.items()):
             if held_slot == slot:
                 del source.slots[held]
+                source.device_only.discard(held)
         source.slots[version] = slot
+        if not host:
+            source.device_only.add(version)
         self._bump()
 
     # ------------------------------------------------------------------ subscribers
@@ -260,6 +314,7 @@ class WeightDirectory:
         """The state for subscriber ``worker`` on ``node_id`` once it is newer than
         ``generation`` of incarnation ``directory`` (or after ``wait_s`` seconds, whichever
         comes first); at once for a subscriber that knew another incarnation."""
+        self._subscriber(worker, node_id)
         if directory == self.incarnation and generation >= self._generation:
             if self._changed is None:
                 self._changed = asyncio.Event()
@@ -276,9 +331,16 @@ class WeightDirectory:
                             self.incarnation)
         sources: list[ShardSource] = []
         jobs: list[RelayJob] = []
-        newest = self._newest({s: p.source for s, p in self._publishers.items()})
+        # A relay fetches host bytes: the newest version every publisher holds there.
+        newest = self._newest({s: p.source for s, p in self._publishers.items()}, range(n))
+        from_host: list[int] = []  # the shards this subscriber reads from host memory
         for shard in range(n):
             pub = self._publishers[shard]
+            export = pub.source.cuda
+            if not reads_from_gpu(worker, node_id, pub.node_id,
+                                  None if export is None else export.device_uuid,
+                                  self._gpu_of, self._host_pulls):
+                from_host.append(shard)
             if pub.node_id == node_id:
                 sources.append(pub.source)
                 continue
@@ -292,7 +354,7 @@ class WeightDirectory:
                     and shard not in self._lost:
                 jobs.append(RelayJob(shard, newest, pub.source))
             sources.append(copy or ShardSource(shard, relay, "", pub.source.ref))
-        version = self._newest(dict(enumerate(sources)))
+        version = self._newest(dict(enumerate(sources)), from_host)
         layouts = tuple(self._publishers[s].layout for s in range(n))
         gpu_sources, gpu_jobs = self._gpu_view(worker, node_id, n)
         return NodeView(version, tuple(sources), layouts, tuple(jobs), self._lost_reason(),
@@ -323,13 +385,57 @@ class WeightDirectory:
         return tuple(copies), tuple(jobs)
 
     @staticmethod
-    def _newest(sources: dict[int, ShardSource]) -> int | None:
-        """The newest version every source holds complete (None when they share none)."""
+    def _newest(sources: dict[int, ShardSource], from_host: Collection[int] = ()) -> int | None:
+        """The newest version every source holds complete (None when they share none); for
+        the shards in ``from_host``, complete in host memory."""
         common: set[int] | None = None
-        for source in sources.values():
+        for shard, source in sources.items():
             held = set(source.slots)
+            if shard in from_host:
+                held -= source.device_only
             common = held if common is None else common & held
         return max(common) if common else None
+
+    # ------------------------------------------------------------------ host readers
+    def _subscriber(self, worker: str, node_id: str) -> None:
+        """Know subscriber ``worker`` (a possible host reader until it says otherwise) and
+        watch it: a dead one no longer makes GPU publishers write host memory."""
+        if self._subscribers.get(worker) != node_id:
+            self._subscribers[worker] = node_id
+            self._watch(worker)
+            self._tell_publishers()
+
+    def host_wanted(self, shard: int) -> bool:
+        """Whether some known subscriber may read ``shard`` from host memory (always True for
+        a publisher without GPU slots; see `reads_from_gpu`)."""
+        pub = self._publishers[shard]
+        export = pub.source.cuda
+        if export is None:
+            return True
+        return any(not reads_from_gpu(worker, node, pub.node_id, export.device_uuid,
+                                      self._gpu_of, self._host_pulls)
+                   for worker, node in self._subscribers.items())
+
+    def _tell_publishers(self) -> None:
+        """Tell each live GPU publisher whether host readers exist, when that changed (or the
+        publisher did). One-way: the publisher applies only answers newer than the last it
+        applied, and each announce's answer repeats the latest."""
+        for shard, pub in self._publishers.items():
+            if pub.source.cuda is None or shard in self._lost:
+                continue
+            wanted = self.host_wanted(shard)
+            told = self._host_told.get(shard)
+            if told is not None and told[:2] == (pub.source.worker, wanted):
+                continue
+            self._host_counter += 1
+            self._host_told[shard] = (pub.source.worker, wanted, self._host_counter)
+            try:
+                self.runtime.endpoint.send_oneway(
+                    pub.source.endpoint, OP_HOST,
+                    [self.name, shard, wanted, self.incarnation, self._host_counter])
+            except Exception as exc:  # a lost publisher: its death report follows
+                log.info("weights %r: publisher %s of shard %d not told about host readers: "
+                         "%r", self.name, pub.source.worker, shard, exc)
 
     def _lost_reason(self) -> str | None:
         if not self._lost:
@@ -368,6 +474,8 @@ class WeightDirectory:
                 self._relays.pop(key, None)
                 self._relay_origins.pop(key, None)
         self._gpu_of.pop(worker, None)
+        self._subscribers.pop(worker, None)
+        self._host_pulls.discard(worker)
         for gpu_key, rep in list(self._gpu_reps.items()):
             if rep == worker:
                 del self._gpu_reps[gpu_key]
@@ -376,6 +484,7 @@ class WeightDirectory:
 
     def _bump(self) -> None:
         self._generation += 1
+        self._tell_publishers()
         if self._changed is not None:
             self._changed.set()
             self._changed = None

@@ -13,6 +13,7 @@ from aiorl.errors import PeerLostError
 from aiorl.runtime import AsyncWork
 from aiorl.runtime.promise import trace_until_settled
 from aiorl.trace import recorder as _trace
+from aiorl.weights import cuda
 from aiorl.weights._directory import ShardSource
 from aiorl.weights._layout import Layout, tensor_bytes
 from aiorl.weights._segment import SLOTS, VersionedSegment
@@ -38,7 +39,9 @@ class WeightPublisher:
 
     A publish writes the state dict once into the spare slot of this publisher's shared
     segment (the slot not holding the newest version), then tells the directory that the
-    version is complete. It never waits for a subscriber: readers of the slot being
+    version is complete. A CUDA state dict on one GPU is written into that slot's GPU copy,
+    and into its host bytes only while the directory says some subscriber reads host
+    memory (`host_wanted`; docs/weights.md, "CUDA"). It never waits for a subscriber: readers of the slot being
     overwritten lose their copy (the seqlock says so) and retry with the newest version.
     Nor for a directory that is down: the directory is restarted, and told this
     publisher's source and complete slots again before anything else (``_restore``).
@@ -84,6 +87,17 @@ class WeightPublisher:
         self._lock: asyncio.Lock | None = None
         self._announce_lock: asyncio.Lock | None = None
         self._announcing: asyncio.Task[None] | None = None
+        #: Whether versions must reach the host slots too (a CUDA publisher only: a CPU one
+        #: always writes them). True until the directory says otherwise: a reader it does
+        #: not know of yet may read host memory.
+        self.host_wanted = True
+        self._host_mark: tuple[str, int] = ("", -1)  # (directory incarnation, its counter)
+        self._pinned: Any = None  # the host slots, page-locked for CUDA (unpinned at close)
+        self._backfill: asyncio.Task[None] | None = None
+        #: Versions written to the host slots, and of those copied there after their
+        #: publish because a host reader appeared (what tests and `make gpu-check` read).
+        self.host_writes = 0
+        self.host_backfills = 0
 
     @property
     def version(self) -> int | None:
@@ -149,37 +163,118 @@ class WeightPublisher:
                     "completed: versions of a weight name never go back, also when its "
                     f"publisher is replaced (docs/weights.md); publish {self._floor + 1} or "
                     "later (pub.floor), or use another name")
+            gpu = self._gpu
+            host = gpu is None or self.host_wanted
+            if host and gpu is not None:
+                await self.service.copy(self._host_slots)
             slot = segment.spare_slot()
             segment.begin_write(slot, version)
             complete = False
             try:
-                await self.service.copy(lambda: write_tensors(layout, state_dict,
-                                                              segment.slot(slot)))
-                gpu = self._gpu
-                if gpu is not None:
-                    await self.service.copy(lambda: gpu.write(slot, state_dict))
+                if gpu is None:
+                    await self.service.copy(lambda: write_tensors(layout, state_dict,
+                                                                  segment.slot(slot)))
+                else:  # the GPU slot, then (if wanted) its host bytes from it: one copy each
+                    dst = segment.slot(slot) if host else None
+                    await self.service.copy(lambda: gpu.write(slot, state_dict, dst))
                 complete = True
             finally:
-                segment.end_write(slot, complete)
+                segment.end_write(slot, complete, host)
             self._version = version
+            self.host_writes += host
             if self._fanout is not None:  # runs beside us: never waited for
                 self._fanout.offer(version, slot)
-            announcing = self._announcing = self.service.loop.create_task(
-                self._announce(version, slot))
+            announcing = self._announce_task(version, slot, host)
             await asyncio.wait({announcing}, timeout=ANNOUNCE_WAIT_S)
+            if not host and self.host_wanted and announcing.done() and gpu is not None:
+                # The directory knew a host reader this publish had not heard of yet (its
+                # word was on its way): copy the version to host memory before returning,
+                # or that reader would be offered the previous version after publish
+                # returned (docs/weights.md, "CUDA").
+                if await self._copy_to_host(slot, version):
+                    await asyncio.wait({self._announce_task(version, slot, True)},
+                                       timeout=ANNOUNCE_WAIT_S)
             return version
 
-    async def _announce(self, version: int, slot: int) -> None:
-        """Tell the directory ``version`` is complete in ``slot``, after the announces of
-        earlier versions (they may still be waiting for a hung directory); a directory
-        that is down is not waited for: its restore lists the slot."""
+    def _announce_task(self, version: int, slot: int, host: bool) -> asyncio.Task[None]:
+        task = self._announcing = self.service.loop.create_task(
+            self._announce(version, slot, host))
+        return task
+
+    async def _copy_to_host(self, slot: int, version: int) -> bool:
+        """Copy ``version`` from GPU slot ``slot`` to its host bytes and mark it there (the
+        caller holds the publish lock); False if it is there already or no longer held."""
+        segment, gpu = self._segment, self._gpu
+        assert segment is not None and gpu is not None
+        if segment.host_version(slot) == version:
+            return False
+        await self.service.copy(self._host_slots)
+        await self.service.copy(lambda: gpu.to_host(slot, segment.slot(slot)))
+        if not segment.mark_host(slot, version):
+            return False
+        self.host_backfills += 1
+        return True
+
+    def _host_slots(self) -> None:
+        """Copier thread: make the segment's host bytes exist (reserved, mapped and, for a
+        CUDA publisher, page-locked), the first time a version must reach them."""
+        segment, gpu = self._segment, self._gpu
+        assert segment is not None
+        if segment.ensure_host() and gpu is not None:
+            whole = segment.host_bytes()
+            if cuda.pin_host(whole, gpu.device):
+                self._pinned = whole
+
+    def on_host_wanted(self, wanted: bool, incarnation: str, counter: int) -> None:
+        """The directory says whether some subscriber reads this shard from host memory
+        (its ``counter`` orders its answers: an older one arriving late is ignored). When
+        one does and the newest version is on the GPU only, it is copied to its host slot
+        now (`_fill_host`), beside publish: the host reader waits for that copy, not for
+        the next publish."""
+        mark = self._host_mark
+        if incarnation == mark[0] and counter <= mark[1]:
+            return
+        self._host_mark = (incarnation, counter)
+        self.host_wanted = bool(wanted)
+        if self.host_wanted and self._gpu is not None \
+                and (self._backfill is None or self._backfill.done()):
+            self._backfill = self.service.loop.create_task(self._fill_host())
+
+    async def _fill_host(self) -> None:
+        """Copy the newest complete version from its GPU slot to its host bytes, if it is not
+        there yet, and tell the directory; under the publish lock (a publish meanwhile
+        waits for this one copy), so the slot cannot be rewritten while it is copied."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        try:
+            async with self._lock:
+                segment, gpu = self._segment, self._gpu
+                if segment is None or gpu is None or not self.host_wanted:
+                    return
+                slot = max(range(SLOTS), key=segment.version)
+                version = segment.version(slot)
+                if version < 0 or not await self._copy_to_host(slot, version):
+                    return
+            await self._announce(version, slot, True)
+        except Exception as exc:  # host readers keep waiting; the next publish writes host
+            log.warning("%s: weights %r: newest version not copied to host memory: %r",
+                        self.service.worker, self.name, exc)
+
+    async def _announce(self, version: int, slot: int, host: bool = True) -> None:
+        """Tell the directory ``version`` is complete in ``slot`` (``host``: in its host bytes
+        too), after the announces of earlier versions (they may still be waiting for a hung
+        directory); a directory that is down is not waited for: its restore lists the slot.
+        The answer says whether host readers exist (`on_host_wanted`)."""
         if self._announce_lock is None:
             self._announce_lock = asyncio.Lock()
         service = self.service
         async with self._announce_lock:
             try:
-                await service.call_directory(self.name, "announce", service.worker, self.shard,
-                                             version, slot, patience=0.0)
+                wanted = await service.call_directory(
+                    self.name, "announce", service.worker, self.shard, version, slot, None, "",
+                    host, patience=0.0)
+                if isinstance(wanted, (list, tuple)) and len(wanted) == 3:
+                    self.on_host_wanted(bool(wanted[0]), str(wanted[1]), int(wanted[2]))
             except PeerLostError as exc:
                 log.info("%s: weights %r version %d: the directory is down (%s); it hears of "
                          "the version when it is back", service.worker, self.name, version, exc)
@@ -196,7 +291,8 @@ class WeightPublisher:
         await call("register_publisher", source, self.num_shards, self.service.node_id, layout)
         for version, slot in sorted((segment.version(s), s) for s in range(SLOTS)):
             if version >= 0:
-                await call("announce", self.service.worker, self.shard, version, slot)
+                await call("announce", self.service.worker, self.shard, version, slot, None,
+                           "", segment.host_version(slot) == version)
 
     async def _segment_for(self, state_dict: Mapping[str, Any]) -> tuple[VersionedSegment, Layout]:
         if self._segment is not None and self._layout is not None:
@@ -205,27 +301,42 @@ class WeightPublisher:
         layout = Layout.of(state_dict, self.bucket_bytes)
         device = cuda_device_of(state_dict)
         gpu = None if device is None else CudaSlots(layout, device, SLOTS)
-        segment = VersionedSegment(layout.nbytes)
+        # A GPU publisher's host bytes are made only when a version must reach them.
+        segment = VersionedSegment(layout.nbytes, host=gpu is None)
         service = self.service
         source = ShardSource(self.shard, service.worker, service.info.endpoint, segment.ref,
                              cuda=None if gpu is None else gpu.export)
         # Before the directory lists us: a representative may ask to join at once.
         fanout = None if gpu is None else GpuFanout(service, self.name, self.shard, layout, gpu,
                                                     segment)
+        # Before the directory lists us too: it says at once whether host readers exist.
+        service.host_handlers[(self.name, self.shard)] = self.on_host_wanted
         try:
             floor = await service.call_directory(self.name, "register_publisher", source,
                                                  self.num_shards, service.node_id, layout)
         except BaseException:
+            service.host_handlers.pop((self.name, self.shard), None)
             if fanout is not None:
                 fanout.close()
             segment.close()
             raise
         service.segments[(self.name, self.shard)] = segment
+        service.on_close(self._unpin)
         self._floor = floor if isinstance(floor, int) else None
         self._segment, self._layout, self._gpu, self._fanout = segment, layout, gpu, fanout
         self._source = source
         await service.on_directory_restart(self.name, self._restore)
         return segment, layout
+
+
+    def _unpin(self) -> None:
+        """Unlock the host slots' pages (before the service closes the segment)."""
+        pinned, self._pinned = self._pinned, None
+        if pinned is not None:
+            try:
+                cuda.unpin_host(pinned)
+            except Exception as exc:  # closing: say it, go on
+                log.info("weights %r: host slots not unpinned: %r", self.name, exc)
 
 
 def write_tensors(layout: Layout, state_dict: Mapping[str, Any], slot: Any) -> None:

@@ -39,10 +39,10 @@ from aiorl.protocol.ops import WorkerState
 from aiorl.runtime import AsyncWork, Runtime, Session, WorkerSession
 from aiorl.runtime.promise import link_threads, prepare_threads, settle_from
 from aiorl.transport.endpoint import Incoming
-from aiorl.weights._directory import WeightDirectory, directory_group
+from aiorl.weights._directory import OP_HOST, WeightDirectory, directory_group
 from aiorl.weights._segment import VersionedSegment, read_slot
 
-__all__ = ["CHUNK", "OP_FETCH", "DirectoryLink", "WeightsService", "host_directory",
+__all__ = ["CHUNK", "OP_FETCH", "OP_HOST", "DirectoryLink", "WeightsService", "host_directory",
            "launch_directory", "weights_service"]
 
 T = TypeVar("T")
@@ -129,12 +129,15 @@ class WeightsService:
         self.copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aiorl-weights")
         #: Segments this process publishes, by (weight name, shard): what fetches read.
         self.segments: dict[tuple[str, int], VersionedSegment] = {}
+        #: The GPU publishers here, by (weight name, shard): told whether host readers exist.
+        self.host_handlers: dict[tuple[str, int], Callable[[bool, str, int], None]] = {}
         #: The publishers and subscribers made here, by key (the factories' cache).
         self.handles: dict[Any, Any] = {}
         self._directories: dict[str, asyncio.Future[DirectoryLink]] = {}
         self._closers: list[Callable[[], None]] = []
         self._renewing: asyncio.Task[None] | None = None
         runtime.submit(runtime.endpoint.handle, OP_FETCH, self._on_fetch)
+        runtime.submit(runtime.endpoint.handle, OP_HOST, self._on_host)
         runtime.on_close(self.close)
 
     # ------------------------------------------------------------------ running
@@ -303,10 +306,18 @@ class WeightsService:
         self.loop.create_task(restore_now())
 
     # ------------------------------------------------------------------ serving relays
+    def _on_host(self, msg: Incoming) -> None:
+        name, shard, wanted, incarnation, counter = msg.meta
+        handler = self.host_handlers.get((name, shard))
+        if handler is not None:
+            handler(bool(wanted), str(incarnation), int(counter))
+
     def _on_fetch(self, msg: Incoming) -> None:
         name, shard, version, start, end = msg.meta
         segment = self.segments.get((name, shard))
-        slot = None if segment is None else segment.slot_of(version)
+        # Only host bytes can be sent: a version on the GPU only is not here for a relay
+        # (the directory asks for host copies while a relay exists, so one follows).
+        slot = None if segment is None else segment.host_slot_of(version)
         if segment is None or slot is None:
             msg.reply(False)  # that version is no longer (or not yet) here
             return
@@ -340,6 +351,7 @@ class WeightsService:
         for segment in self.segments.values():
             segment.close()
         self.segments.clear()
+        self.host_handlers.clear()
         self.copier.shutdown(wait=False)
 
 

@@ -101,6 +101,9 @@ class WeightSubscriber:
         # (index, UUID) the subscriber told the directory it pulls into.
         self._gpu_relays: dict[int, GpuRelay] = {}
         self._gpu: tuple[int, str] | None = None
+        # Told the directory it pulls into host memory although it named a GPU: GPU
+        # publishers write their host slots for it (docs/weights.md, "CUDA").
+        self._host_pull = False
         self._pulled: int | None = None
         self._stats = {"pulls": 0, "bytes_copied": 0, "torn_retries": 0, "versions_skipped": 0,
                        "relayed_versions": 0, "relayed_bytes": 0, "gpu_versions": 0,
@@ -271,6 +274,8 @@ class WeightSubscriber:
                            segment.ref, slots, origin)
         if self._gpu is not None:
             await call("gpu_subscribe", service.worker, service.node_id, self._gpu[1])
+        if self._host_pull:
+            await call("host_pull", service.worker, service.node_id)
 
     def _notify(self) -> None:
         if self._changed is not None:
@@ -288,11 +293,32 @@ class WeightSubscriber:
     async def _pull(self, into: Mapping[str, Any]) -> int:
         await self._subscribe_gpu(into)
         tried: NodeView | None = None  # a view whose copy came out torn
+        caught_up = False
         while True:
             view = self._view
-            if view is None or view.version is None or view is tried:
+            if not caught_up and view is not None and view.version is not None \
+                    and self._behind(view):
+                # A publish completed a newer version in a segment of this view: it may
+                # have returned already, while the directory's message that says so is
+                # still on its way here. Ask the directory now (once per pull).
+                caught_up = True
+                await self._catch_up()
+                continue
+            # An older version than one already offered is the view of a subscriber that
+            # just said it reads host memory, until the publisher copied its newest version
+            # (on its GPU only) there. Versions never go back: it waits for that copy.
+            older = view is not None and view.version is not None \
+                and self._latest is not None and view.version < self._latest
+            if view is None or view.version is None or view is tried or older:
                 if view is not None and view.version is None and self._lost is not None:
                     raise PeerLostError(self._lost)
+                if older and self._lost is not None:
+                    raise PeerLostError(f"{self._lost} (version {self._latest} was on its "
+                                        "GPU only and cannot reach host memory any more)")
+                await self._next_change()
+                continue
+            if await self._needs_host(view, into):
+                tried = view  # its version is on a GPU only: wait for its host copy
                 await self._next_change()
                 continue
             copied = await self.service.copy(functools.partial(self._copy, view, into))
@@ -302,6 +328,65 @@ class WeightSubscriber:
             if copied is not None:
                 self._stats["torn_retries"] += 1
             tried = view  # torn, or unreadable: the next view (a newer version) is waited for
+
+    def _behind(self, view: NodeView) -> bool:
+        """Whether a segment ``view`` reads holds a complete version newer than ``view``'s
+        (its seqlock header says so: written before the version is announced)."""
+        assert view.version is not None
+        for source in view.sources:
+            if not source.slots:
+                continue  # a relay that holds nothing yet
+            try:
+                header = self._reader(source.ref).header
+            except (OSError, ShmUnavailable):
+                continue  # a source that cannot be opened any more: the copy says so
+            for slot in range(SLOTS):
+                if not int(header[2 * slot]) & 1 and int(header[2 * slot + 1]) > view.version:
+                    return True
+        return False
+
+    async def _catch_up(self) -> None:
+        """Take the directory's view now rather than at the follow loop's next message; a
+        directory that does not answer at once is not waited for (the pull goes on)."""
+        service = self.service
+        try:
+            view: NodeView = await service.call_directory(
+                self.name, "poll", service.worker, service.node_id, -1, 0.0, patience=0.0)
+        except Exception as exc:  # down or restarting: the view we have is still whole
+            log.debug("weights %r: directory not asked before a pull: %r", self.name, exc)
+            return
+        self._take(view)
+        if view.version is not None and (self._latest is None or view.version > self._latest):
+            self._latest = view.version
+        self._notify()
+
+    def _from_gpu_slots(self, view: NodeView, shard: int, into: Mapping[str, Any]) -> bool:
+        """Whether a pull of ``view``'s version copies ``shard`` from GPU slots into
+        ``into`` (the publisher's, or its GPU representative's), not from host memory."""
+        source = view.sources[shard]
+        if source.cuda is not None and cuda.same_device(source.cuda, into):
+            return True
+        on_gpu = view.gpu_sources[shard] if view.gpu_sources else None
+        return on_gpu is not None and view.version in on_gpu.slots \
+            and cuda.same_device(on_gpu.cuda, into)
+
+    async def _needs_host(self, view: NodeView, into: Mapping[str, Any]) -> bool:
+        """Whether ``view``'s version is missing from the host memory this pull reads some
+        shard from (a GPU publisher wrote it to its GPU only). A subscriber that named a GPU
+        and reads host memory says so to the directory, once: from then on the publisher
+        writes host memory (and copies its newest version there now)."""
+        host = [shard for shard in range(len(view.sources))
+                if not self._from_gpu_slots(view, shard, into)]
+        missing = any(view.version in view.sources[shard].device_only for shard in host)
+        if host and not self._host_pull and (self._gpu is not None or missing):
+            service = self.service
+            try:
+                await service.call_directory(self.name, "host_pull", service.worker,
+                                             service.node_id, patience=0.0)
+                self._host_pull = True
+            except Exception as exc:  # a directory down: the next pull says it again
+                log.debug("weights %r: host reads not registered: %r", self.name, exc)
+        return missing
 
     def _copy(self, view: NodeView, into: Mapping[str, Any]) -> bool | None:
         """Copy ``view``'s version into ``into``: True, False if a copy came out torn (the
@@ -323,9 +408,9 @@ class WeightSubscriber:
             on_gpu = view.gpu_sources[shard] if view.gpu_sources else None
             if source.cuda is not None and cuda.same_device(source.cuda, into):
                 copied = self._read_gpu(source, version, layout, into)
-            elif on_gpu is not None and version in on_gpu.slots \
-                    and cuda.same_device(on_gpu.cuda, into):
+            elif self._from_gpu_slots(view, shard, into):
                 # The version reached our GPU's representative by NCCL: device to device.
+                assert on_gpu is not None
                 copied = self._read_gpu(on_gpu, version, layout, into)
             else:  # from the host slot (also while a GPU round is still in flight)
                 copied = self._reader(source.ref).read(source.slots[version], version,
@@ -348,7 +433,8 @@ class WeightSubscriber:
                    and relay.segment.ref == source.ref]
             gpu = self._gpu_slots[source.ref] = own[0] if own else cuda.open_slots(source.cuda)
         slot = source.slots[version]
-        return self._reader(source.ref).read(slot, version, _from_gpu(layout, gpu[slot], into))
+        return self._reader(source.ref).read(slot, version, _from_gpu(layout, gpu[slot], into),
+                                             host=False)
 
     def _account(self, view: NodeView, into: Mapping[str, Any]) -> None:
         assert view.version is not None

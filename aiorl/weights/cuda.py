@@ -1,9 +1,12 @@
 """GPU-resident versions: subscribers on the publisher's GPU copy device to device (CUDA IPC).
 
-A publisher whose state dict lives on one CUDA device keeps, besides the host slots every
-subscriber of the node can read, the same two slots on that device (`CudaSlots`),
-written in the same seqlock bracket as the host slots (the sequence numbers stay in the
-host header, so one check covers both copies). It exports each GPU slot once by CUDA IPC
+A publisher whose state dict lives on one CUDA device keeps its two slots on that device
+(`CudaSlots`), written in the seqlock bracket of its host header (the sequence numbers
+stay in host memory, so one check covers the GPU copy and the host bytes). The host
+bytes of a slot are written only while some reader needs them (a CPU subscriber, one on
+another GPU or node): then from the GPU slot, in one device-to-host copy into the shared
+segment, which is page-locked once (`pin_host`) so that the copy runs at the link's
+speed instead of being staged through pageable memory by the driver. It exports each GPU slot once by CUDA IPC
 (torch's ``reduce_tensor``: an IPC memory handle plus torch's reference counting, so the
 memory lives while any importer holds it). A subscriber whose ``into`` tensors are on that
 same device (`same_device`) opens the slots (`open_slots`) and copies out of
@@ -16,6 +19,7 @@ Importable without CUDA (torch is imported inside functions); the tests that nee
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +28,12 @@ from aiorl.p2p.gpu import device_uuid
 from aiorl.weights._layout import Layout
 
 __all__ = ["CudaExport", "CudaSlots", "cuda_device_of", "device_uuid_of", "open_slots",
-           "read_tensors_cuda", "same_device"]
+           "pin_host", "read_tensors_cuda", "same_device", "unpin_host"]
+
+log = logging.getLogger("aiorl.weights")
+
+#: ``cudaHostRegisterPortable``: pinned for every CUDA context of the process.
+_REGISTER_PORTABLE = 1
 
 
 @dataclass(frozen=True)
@@ -64,19 +73,67 @@ class CudaSlots:
                       for _ in range(count)]
         self.export = CudaExport(_device_uuid(device),
                                  tuple(reduce_tensor(s) for s in self.slots))  # type: ignore[no-untyped-call]
+        # Typed views of each tensor's place in each slot, made once: 64 slicings and views
+        # per publish cost more than the copies' launches.
+        self._places = [[(spec.name, slot[spec.offset : spec.offset + spec.nbytes])
+                         for spec in layout.tensors if spec.nbytes] for slot in self.slots]
+        self._typed: list[list[tuple[str, Any]]] | None = None
 
-    def write(self, slot: int, state_dict: Mapping[str, Any]) -> None:
-        """Copy ``state_dict`` into GPU slot ``slot`` and wait for the copies to finish."""
+    def write(self, slot: int, state_dict: Mapping[str, Any], host: Any = None) -> None:
+        """Copy ``state_dict`` into GPU slot ``slot``, then, if ``host`` (the slot's host
+        bytes, a uint8 array) is given, the whole GPU slot into it in one device-to-host
+        copy; return once every copy finished (the seqlock bracket closes after this)."""
         import torch
 
-        dst = self.slots[slot]
         with torch.no_grad(), torch.cuda.device(self.device):
-            for spec in self.layout.tensors:
-                if spec.nbytes:
-                    src = state_dict[spec.name]
-                    dst[spec.offset : spec.offset + spec.nbytes].view(src.dtype).view(
-                        src.shape).copy_(src)
+            if self._typed is None:
+                self._typed = [[(name, place.view(state_dict[name].dtype).view(
+                    state_dict[name].shape)) for name, place in places]
+                    for places in self._places]
+            for name, dst in self._typed[slot]:
+                dst.copy_(state_dict[name], non_blocking=True)
+            if host is not None:
+                torch.from_numpy(host).copy_(self.slots[slot], non_blocking=True)
+            # The current stream is the copier thread's default stream, which orders after
+            # the work that produced ``state_dict`` on this process's other blocking streams;
+            # the synchronize makes every copy complete before the version is published.
             torch.cuda.current_stream().synchronize()
+
+    def to_host(self, slot: int, host: Any) -> None:
+        """Copy GPU slot ``slot`` into its host bytes ``host`` (a version first written to the
+        GPU only, now wanted by a host reader) and wait for the copy."""
+        import torch
+
+        with torch.cuda.device(self.device):
+            torch.from_numpy(host).copy_(self.slots[slot], non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+
+
+def pin_host(array: Any, device: int) -> bool:
+    """Page-lock the host memory of ``array`` (a uint8 numpy array over a shared mapping)
+    for CUDA, so device-to-host copies into it are direct; False (logged) if the driver
+    refuses: the copies then go through the driver's pageable staging, slower but correct.
+    `unpin_host` must undo it before the mapping goes."""
+    import torch
+
+    if array.size == 0:
+        return False
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    with torch.cuda.device(device):
+        status = cudart.cudaHostRegister(array.ctypes.data, array.size, _REGISTER_PORTABLE)
+    if int(status) != 0:
+        log.warning("cannot page-lock %d bytes of weight slots for CUDA (error %s): device to "
+                    "host copies are staged by the driver", array.size, int(status))
+        return False
+    return True
+
+
+def unpin_host(array: Any) -> None:
+    """Undo `pin_host` (before the mapping is closed: the driver keeps the pages locked
+    otherwise, and a later registration of a reused address would fail)."""
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)  # type: ignore[no-untyped-call]
 
 
 def device_uuid_of(into: Mapping[str, Any]) -> tuple[int, str] | None:

@@ -4,8 +4,8 @@ A ``recv_tensor`` whose buffer cannot receive in place (another device, a CPU me
 into a CUDA buffer, a CUDA message into a CPU buffer) gets the bytes by one copy after
 the payload landed. That copy runs on a process-wide copy lane, on its side stream, never
 on the event loop and never on a default stream: host memory is staged through pinned
-memory (a copy from pageable memory would be synchronous), and completion is an event
-polled by the runtime's waiter thread (`copy_async`).
+memory (a copy from pageable memory would be synchronous), and completion is a
+blocking-sync event the lane's waiter thread waits for (`copy_async`).
 
 Importable without CUDA (torch is imported inside functions).
 """
@@ -22,11 +22,9 @@ from aiorl.errors import PeerLostError
 from aiorl.p2p.gpu import (
     CudaLane,
     GpuHost,
-    after_lane,
+    blocking_event,
     flat_u8,
-    gpu_done,
     reinterpret,
-    untyped,
     wait_events,
 )
 from aiorl.p2p.message import InMessage, dtype_of
@@ -65,13 +63,8 @@ def copy_async(
     GPU) on the copy lane; done when the bytes are there. ``dst_events``: what the caller's
     streams still did with ``dst`` when it posted the receive (waited for first)."""
     lane = _lane()
-    issued_box: list[Any] = []
-
-    def on_gpu(issued: tuple[Any, list[Any]]) -> asyncio.Future[None]:
-        issued_box.append(issued)
-        return gpu_done(host, issued[0], keep=issued[1])
-
-    landed = after_lane(host, lane.run(_copy_on_lane, lane, dst, src, dst_events), on_gpu)
+    staged: list[Any] = []  # the pinned buffer a copy into host memory lands in first
+    landed = lane.issue(host, _copy_on_lane, lane, dst, src, dst_events, staged)
     if dst.device.type != "cpu":
         return landed
     # Into host memory: the GPU filled a pinned buffer; one more lane step copies it out
@@ -82,8 +75,7 @@ def copy_async(
         if f.cancelled() or f.exception() is not None:
             out.set_exception(f.exception() or PeerLostError("the copy was abandoned"))
             return
-        pinned = issued_box[0][1][-1]
-        cf = lane.run(_unpin, dst, pinned)
+        cf = lane.run(_unpin, dst, staged[0])
         cf.add_done_callback(lambda cf: host.call_soon_threadsafe(_finish, out, cf))
 
     landed.add_done_callback(unpin)
@@ -106,7 +98,7 @@ def _finish(out: asyncio.Future[None], cf: concurrent.futures.Future[None]) -> N
 
 
 def _copy_on_lane(
-    lane: CudaLane, dst: Any, src: Any, dst_events: Mapping[int, Any] | None
+    lane: CudaLane, dst: Any, src: Any, dst_events: Mapping[int, Any] | None, staged: list[Any]
 ) -> tuple[Any, Any]:
     """Lane: stage host bytes through pinned memory, copy on the side stream of the GPU end
     (into host memory: into a pinned buffer, copied out once the GPU is done)."""
@@ -127,8 +119,9 @@ def _copy_on_lane(
             pinned = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=True)
             pinned.copy_(source, non_blocking=True)
             keep.append(pinned)
+            staged.append(pinned)
         else:
             dst.copy_(reinterpret(source, dst), non_blocking=True)
-        done = untyped("torch.cuda").Event()
+        done = blocking_event()
         done.record(stream)
     return done, keep

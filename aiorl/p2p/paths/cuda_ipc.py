@@ -14,15 +14,29 @@ Per send, nothing is registered with torch's IPC machinery again:
   1,000 IPC events (after which every share synchronises a stream) is never reached.
 * **Ordering by our own interprocess events**, a bounded pool per receiver, each exported
   once: the sender records one on its side stream after the caller's events; the
-  receiver's side stream waits for it, copies, and records a completion event polled by
-  the runtime's waiter; the receiver then acknowledges (``p2p.done``) and the sender may
-  reuse the tensor and the event. No default stream waits or is waited on.
+  receiver's side stream waits for it, copies, and records a blocking-sync completion
+  event, which the lane's `EventWaiter` waits for (no polling); the receiver then
+  acknowledges (``p2p.done``) and the sender may reuse the tensor and the event. No
+  default stream waits or is waited on.
+* **Copy speed.** A receive into a posted ``recv_tensor`` buffer allocates nothing; the
+  mappings and the opened events are cached, so a message costs one side-stream wait,
+  one copy and one event; the loop is woken once, when the bytes are there.
+* **Mappings released on the lane's stream.** torch's deleter of a mapped storage
+  synchronises the releasing thread's *current* stream before it lets the sender reuse
+  the block; a mapping is therefore dropped with the lane's stream current (the copies
+  that read it), never the default stream (the user's kernels) and never on the loop.
+* **Reference-counter files.** Each export takes a slot in a ``/dev/shm/torch_<pid>_*``
+  file that torch unlinks only in a static destructor, which a worker ending by
+  ``os._exit`` (forked workers do) never runs; the engine's close unlinks the files this
+  process exported through (`release_ref_counter_files`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
+import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,11 +46,10 @@ from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.p2p.gpu import (
     ByteWindow,
     CudaLane,
-    after_lane,
     allocate,
+    blocking_event,
     device_uuid,
     flat_u8,
-    gpu_done,
     host_identity,
     local_cuda_info,
     untyped,
@@ -58,12 +71,56 @@ from aiorl.p2p.paths.base import (
 from aiorl.p2p.proto import IPC, K_CUDA, OP_CUDA, OP_DONE
 from aiorl.util.cuda_device import selected_device
 
-__all__ = ["PATH", "SHARES_PER_PEER", "ShareCache"]
+__all__ = [
+    "PATH",
+    "SHARES_PER_PEER",
+    "ShareCache",
+    "note_ref_counter_file",
+    "release_ref_counter_files",
+]
+
+log = logging.getLogger("aiorl.p2p")
 
 #: Storages a sender keeps exported toward one receiver (and the receiver keeps mapped).
 SHARES_PER_PEER = 64
 #: Interprocess events a sender keeps toward one receiver once they are free again.
 EVENTS_PER_PEER = 64
+
+
+#: The ``/dev/shm`` reference-counter files this process's exports used (torch names them
+#: ``/torch_<pid>_<random>_<n>``): unlinked by `release_ref_counter_files` at close.
+_REF_COUNTER_FILES: set[str] = set()
+
+
+def note_ref_counter_file(name: Any) -> None:
+    """Remember the reference-counter file an export of ours used (``_share_cuda_``'s
+    fifth item, bytes). Only a file named for this process is kept: it is ours to unlink."""
+    if isinstance(name, bytes):
+        name = name.decode(errors="replace")
+    if isinstance(name, str) and name.startswith(f"/torch_{os.getpid()}_") and "/" not in name[1:]:
+        _REF_COUNTER_FILES.add(name)
+
+
+def release_ref_counter_files(shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink the reference-counter files this process exported through (process end).
+
+    torch unlinks them in a static destructor that ``os._exit`` skips. Only at the end:
+    a receiver releasing a mapping opens the file by name to decrement its counter, and a
+    missing file (which torch tolerates, "producer terminated") would leave that block
+    held for ever in a process that goes on. Returns the paths unlinked.
+    """
+    gone = []
+    for name in sorted(_REF_COUNTER_FILES):
+        path = os.path.join(shm_dir, name.lstrip("/"))
+        try:
+            os.unlink(path)
+            gone.append(path)
+        except FileNotFoundError:
+            pass  # torch released it already (every slot of a full file came back)
+        except OSError as exc:
+            log.debug("could not unlink %s: %s", path, exc)
+    _REF_COUNTER_FILES.clear()
+    return gone
 
 
 @functools.cache
@@ -143,7 +200,9 @@ class _IpcJob:
 def _export(storage: Any) -> tuple[Any, Any]:
     """One IPC export of a CUDA storage (torch's handle, ref counter and event)."""
     reductions = untyped("torch.multiprocessing.reductions")
-    return reductions.StorageWeakRef(storage), tuple(storage._share_cuda_())
+    args = tuple(storage._share_cuda_())
+    note_ref_counter_file(args[4])
+    return reductions.StorageWeakRef(storage), args
 
 
 def _alive(ref: Any) -> bool:
@@ -168,9 +227,13 @@ class IpcSend(SendPathBase):
         self.events: list[tuple[int, Any]] = []  # free (event id, event), exported already
         self._event_ids = 0
         self._streams: dict[int, Any] = {}
+        # Drops were sent: the next ack collects the blocks whose mappings the receiver
+        # has released since (torch keeps a freed shared block in limbo until then).
+        self._collect = False
 
     def wants(self, msg: OutMessage) -> bool:
-        return not self.settled and bool(msg.cuda)
+        # A staged message takes the inline road: no IPC set-up for it.
+        return not self.settled and bool(msg.cuda) and msg.staged is None
 
     def ask(self, msg: OutMessage) -> dict[str, Any] | None:
         return {"cuda": True}
@@ -228,6 +291,7 @@ class IpcSend(SendPathBase):
             self.host.endpoint.send_oneway(
                 self.dest.address or "", OP_CUDA, [self.host.name, "ipc-drop", share_id]
             )
+            self._collect = True
         token = self.dest.next_token()
         fut, unpark = self.waiting.park(token, (live, ev))
         fut.add_done_callback(lambda _f: self._event_free(event_id, ev))
@@ -264,10 +328,12 @@ class IpcSend(SendPathBase):
     def on_ack(self, meta: Sequence[Any]) -> bool:
         if not self.waiting.on_ack(meta):
             return False
-        try:  # free blocks whose remote user let go (torch's IPC reference counters)
-            untyped("torch.cuda").ipc_collect()
-        except Exception:  # noqa: BLE001 - best effort
-            pass
+        if self._collect:  # only after drops: a collect per message costs the fixed cost
+            self._collect = False
+            try:  # free blocks whose remote user let go (torch's IPC reference counters)
+                untyped("torch.cuda").ipc_collect()
+            except Exception:  # noqa: BLE001 - best effort
+                pass
         return True
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
@@ -303,6 +369,11 @@ class IpcRecv(RecvPathBase):
         self.shares: dict[int, Any] = {}  # share id -> the whole storage as a uint8 tensor
         self.events: dict[int, Any] = {}  # event id -> the sender's event, opened
         self.window = ByteWindow()
+        # Accepted receives not finished yet, per share id: the sender may drop a share
+        # (least recently used) while a receive that names it still waits in the window,
+        # so a drop waits for them (never "unknown share" for a message sent before it).
+        self._uses: dict[int, int] = {}
+        self._dropped: set[int] = set()
 
     def answer(self, ask: Mapping[str, Any], reply: dict[str, Any]) -> None:
         if ask.get("cuda"):
@@ -342,20 +413,24 @@ class IpcRecv(RecvPathBase):
             address,
             fut,
         )
+        uses = self._uses
+        for part in job.parts:
+            uses[part[0]] = uses.get(part[0], 0) + 1
         if self.window.offer(job, job.nbytes):
             self._start(job)
 
     def _start(self, job: _IpcJob) -> None:
         assert self.lane is not None
-        landed = after_lane(
-            self.host,
-            self.lane.run(self._copy, job),
-            lambda issued: gpu_done(self.host, issued[0], keep=issued[1]),
-        )
+        landed = self.lane.issue(self.host, self._copy, job)
         landed.add_done_callback(lambda f: self._copied(f, job))
 
     def _copy(self, job: _IpcJob) -> tuple[Any, Any]:
-        """Lane: allocate the targets, wait for the sender's event, copy from its memory."""
+        """Lane: pick the targets (the posted buffer, else fresh tensors), wait for the
+        sender's event, copy from its memory; returns the completion event and the targets.
+
+        The mapped source is not in what is kept: ``self.shares`` holds it, and dropping it
+        synchronises the lane's stream first (`_release`), so the copy has read it by then.
+        """
         import torch
 
         posted, specs, ipc_device, event_id = job.posted, job.specs, job.ipc_device, job.event_id
@@ -363,7 +438,6 @@ class IpcRecv(RecvPathBase):
         assert self.lane is not None
         cuda = untyped("torch.cuda")
         device = selected_device()
-        stream = self.lane.stream(device)
         # A receive cancelled before the copy is issued does not get its buffer written.
         user = (
             posted.buf
@@ -383,6 +457,7 @@ class IpcRecv(RecvPathBase):
                 wait_events(stream, posted.event)  # the caller may still use the buffer
             targets = [user]
         else:
+            stream = self.lane.stream(device)
             targets = allocate([(dtype_of(d), s) for d, s in specs], device, stream)
         with torch.cuda.device(device), torch.cuda.stream(stream):
             ev = self.events.get(event_id)
@@ -391,17 +466,14 @@ class IpcRecv(RecvPathBase):
                     raise ProtocolError(f"unknown CUDA IPC event {event_id} from {self.source}")
                 ev = self.events[event_id] = cuda.Event.from_ipc_handle(ipc_device, job.handle)
             stream.wait_event(ev)
-            sources = []
             live = [t for t in targets if t.numel()]
             for (share_id, args, offset, n), target in zip(job.parts, live, strict=True):
                 whole = self._open(share_id, args, ipc_device)
-                src = whole[offset : offset + n]
-                flat_u8(target).copy_(src, non_blocking=True)
-                sources.append(src)
-            done = cuda.Event()
+                flat_u8(target).copy_(whole[offset : offset + n], non_blocking=True)
+            done = blocking_event()
             done.record(stream)
         job.msg.cuda = targets
-        return done, (sources, targets)
+        return done, targets
 
     def _open(self, share_id: int, args: Any, ipc_device: int) -> Any:
         """Lane: a share's whole storage as uint8, mapped once (cached until dropped)."""
@@ -448,6 +520,17 @@ class IpcRecv(RecvPathBase):
             resolve(job.fut, None)
         else:
             fail(job.fut, ProtocolError(f"CUDA IPC receive from {self.source} failed: {error}"))
+        uses = self._uses
+        for part in job.parts:
+            share_id = part[0]
+            left = uses.get(share_id, 0) - 1
+            if left > 0:
+                uses[share_id] = left
+                continue
+            uses.pop(share_id, None)
+            if share_id in self._dropped:
+                self._dropped.discard(share_id)
+                self._drop(share_id)
         if self.lane is not None:
             for waiting in self.window.release(job.nbytes):
                 self._start(waiting)
@@ -457,19 +540,53 @@ class IpcRecv(RecvPathBase):
         if len(meta) != 3 or self.lane is None:
             return
         if meta[1] == "ipc-drop":
-            self.lane.run(self.shares.pop, meta[2], None)
+            share_id = meta[2]
+            if self._uses.get(share_id):
+                self._dropped.add(share_id)  # released when the receives using it are done
+            else:
+                self._drop(share_id)
         elif meta[1] == "ipc-drop-event":
-            self.lane.run(self.events.pop, meta[2], None)
+            self.events.pop(meta[2], None)  # dropped once acknowledged: no copy waits on it
+
+    def _drop(self, share_id: int) -> None:
+        """Loop: no accepted receive uses ``share_id`` any more; release its mapping on the
+        lane (after the copies it issued)."""
+        whole = self.shares.pop(share_id, None)
+        if whole is not None and self.lane is not None:
+            self.lane.run(self._release, [whole])
+
+    def _release(self, mappings: list[Any]) -> None:
+        """Drop mapped storages with the lane's stream of their device current: torch's
+        deleter synchronises the current stream before the sender may reuse the block, and
+        the lane's stream holds exactly the copies that read it (the default stream would
+        wait for the user's kernels). Lane thread, or the loop once the lane is closed."""
+        import torch
+
+        while mappings:
+            whole = mappings.pop()
+            if whole is None:
+                continue
+            index = whole.device.index
+            stream = None if self.lane is None else self.lane.existing_stream(index)
+            if stream is None:
+                del whole
+                continue
+            with torch.cuda.device(index), torch.cuda.stream(stream):
+                del whole
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
         self.close()
 
     def close(self) -> None:
         self.window.clear()
+        self._uses.clear()
+        self._dropped.clear()
+        mappings, self.shares = list(self.shares.values()), {}
+        if mappings:
+            self._release(mappings)
         if self.lane is not None:
             self.lane.close()
             self.lane = None
-        self.shares.clear()
         self.events.clear()
 
     def statistics(self) -> PathStatistics:
