@@ -338,3 +338,32 @@ def test_ref_counter_files_of_our_exports_are_unlinked_and_only_those(shm_dir: s
 
 def test_the_inline_limit_is_a_named_constant() -> None:
     assert cuda_host.CUDA_INLINE_BYTES == inline_limit()
+
+
+class _CountingEvent:
+    """A CUDA event's ``query()`` where no GPU exists: done after ``after`` queries, or
+    raising ``error`` (the polling itself is what is tested, not the GPU)."""
+
+    def __init__(self, after: int | None, error: BaseException | None = None) -> None:
+        self.after, self.error, self.queries = after, error, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        if self.error is not None:
+            raise self.error
+        return self.after is not None and self.queries > self.after
+
+
+def test_done_within_polls_briefly_and_never_longer_than_asked() -> None:
+    from aiorl.p2p.gpu import done_within
+
+    soon = [_CountingEvent(3), _CountingEvent(0)]
+    assert done_within(soon, 1.0)
+    assert soon[0].queries == 4  # polled until done, then no more
+    never = _CountingEvent(None)
+    t0 = time.perf_counter()
+    assert not done_within([never], 0.002)
+    assert 0.002 <= time.perf_counter() - t0 < 0.5 and never.queries > 1
+    assert not done_within([_CountingEvent(None)], 0.0)  # no spin: one look
+    # A query that raises is left to the waiter thread, whose synchronize() reports it.
+    assert not done_within([_CountingEvent(0, RuntimeError("CUDA error"))], 1.0)

@@ -35,6 +35,7 @@ import queue
 import socket
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
@@ -226,6 +227,30 @@ def blocking_event() -> Any:
     return untyped("torch.cuda").Event(blocking=True)
 
 
+#: How long a thread may poll a just-recorded event (``query()``, ~0.3 us) before it hands
+#: the event to a waiter thread. A small copy is done within a few microseconds, and a
+#: hand-off to a thread and back to the loop costs far more than the poll: on the H100 of
+#: 2026-11-26 a thread hand-off measured 19 us and every blocking system call ~50 us
+#: (`benchmarks/profile_gpu_messages.py`). The loop polls at most `LOOP_SPIN_S` (it serves
+#: everyone else meanwhile); a lane thread, which serves only its transfers, `LANE_SPIN_S`.
+LOOP_SPIN_S = float(os.environ.get("AIORL_CUDA_LOOP_SPIN_US", "30")) * 1e-6
+LANE_SPIN_S = float(os.environ.get("AIORL_CUDA_LANE_SPIN_US", "150")) * 1e-6
+
+
+def done_within(events: Sequence[Any], seconds: float) -> bool:
+    """Whether every one of ``events`` completes within ``seconds`` of polling (never blocks
+    longer; an event that raises is left to the waiter, which reports the error)."""
+    deadline = time.perf_counter() + seconds
+    try:
+        while True:
+            if all(ev.query() for ev in events):
+                return True
+            if time.perf_counter() >= deadline:
+                return False
+    except Exception:  # noqa: BLE001 - the waiter's synchronize() reports it
+        return False
+
+
 # ----------------------------------------------------------------------------- lanes
 class LaneClosed(PeerLostError):
     """Work submitted to a lane that was closed (its peer was lost or the engine closed)."""
@@ -345,6 +370,9 @@ class CudaLane:
                 event, keep = fn(*args)
             except BaseException as exc:  # noqa: BLE001 - the transfer fails, not the lane
                 host.call_soon_threadsafe(settle_future, fut, exc, None)
+                return
+            if done_within((event,), LANE_SPIN_S):  # a copy done by now: skip the waiter's hop
+                host.call_soon_threadsafe(settle_future, fut, None, keep)
                 return
             self.waiter.watch(
                 event, lambda error: host.call_soon_threadsafe(settle_future, fut, error, keep)

@@ -53,7 +53,7 @@ from aiorl.p2p.paths.base import (
     lost_error,
     resolve,
 )
-from aiorl.p2p.paths.cuda_host import staged_future
+from aiorl.p2p.paths.cuda_host import staged_future, staged_ready
 from aiorl.p2p.proto import (
     BATCH_MAX_BYTES,
     BATCH_MAX_MSGS,
@@ -189,7 +189,7 @@ class Sender:
                 self._enqueue(msg, work)
                 return
             staged = msg.staged
-            if (staged is None or staged.ready()) and (
+            if (staged is None or staged_ready(staged)) and (
                 not self.askers or not self._needs_setup(msg)
             ):
                 self._emit(msg, work)
