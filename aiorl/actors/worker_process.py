@@ -239,7 +239,7 @@ async def _main(spec: WorkerSpawn, listen: str) -> int:
     _configure_logging(name, spec.launch.log_level)
     _trace.set_process_name(name)
     _trace.enable_from_environment()  # AIORL_TRACE from the spawn (a traced driver's)
-    endpoint = Endpoint(name, host=listen)
+    endpoint = Endpoint(name, host=listen, lane=True)
     registry = RegistryClient(endpoint, spec.registry)
     runtime = Runtime(LoopThread.adopt_running(), endpoint, registry, name)
     get_p2p(runtime, spec.node.node_id)  # p2p handlers exist before any peer can send to us

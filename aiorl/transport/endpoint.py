@@ -79,6 +79,7 @@ from aiorl.errors import (
     to_wire,
 )
 from aiorl.transport import security
+from aiorl.transport.lane import LaneConnection, LaneListener, connect_lane
 from aiorl.transport.security import ClusterKeys
 from aiorl.transport.sockets import (
     HANDSHAKE_FAILED_EVENTS,
@@ -418,7 +419,8 @@ class _Peer:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.watched: _Watched | None = None
+        #: The DEALER, or the peer's lane (transport/lane.py) when it has one on this machine.
+        self.watched: _Watched | LaneConnection | None = None
         self.monitor: _Watched | None = None
         self.pending: dict[int, Settle] = {}
         self.lost: BaseException | None = None
@@ -449,6 +451,9 @@ class Endpoint:
             (`keys_from_environment`); None = insecure.
             ``plain`` keys work only over ``ipc://``: PLAIN hands the secret to whoever
             answers an address, which over TCP may be anyone who took a freed port.
+        lane: with an ``ipc://`` host, also serve processes of this machine over a lane
+            (`aiorl.transport.lane`: a Unix stream this loop reads itself, without ZMQ's
+            I/O thread). Workers do: a group call wakes each of them once per message.
     """
 
     def __init__(
@@ -459,6 +464,7 @@ class Endpoint:
         port: int = 0,
         loop: asyncio.AbstractEventLoop | None = None,
         keys: ClusterKeys | None | object = _FROM_ENVIRONMENT,
+        lane: bool = False,
     ) -> None:
         self.name = name
         self.keys: ClusterKeys | None = (
@@ -487,6 +493,13 @@ class Endpoint:
         self._request_ids = itertools.count(1)
         self._peer_lost_callbacks: list[Callable[[str, BaseException], None]] = []
         self.closed = False
+        #: Clients on our lane, by their endpoint's routing id (what a ROUTER would name them).
+        self._lanes: dict[bytes, LaneConnection] = {}
+        self._lane_listener: LaneListener | None = None
+        if lane and host.startswith(IPC_PREFIX):
+            self._lane_listener = LaneListener(
+                self.address, self.keys, self.loop, on_client=self._lane_client,
+                on_message=self._lane_message, on_gone=self._lane_gone)
 
     # ------------------------------------------------------------------ serving
     def handle(self, op: str, handler: Handler) -> None:
@@ -540,6 +553,15 @@ class Endpoint:
         if self.closed:
             return False
         head = encode_header(kind, request_id, op, meta)
+        lane = self._lanes.get(identity) if self._lanes else None
+        if lane is not None:
+            if threading.get_ident() != self._loop_thread:
+                lane.send_from_thread([head, *frames])
+            elif kind == _EVENT:
+                lane.send_direct([head, *frames])
+            else:
+                lane.send([head, *frames])
+            return not lane.closed
         try:
             if threading.get_ident() != self._loop_thread:
                 self._router.send_from_thread([identity, head, *frames])
@@ -559,6 +581,22 @@ class Endpoint:
                 return True
             raise
         return True
+
+    # ------------------------------------------------------------------ lanes (serving)
+    def _lane_client(self, conn: LaneConnection) -> None:
+        """A client of this machine proved the cluster key on our lane: its messages are
+        served as the ROUTER's are, and our answers to its routing id take its lane."""
+        old = self._lanes.get(conn.peer_identity)
+        self._lanes[conn.peer_identity] = conn  # a reconnecting client takes its place
+        if old is not None:
+            old.close()
+
+    def _lane_message(self, conn: LaneConnection, frames: list[Any]) -> None:
+        self._on_router_message([conn.peer_identity, *frames])
+
+    def _lane_gone(self, conn: LaneConnection) -> None:
+        if self._lanes.get(conn.peer_identity) is conn:
+            del self._lanes[conn.peer_identity]
 
     # ------------------------------------------------------------------ calling
     def request(
@@ -672,7 +710,14 @@ class Endpoint:
             if not address.startswith(IPC_PREFIX):
                 _refuse_plain_over_tcp(self.keys, f"connect to {address}")
             p = _Peer(address)
-            self._connect(p)
+            lane = connect_lane(address, self._identity, self.keys, self.loop,
+                                functools.partial(self._on_dealer_message, p))
+            if lane is not None:
+                lane.on_refused = functools.partial(
+                    self._handshake_failed, p, "it refused this cluster's key on its lane")
+                p.watched = lane
+            else:
+                self._connect(p)
             lost = self._lost.get(address)
             if lost is not None:
                 p.lost = lost
@@ -824,6 +869,9 @@ class Endpoint:
                 except Exception:
                     log.exception("peer-lost callback failed")
         self._peers.clear()
+        if self._lane_listener is not None:
+            self._lane_listener.close()
+        self._lanes.clear()
         self._router.close()
 
 

@@ -1,0 +1,203 @@
+"""Lanes (aiorl/transport/lane.py): a worker's messages from its own machine over a Unix stream.
+
+Real endpoints and sockets in a private directory: what goes through a lane comes back as
+through ZMQ (replies, errors, events, order, large frames, answers from another thread); a
+client without the cluster's key is refused with a clear error and the server keeps serving;
+a peer that sends garbage loses its lane, nobody else does; and a group's calls from the
+driver to its workers do take their lanes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import aiorl
+from aiorl.transport import lane as lane_module
+from aiorl.transport.endpoint import Endpoint, Incoming
+from aiorl.transport.lane import LaneConnection, lane_path
+from aiorl.transport.security import ClusterKeys
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _private(tmp_path: Path) -> str:
+    os.chmod(tmp_path, 0o700)
+    return f"ipc://{tmp_path}"
+
+
+def _run(tmp_path: Path, body: Callable[[Endpoint, Endpoint, ClusterKeys, str],
+                                        Awaitable[None]]) -> None:
+    """``body(server, client, keys, host)`` with a lane-serving endpoint and a client."""
+    host = _private(tmp_path)
+
+    async def main() -> None:
+        keys = ClusterKeys.generate("plain")
+        server = Endpoint("server", host=host, keys=keys, lane=True)
+        client = Endpoint("client", host=host, keys=keys)
+        try:
+            await body(server, client, keys, host)
+        finally:
+            client.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_requests_replies_errors_events_and_order_go_through_the_lane(tmp_path: Path) -> None:
+    async def body(server: Endpoint, client: Endpoint, keys: ClusterKeys, host: str) -> None:
+        seen: list[int] = []
+        events: list[Any] = []
+        done = asyncio.Event()
+
+        def echo(msg: Incoming) -> None:
+            msg.reply(msg.meta, msg.frames)
+
+        def fail(msg: Incoming) -> None:
+            raise KeyError("no such thing")
+
+        def note(msg: Incoming) -> None:
+            seen.append(msg.meta)
+            if msg.meta == 9_999:
+                server.push_event(msg.identity, "tick", {"n": len(seen)})
+
+        def tick(peer: str, meta: Any, frames: list[Any]) -> None:
+            events.append((peer, meta))
+            done.set()
+
+        server.handle("echo", echo)
+        server.handle("fail", fail)
+        server.handle("note", note)
+        client.on_event("tick", tick)
+        meta, frames = await client.request(server.address, "echo", {"a": 1},
+                                            [b"x", b"y" * 1000])
+        assert meta == {"a": 1} and frames == [b"x", b"y" * 1000]
+        assert isinstance(client._peers[server.address].watched, LaneConnection)
+        assert Path(lane_path(server.address) or "").exists()
+        with pytest.raises(aiorl.RemoteError, match="no such thing"):
+            await client.request(server.address, "fail")
+        for i in range(10_000):  # one-way, many per loop turn: they arrive in order
+            client.send_oneway(server.address, "note", i)
+        await asyncio.wait_for(done.wait(), 30)
+        assert seen == list(range(10_000))
+        assert events == [(server.address, {"n": 10_000})]
+        replies = await asyncio.gather(*(client.request(server.address, "echo", i)
+                                         for i in range(2_000)))
+        assert [m for m, _ in replies] == list(range(2_000))
+
+    _run(tmp_path, body)
+
+
+def test_large_frames_and_answers_from_another_thread(tmp_path: Path) -> None:
+    async def body(server: Endpoint, client: Endpoint, keys: ClusterKeys, host: str) -> None:
+        def answer_later(msg: Incoming) -> None:  # as a worker's method thread answers
+            threading.Thread(target=msg.reply, args=(len(msg.frames[0]), msg.frames)).start()
+
+        server.handle("size", answer_later)
+        big = os.urandom(1 << 20) * 64  # 64 MiB: many partial writes each way
+        meta, frames = await client.request(server.address, "size", None, [big])
+        assert meta == len(big) and frames[0] == big
+        sizes = await asyncio.gather(*(client.request(server.address, "size", None,
+                                                      [b"z" * n]) for n in range(0, 300_000, 997)))
+        assert [m for m, _ in sizes] == list(range(0, 300_000, 997))
+
+    _run(tmp_path, body)
+
+
+def test_a_client_without_the_key_is_refused_and_others_are_still_served(
+        tmp_path: Path) -> None:
+    async def body(server: Endpoint, client: Endpoint, keys: ClusterKeys, host: str) -> None:
+        server.handle("ping", lambda m: m.reply("pong"))
+        other = Endpoint("other", host=host, keys=ClusterKeys.generate("plain"))
+        try:
+            with pytest.raises(aiorl.AuthenticationError,
+                               match="refused this cluster's key on its lane"):
+                await other.request(server.address, "ping", timeout=10)
+        finally:
+            other.close()
+        assert (await client.request(server.address, "ping", timeout=10))[0] == "pong"
+        assert list(server._lanes) == [client._identity]
+
+    _run(tmp_path, body)
+
+
+def _raw_lane(path: str, keys: ClusterKeys, identity: bytes) -> socket.socket:
+    """A lane client by hand: connected, its hello sent (a valid proof), admitted."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(path)
+    sock.sendall(lane_module._proof(keys, path, identity)
+                 + struct.pack("<H", len(identity)) + identity)
+    assert sock.recv(1) == b"\x01"  # admitted
+    return sock
+
+
+@pytest.mark.parametrize("garbage", [
+    struct.pack("<I", 0),  # a message of no frames
+    struct.pack("<I", lane_module.MAX_FRAMES + 1),  # more frames than anyone sends
+    struct.pack("<IQ", 1, lane_module.MAX_MESSAGE_BYTES + 1),  # an impossible size
+])
+def test_a_peer_that_sends_garbage_loses_its_lane_and_nobody_else_does(
+        tmp_path: Path, garbage: bytes) -> None:
+    async def body(server: Endpoint, client: Endpoint, keys: ClusterKeys, host: str) -> None:
+        server.handle("ping", lambda m: m.reply("pong"))
+        assert (await client.request(server.address, "ping"))[0] == "pong"
+        path = lane_path(server.address)
+        assert path is not None
+        loop = asyncio.get_running_loop()
+
+        def hostile() -> bytes:
+            sock = _raw_lane(path, keys, b"hostile")
+            try:
+                sock.sendall(garbage)
+                return sock.recv(1)  # b"": the server closed the lane
+            finally:
+                sock.close()
+
+        assert await loop.run_in_executor(None, hostile) == b""
+        assert (await client.request(server.address, "ping"))[0] == "pong"
+        assert b"hostile" not in server._lanes
+
+    _run(tmp_path, body)
+
+
+def test_a_tcp_endpoint_has_no_lane_and_its_peers_use_zmq(tmp_path: Path) -> None:
+    async def main() -> None:
+        server = Endpoint("server", host="127.0.0.1", keys=None, lane=True)
+        client = Endpoint("client", host=_private(tmp_path), keys=None)
+        try:
+            server.handle("ping", lambda m: m.reply("pong"))
+            assert (await client.request(server.address, "ping"))[0] == "pong"
+            assert not isinstance(client._peers[server.address].watched, LaneConnection)
+        finally:
+            client.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+class _Noop(aiorl.Worker):
+    def noop(self) -> int:
+        return os.getpid()
+
+
+def test_a_groups_calls_to_its_workers_take_their_lanes() -> None:
+    with aiorl.Cluster(num_nodes=1, timeout=60) as cluster:
+        group = _Noop.create_group().launch(cluster, num_workers=4, name="lanes")
+        try:
+            pids = group.noop().wait(60)
+            assert len(set(pids)) == 4
+            endpoint = cluster.runtime.endpoint
+            lanes = [p for p in list(endpoint._peers.values())
+                     if isinstance(p.watched, LaneConnection)]
+            assert len(lanes) == 4, [p.address for p in endpoint._peers.values()]
+        finally:
+            group.close()
