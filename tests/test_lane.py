@@ -201,3 +201,43 @@ def test_a_groups_calls_to_its_workers_take_their_lanes() -> None:
             assert len(lanes) == 4, [p.address for p in endpoint._peers.values()]
         finally:
             group.close()
+
+
+class _Pair(aiorl.Worker):
+    """Two ranks on one node: does rank 0 reach rank 1 by lane?"""
+
+    async def ping(self, peer: int) -> tuple[bool, str]:
+        from aiorl.runtime.runtime import current_runtime
+
+        await self.send("ping", self.worker_group_name, peer)
+        runtime = current_runtime()
+        assert runtime is not None
+        peers = runtime.endpoint._peers
+        return (any(isinstance(p.watched, LaneConnection) for p in peers.values()),
+                os.environ.get(lane_module.LANE_DIR_VAR, ""))
+
+    async def pong(self, peer: int) -> Any:
+        return await self.recv(self.worker_group_name, peer)
+
+
+def test_workers_bound_on_tcp_reach_each_other_by_lane_in_their_agents_directory(
+        tmp_path: Path) -> None:
+    from tests.test_failures import ClusterProcesses
+
+    procs = ClusterProcesses(tmp_path, nodes=1)
+    try:
+        with aiorl.Cluster(registry=procs.address, num_nodes=1,
+                           key_file=procs.key_file) as cluster:
+            group = _Pair.create_group().launch(cluster, num_workers=2, name="tcppair")
+            try:
+                got = group.execute_on(1).pong(0)
+                ((by_lane, lane_dir),) = group.execute_on(0).ping(1).wait(60)
+                assert got.wait(60) == ["ping"]
+                assert by_lane, "rank 0 sent to rank 1 through ZMQ, not its lane"
+                assert lane_dir and (os.stat(lane_dir).st_mode & 0o777) == 0o700
+                assert any(name.endswith(".lane") for name in os.listdir(lane_dir))
+            finally:
+                group.close()
+    finally:
+        procs.close()
+    assert not os.path.exists(lane_dir), "the agent left its lane directory behind"

@@ -69,6 +69,7 @@ from aiorl.runtime.descriptors import check_descriptors_for
 from aiorl.transport import security
 from aiorl.transport.address import normalize_address
 from aiorl.transport.endpoint import Endpoint, Incoming
+from aiorl.transport.lane import LANE_DIR_VAR
 from aiorl.transport.link import LinkWatch
 from aiorl.transport.sockets import local_ip
 from aiorl.util.limits import raise_open_file_limit
@@ -696,6 +697,17 @@ def main(argv: list[str] | None = None) -> int:
     log.info("open file limit: %d (hard limit %d)", soft, hard)
     log_dir = args.log_dir or default_log_dir()
     log.info("worker logs go to %s", log_dir)
+    lane_dir = None
+    if not args.ipc_dir:
+        # Workers bound on the node's IP keep their lanes here (transport/lane.py), so the
+        # agent relaying a call and the workers' own messages to each other skip ZMQ; the
+        # zygote and the workers inherit the variable. Inside the private log directory:
+        # whoever removes that (this agent, the Slurm launcher, a later agent's pruning)
+        # removes the lanes of an agent that was killed too.
+        os.makedirs(log_dir, mode=0o700, exist_ok=True)
+        lane_dir = os.path.join(log_dir, "lanes")
+        os.makedirs(lane_dir, mode=0o700, exist_ok=True)
+        os.environ[LANE_DIR_VAR] = lane_dir
     agent = NodeAgent(
         args.registry, host=host, node_rank=args.node_rank, accelerators=args.accelerators,
         hardware=_parse_kv(args.hardware, "--hardware", int), labels=_parse_kv(args.label, "--label"),
@@ -710,7 +722,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvloop
 
-    uvloop.run(run())
+    try:
+        uvloop.run(run())
+    finally:
+        if lane_dir is not None:
+            shutil.rmtree(lane_dir, ignore_errors=True)
     return 0
 
 

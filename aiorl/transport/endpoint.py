@@ -79,7 +79,7 @@ from aiorl.errors import (
     to_wire,
 )
 from aiorl.transport import security
-from aiorl.transport.lane import LaneConnection, LaneListener, connect_lane
+from aiorl.transport.lane import LaneConnection, LaneListener, connect_lane, lane_path
 from aiorl.transport.security import ClusterKeys
 from aiorl.transport.sockets import (
     HANDSHAKE_FAILED_EVENTS,
@@ -451,9 +451,10 @@ class Endpoint:
             (`keys_from_environment`); None = insecure.
             ``plain`` keys work only over ``ipc://``: PLAIN hands the secret to whoever
             answers an address, which over TCP may be anyone who took a freed port.
-        lane: with an ``ipc://`` host, also serve processes of this machine over a lane
-            (`aiorl.transport.lane`: a Unix stream this loop reads itself, without ZMQ's
-            I/O thread). Workers do: a group call wakes each of them once per message.
+        lane: also serve processes of this machine over a lane (`aiorl.transport.lane`: a
+            Unix stream this loop reads itself, without ZMQ's I/O thread), beside an
+            ``ipc://`` socket or, bound on TCP, in the lane directory its node agent gave
+            (``AIORL_LANE_DIR``). Workers do: a group call wakes each of them once per message.
     """
 
     def __init__(
@@ -496,10 +497,13 @@ class Endpoint:
         #: Clients on our lane, by their endpoint's routing id (what a ROUTER would name them).
         self._lanes: dict[bytes, LaneConnection] = {}
         self._lane_listener: LaneListener | None = None
-        if lane and host.startswith(IPC_PREFIX):
-            self._lane_listener = LaneListener(
-                self.address, self.keys, self.loop, on_client=self._lane_client,
-                on_message=self._lane_message, on_gone=self._lane_gone)
+        if lane and lane_path(self.address) is not None:
+            try:
+                self._lane_listener = LaneListener(
+                    self.address, self.keys, self.loop, on_client=self._lane_client,
+                    on_message=self._lane_message, on_gone=self._lane_gone)
+            except (OSError, AuthenticationError) as exc:  # served through ZMQ alone
+                log.warning("%s: no lane (%s); its callers on this machine use ZMQ", name, exc)
 
     # ------------------------------------------------------------------ serving
     def handle(self, op: str, handler: Handler) -> None:

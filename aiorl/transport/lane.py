@@ -35,16 +35,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import hashlib
 import hmac
 import logging
 import os
+import re
 import socket
 import struct
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from aiorl.transport import security
 from aiorl.transport.security import ClusterKeys
 from aiorl.util.batching import TurnBatcher
 from aiorl.util.ratelimit import RateLimitedLog
@@ -85,11 +88,22 @@ _READ_CHUNK = 256 * 1024
 MAX_QUEUED = 100_000
 
 
+#: A private directory (0700, ours) where endpoints bound on TCP keep their lanes: set by a
+#: node agent that binds its workers on the node's IP, for itself and its workers, so that
+#: a machine's own processes reach its workers by lane there too.
+LANE_DIR_VAR = "AIORL_LANE_DIR"
+
+
 def lane_path(address: str) -> str | None:
-    """Where the lane of the endpoint at ``address`` listens (None: not an ``ipc://`` one)."""
-    if not address.startswith(_IPC_PREFIX):
+    """Where the lane of the endpoint at ``address`` listens: beside an ``ipc://`` socket,
+    or, for a ``tcp://`` one, in this process's lane directory (`LANE_DIR_VAR`); None when
+    it has no place for one."""
+    if address.startswith(_IPC_PREFIX):
+        return address[len(_IPC_PREFIX):] + LANE_SUFFIX
+    directory = os.environ.get(LANE_DIR_VAR)
+    if not directory or not address.startswith("tcp://"):
         return None
-    return address[len(_IPC_PREFIX):] + LANE_SUFFIX
+    return os.path.join(directory, re.sub(r"[^0-9A-Za-z.]", "_", address[6:]) + LANE_SUFFIX)
 
 
 def _proof(keys: ClusterKeys | None, path: str, identity: bytes) -> bytes:
@@ -488,7 +502,10 @@ class LaneListener:
                  on_gone: Callable[[LaneConnection], None]) -> None:
         path = lane_path(address)
         if path is None:
-            raise ValueError(f"a lane needs an ipc:// address, not {address!r}")
+            raise ValueError(f"no place for a lane for {address!r} (not ipc://, and no "
+                             f"{LANE_DIR_VAR} for a tcp:// one)")
+        if not address.startswith(_IPC_PREFIX):  # an ipc:// one's was checked at its bind
+            security.check_private_directory(os.path.dirname(path))
         self.path = path
         self.keys = keys
         self.loop = loop
@@ -498,7 +515,7 @@ class LaneListener:
         self._clients: set[LaneConnection] = set()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.bind(path)  # the directory is private (checked when the endpoint bound)
+            _bind_fresh(sock, path)  # in a private directory (checked above, or at the bind)
             sock.listen(1024)
             sock.setblocking(False)
         except BaseException:
@@ -551,6 +568,27 @@ class LaneListener:
         clients, self._clients = self._clients, set()
         for conn in clients:
             conn.close()
+
+
+def _bind_fresh(sock: socket.socket, path: str) -> None:
+    """Bind ``path``, first removing a lane file left by a process that died there (a TCP
+    port, unlike an ipc:// name, is used again); a lane someone still serves is kept."""
+    try:
+        sock.bind(path)
+        return
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # nobody listens: a dead process's lane
+    else:
+        raise OSError(errno.EADDRINUSE, f"a live lane is at {path}")
+    finally:
+        probe.close()
+    sock.bind(path)
 
 
 def _nothing(frames: list[Any]) -> None:
