@@ -199,8 +199,12 @@ def test_restarted_rank_gets_its_last_configure_and_the_hook_speaks_first(cluste
         group.configure("v1").wait(60)
         group.configure("v2").wait(60)
         (pid,) = group.pid().wait(60)
+        events = group.events()
         os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
+        # Once the group knows of the death, calls wait for the restart. (A fixed 50 ms
+        # sleep here sent "queued" to the dead process when the news took longer, under
+        # load: that call then failed with the death, as any call in flight does.)
+        _until(events, EventKind.RESTARTING, 0)
         group.note("queued")
         assert group.notes().wait(30) == [["configure v2", "hook", "queued"]]
         assert [e.kind for e in hooked] == [EventKind.RESTARTED]
