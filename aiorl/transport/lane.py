@@ -82,7 +82,10 @@ _MAX_IOV = 512
 #: Frames below this are copied when they must wait for the socket (a caller may reuse its
 #: buffer once `send` returned); larger ones are referenced, as ZMQ does.
 _COPY_BELOW = 64 * 1024
-_READ_CHUNK = 256 * 1024
+#: A lane's read buffer to start with, grown for a large message and given back after it:
+#: a driver holds a lane per worker of its machine, and a worker one per caller, so this is
+#: paid hundreds of times (256 KiB each would be 64 MiB in a driver of 256 workers).
+_READ_CHUNK = 16 * 1024
 #: Messages a server holds for a client that does not read its answers before it drops
 #: more (what ZMQ's ROUTER high-water mark does on the other path).
 MAX_QUEUED = 100_000
