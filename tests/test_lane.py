@@ -241,3 +241,38 @@ def test_workers_bound_on_tcp_reach_each_other_by_lane_in_their_agents_directory
     finally:
         procs.close()
     assert not os.path.exists(lane_dir), "the agent left its lane directory behind"
+
+
+def test_dropping_a_peer_mid_handshake_never_stalls_the_processs_other_links(
+        tmp_path: Path) -> None:
+    """A peer dropped (`close_sockets`) while its handshake with an endpoint that is closing
+    may still be reported: the process's other links keep working. Before the fix, the
+    first round stalled libzmq's I/O thread and the control request timed out (a driver
+    then lost its registry and heartbeats, and the registry tore its groups down)."""
+    host = _private(tmp_path)
+
+    async def main() -> None:
+        keys = ClusterKeys.generate("plain")
+        control = Endpoint("control", host=host, keys=keys)
+        control.handle("ping", lambda m: m.reply("pong"))
+        client = Endpoint("client", host=host, keys=keys)
+        try:
+            for i in range(100):
+                target = Endpoint(f"target{i}", host=host, keys=keys)  # ZMQ only: no lane
+                target.handle("ping", lambda m: m.reply("pong"))
+                for step in range(3):
+                    client.request_then(target.address, "ping", None, [],
+                                        lambda e, r: None, timeout=1)
+                    await asyncio.sleep(0)
+                    if step == 1:
+                        target.close()
+                    dropped = client._peers.pop(target.address, None)
+                    if dropped is not None:
+                        dropped.close_sockets()
+                meta, _ = await client.request(control.address, "ping", timeout=5)
+                assert meta == "pong", i
+        finally:
+            client.close()
+            control.close()
+
+    asyncio.run(main())

@@ -430,9 +430,22 @@ class _Peer:
         self.broken_handshakes = 0  # in a row, of the kind libzmq retries by itself
 
     def close_sockets(self) -> None:
-        for watched in (self.watched, self.monitor):
-            if watched is not None:
-                watched.close()
+        watched, monitor = self.watched, self.monitor
+        if monitor is not None and isinstance(watched, _Watched):
+            # Stop the DEALER's handshake events before their reader goes. Closing the
+            # reader first, while a handshake with a peer that was closing could still be
+            # reported, stalled libzmq's I/O thread (it reports monitor events from there),
+            # and with it every socket of the process: a driver lost its registry link and
+            # its heartbeats, and the registry tore its groups down (tests/test_lane.py).
+            with watched.lock:
+                if not watched.closed:
+                    try:
+                        watched.sock.disable_monitor()
+                    except zmq.ZMQError:
+                        pass
+        for each in (watched, monitor):
+            if each is not None:
+                each.close()
         if self.rebuild is not None:
             self.rebuild.cancel()
             self.rebuild = None

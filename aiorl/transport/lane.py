@@ -485,8 +485,11 @@ def connect_lane(address: str, identity: bytes, keys: ClusterKeys | None,
         return None
     conn = LaneConnection(sock, loop, on_message)
     hello = _proof(keys, path, identity) + _HELLO.pack(len(identity)) + identity
-    with conn.lock:
-        left = conn._sendmsg([memoryview(hello)])  # the first bytes: fit in any socket buffer
+    try:
+        with conn.lock:
+            left = conn._sendmsg([memoryview(hello)])  # the first bytes: fit in any buffer
+    except OSError:  # the worker closed its lane just now (EPIPE): it is going away
+        left = [memoryview(hello)]
     if left:
         conn.close()
         return None
