@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
+import functools
 import hashlib
 import hmac
 import logging
@@ -545,8 +546,8 @@ class LaneListener:
                 sock.close()
                 continue
             conn = LaneConnection(sock, self.loop, _nothing, expect_hello=self._check)
-            conn.on_message = _bind_message(self._on_message, conn)
-            conn.on_closed = _bind_gone(self, conn)
+            conn.on_message = functools.partial(self._on_message, conn)
+            conn.on_closed = functools.partial(self._gone, conn)
             self._clients.add(conn)
 
     def _check(self, conn: LaneConnection, proof: bytes, identity: bytes) -> bool:
@@ -599,12 +600,3 @@ def _bind_fresh(sock: socket.socket, path: str) -> None:
 
 def _nothing(frames: list[Any]) -> None:
     """What a server's connection does with a message before it is set up (never runs)."""
-
-
-def _bind_message(on_message: Callable[[LaneConnection, list[Any]], None],
-                  conn: LaneConnection) -> Callable[[list[Any]], None]:
-    return lambda frames: on_message(conn, frames)
-
-
-def _bind_gone(listener: LaneListener, conn: LaneConnection) -> Callable[[], None]:
-    return lambda: listener._gone(conn)
