@@ -39,11 +39,17 @@ def _raw_request(address: str, frames: list[bytes], setup=None, timeout_ms: int 
     """Send one request from a bare pyzmq DEALER; return the reply frames or None."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
+    # A refused handshake can drop the connection before the send: a DEALER with no peer
+    # then blocks in send for ever (seen once in CI), so the send has a deadline too.
+    sock.sndtimeo = timeout_ms
     if setup is not None:
         setup(sock)
     sock.connect(address)
     try:
-        sock.send_multipart(frames)
+        try:
+            sock.send_multipart(frames)
+        except zmq.Again:
+            return None  # nobody took it: refused
         return sock.recv_multipart() if sock.poll(timeout_ms) else None
     finally:
         sock.close(0)
