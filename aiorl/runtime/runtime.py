@@ -37,6 +37,8 @@ __all__ = ["Runtime", "current_runtime", "set_current_runtime"]
 
 log = logging.getLogger("aiorl.runtime")
 T = TypeVar("T")
+#: How long a failed resolution waits for the registry to confirm it (`_after_registry_barrier`).
+_BARRIER_TIMEOUT_S = 1.0
 _S = TypeVar("_S")
 
 _current: Runtime | None = None
@@ -157,11 +159,33 @@ class Runtime:
                     fut.exception()
                 raise
         if fut.done():  # the common case: no timer, no shield
-            return fut.result()
+            if fut.exception() is None:
+                return fut.result()
+            fut = await self._after_registry_barrier(name, fut)
+            if fut.done():
+                return fut.result()
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except TimeoutError:
             raise WaitTimeout(f"worker {name} was not ready within {timeout:g} s") from None
+
+    async def _after_registry_barrier(
+        self, name: str, failed: asyncio.Future[dict[str, Any]]
+    ) -> asyncio.Future[dict[str, Any]]:
+        """The name's future once every event the registry sent before now has been handled.
+
+        ``failed`` says the name's last process ended; a restarted rank may be ready already,
+        with its ``ready`` event still on its way here: another process (a driver that saw
+        the group's RESTARTED event) can hear of it first and ask us to reach the rank. The
+        registry's events and replies travel on one connection, in order, and are handled on
+        arrival, so once any reply is back every earlier event has run `_on_peer_event`:
+        what the registry knew when it answered, we know. Only failures pay this round trip.
+        """
+        try:
+            await self.registry.lookup(name, timeout=_BARRIER_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - no answer (or no such worker): the failure stands
+            pass
+        return self._peer_watch.get(name) or failed
 
     async def _check_exists(self, name: str) -> None:
         address = WorkerAddress.from_name(name)  # ValueError for a malformed name
