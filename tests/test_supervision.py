@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import pytest
 
 import aiorl
 from aiorl.group.supervision import EventKind, GroupEvent
+from aiorl.runtime.runtime import Runtime
 from tests._processes import gone_within
 
 pytestmark = pytest.mark.timeout(90)
@@ -117,6 +119,57 @@ def test_p2p_reaches_the_restarted_rank(cluster):
         group.execute_on(1).send_to("reply", 0).wait(30)
         assert back.wait(30) == ["reply"]
     finally:
+        group.close()
+
+
+def test_a_name_found_dead_is_checked_with_the_registry_before_failing(cluster):
+    """A process whose last news of a name is its death, while the registry already holds
+    the restarted incarnation (its ``ready`` event sent but not yet read there), reaches the
+    new one: it asks the registry before failing (docs/failures.md, invariant 36). CI found
+    this as a send, right after the driver saw RESTARTED, failing with the old death."""
+    group = Member.create_group().launch(cluster, num_workers=1, name="barrier",
+                                         restart="on_failure", backoff=0.05)
+    # A second runtime (a worker's, as far as resolving names goes), whose loop the test
+    # holds while the driver's restarts the rank.
+    held = Runtime.start_in_thread(cluster.registry_address, "held", keys=cluster.keys,
+                                   host=cluster._embedded.ipc_location)
+    release = threading.Event()
+    try:
+        events = group.events()
+        (old_pid,) = group.pid().wait(60)
+        died = threading.Event()
+
+        def on_event(name: str, state: str, info: dict, detail: dict) -> None:
+            if state == "dead":
+                died.set()
+
+        async def watch() -> None:
+            await held.resolve_worker("barrier:0", timeout=30)
+            # After resolve_worker's own watch: this callback runs after it for each event.
+            await held.registry.watch("barrier:0", on_event)
+
+        held.run_sync(watch(), 30)
+        os.kill(old_pid, signal.SIGKILL)
+        assert died.wait(30), "the death was not reported"
+        holding = threading.Event()
+        dead_when_held: list[bool] = []
+
+        async def hold_the_loop_then_resolve() -> dict:
+            dead_when_held.append(held.registry.known["barrier:0"].state.is_final)
+            holding.set()
+            release.wait(30)  # blocks the loop: the registry's next events stay unread
+            return await held.resolve_worker("barrier:0", timeout=10)
+
+        resolved = asyncio.run_coroutine_threadsafe(hold_the_loop_then_resolve(), held.loop)
+        assert holding.wait(30) and dead_when_held == [True]
+        _until(events, EventKind.RESTARTED, 0)  # the driver's runtime heard of it
+        release.set()
+        info = resolved.result(30)
+        assert info["pid"] != old_pid
+        assert group.pid().wait(30) == [info["pid"]]
+    finally:
+        release.set()
+        held.stop()
         group.close()
 
 
