@@ -112,6 +112,59 @@ def test_large_frames_and_answers_from_another_thread(tmp_path: Path) -> None:
     _run(tmp_path, body)
 
 
+def test_calls_to_many_lanes_in_one_turn_keep_each_lanes_order(tmp_path: Path) -> None:
+    """One loop turn sends to several lanes (as a group call does): each lane's first
+    message leaves at once and the rest at the turn's end (or every `_MAX_HELD`), all
+    lanes of the loop sharing one end-of-turn callback; each lane keeps its order."""
+    host = _private(tmp_path)
+
+    async def main() -> None:
+        keys = ClusterKeys.generate("plain")
+        servers = [Endpoint(f"server{i}", host=host, keys=keys, lane=True) for i in range(3)]
+        client = Endpoint("client", host=host, keys=keys)
+        seen: dict[str, list[int]] = {s.name: [] for s in servers}
+        try:
+            for server in servers:
+                def note(msg: Incoming, name: str = server.name) -> None:
+                    seen[name].append(msg.meta)
+                    msg.reply(msg.meta)
+
+                server.handle("note", note)
+            n = 3 * lane_module._MAX_HELD + 5
+            # No await in between: one turn, interleaved across the lanes.
+            calls = [client.request(s.address, "note", i) for i in range(n) for s in servers]
+            clock = lane_module._clock_of(asyncio.get_running_loop())
+            assert clock.scheduled and len(set(clock.holding)) == len(servers)
+            replies = await asyncio.gather(*calls)
+            assert [m for m, _ in replies] == [i for i in range(n) for _ in servers]
+            assert all(order == list(range(n)) for order in seen.values()), seen
+            assert all(isinstance(client._peers[s.address].watched, LaneConnection)
+                       for s in servers)
+        finally:
+            client.close()
+            for server in servers:
+                server.close()
+
+    asyncio.run(main())
+
+
+def test_a_lanes_buffer_grown_for_a_large_message_is_given_back(tmp_path: Path) -> None:
+    async def body(server: Endpoint, client: Endpoint, keys: ClusterKeys, host: str) -> None:
+        server.handle("echo", lambda m: m.reply(None, m.frames))
+        big = os.urandom(3 << 20)
+        _, frames = await client.request(server.address, "echo", None, [big, b"tail"])
+        assert frames == [big, b"tail"]
+        (conn,) = server._lanes.values()
+        assert len(conn._buf) == lane_module._READ_CHUNK  # given back once it was parsed
+        mine = client._peers[server.address].watched
+        assert isinstance(mine, LaneConnection) and len(mine._buf) == lane_module._READ_CHUNK
+        for size in (0, 1, 100, 20_000):  # what follows is read into the new buffer
+            _, frames = await client.request(server.address, "echo", None, [b"s" * size])
+            assert frames == [b"s" * size]
+
+    _run(tmp_path, body)
+
+
 def test_a_client_without_the_key_is_refused_and_others_are_still_served(
         tmp_path: Path) -> None:
     async def body(server: Endpoint, client: Endpoint, keys: ClusterKeys, host: str) -> None:

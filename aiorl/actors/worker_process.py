@@ -80,7 +80,8 @@ class WorkerServer:
 
     def _on_call(self, msg: Incoming) -> None:
         try:
-            fn, is_async = self._lookup(msg.meta)
+            # A method called before is one look-up (no call of `_lookup`): every call pays it.
+            fn, is_async = self._methods.get(msg.meta) or self._lookup(msg.meta)
             args, kwargs = serialization.loads(msg.frames) if msg.frames else ((), {})
         except BaseException as exc:  # noqa: BLE001 - goes back to the caller
             self._reply_error(msg, exc)
@@ -100,7 +101,10 @@ class WorkerServer:
         except BaseException as exc:  # noqa: BLE001 - goes back to the caller
             self._reply_error(msg, exc)
             return
-        self._reply_value(msg, result)
+        if result is None:  # nothing to serialize
+            msg.reply()
+        else:
+            self._reply_value(msg, result)
 
     def _start_async(self, msg: Incoming, coro: Any) -> None:
         """Run an ``async def`` method as a task and answer when it ends.

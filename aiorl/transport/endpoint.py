@@ -93,7 +93,7 @@ from aiorl.transport.wire import (
     MAX_BATCH_MESSAGES,
     PACK_MIN_FRAMES,
     Kind,
-    decode_header,
+    decode_fields,
     encode_batch,
     encode_header,
     join_frames,
@@ -125,6 +125,7 @@ _raw_recv = _RawSocket.recv
 _raw_get = _RawSocket.get
 _EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
+_thread_id = threading.get_ident
 #: Frames at least this large are handed to ZMQ without a copy (it keeps a reference).
 _ZERO_COPY_BYTES = 64 * 1024
 
@@ -537,31 +538,36 @@ class Endpoint:
             return
         identity = frames[0]
         try:
-            header = decode_header(frames[1])
+            kind, request_id, op, meta = decode_fields(frames[1])
         except ProtocolError as exc:
             self._dropped("a malformed message: %s", exc)
             return
-        if _opens(header.kind, within):
+        if _opens(kind, within):
             try:
-                parts = _contents(header, frames[2:])
+                parts = _contents(kind, meta, frames[2:])
             except ProtocolError as exc:
-                self._dropped("a malformed %s message: %s", Kind(header.kind).name, exc)
+                self._dropped("a malformed %s message: %s", Kind(kind).name, exc)
                 return
             for part in parts:
-                self._on_router_message([identity, *part], header.kind)
+                self._on_router_message([identity, *part], kind)
             return
-        msg = Incoming(self, identity, header.kind, header.request_id, header.op, header.meta, frames[2:])
-        if header.kind not in (_REQUEST, _ONEWAY):
-            self._dropped("a %s message sent to a server socket", Kind(header.kind).name)
+        if kind != _REQUEST and kind != _ONEWAY:
+            self._dropped("a %s message sent to a server socket", Kind(kind).name)
             return
-        handler = self._handlers.get(header.op)
+        self._serve(identity, kind, request_id, op, meta, frames[2:])
+
+    def _serve(self, identity: bytes, kind: int, request_id: int, op: str, meta: Any,
+               payload: list[Any]) -> None:
+        """Hand a request or one-way message to its op's handler."""
+        msg = Incoming(self, identity, kind, request_id, op, meta, payload)
+        handler = self._handlers.get(op)
         if handler is None:
-            msg.reply_error(ProtocolError(f"{self.name} does not serve operation {header.op!r}"))
+            msg.reply_error(ProtocolError(f"{self.name} does not serve operation {op!r}"))
             return
         try:
             handler(msg)
         except Exception as exc:
-            log.debug("%s: handler for %r raised", self.name, header.op, exc_info=True)
+            log.debug("%s: handler for %r raised", self.name, op, exc_info=True)
             msg.reply_error(exc)
 
     def _send_router(
@@ -570,9 +576,9 @@ class Endpoint:
         if self.closed:
             return False
         head = encode_header(kind, request_id, op, meta)
-        lane = self._lanes.get(identity) if self._lanes else None
+        lane = self._lanes.get(identity)
         if lane is not None:
-            if threading.get_ident() != self._loop_thread:
+            if _thread_id() != self._loop_thread:
                 lane.send_from_thread([head, *frames])
             elif kind == _EVENT:
                 lane.send_direct([head, *frames])
@@ -580,7 +586,7 @@ class Endpoint:
                 lane.send([head, *frames])
             return not lane.closed
         try:
-            if threading.get_ident() != self._loop_thread:
+            if _thread_id() != self._loop_thread:
                 self._router.send_from_thread([identity, head, *frames])
             elif kind == _EVENT:
                 # Events report whether the subscriber is still there: no batching.
@@ -609,7 +615,15 @@ class Endpoint:
             old.close()
 
     def _lane_message(self, conn: LaneConnection, frames: list[Any]) -> None:
-        self._on_router_message([conn.peer_identity, *frames])
+        try:
+            kind, request_id, op, meta = decode_fields(frames[0])
+        except (ProtocolError, IndexError):
+            kind = 0
+        if kind != _REQUEST and kind != _ONEWAY:
+            # Malformed, or a container (PACKED, SPLIT): the ROUTER's path opens or refuses it.
+            self._on_router_message([conn.peer_identity, *frames])
+            return
+        self._serve(conn.peer_identity, kind, request_id, op, meta, frames[1:])
 
     def _lane_gone(self, conn: LaneConnection) -> None:
         if self._lanes.get(conn.peer_identity) is conn:
@@ -675,7 +689,7 @@ class Endpoint:
         the loop, in the order replies arrive. ``settle`` must not raise. Returns the
         request id, or 0 when the request failed at once (``settle`` already ran).
         """
-        p = self._peer(peer)
+        p = self._peers.get(peer) or self._peer(peer)  # a known peer: no call (per rank)
         if p.lost is not None or p.refused is not None:
             settle(_copy_failure(p), None)
             return 0
@@ -797,36 +811,39 @@ class Endpoint:
 
     def _on_dealer_message(self, p: _Peer, frames: list[Any], within: int = 0) -> None:
         try:
-            header = decode_header(frames[0])
+            kind, request_id, op, meta = decode_fields(frames[0])
         except (ProtocolError, IndexError) as exc:
             self._dropped("a malformed message from %s: %s", p.address, exc)
             return
-        if _opens(header.kind, within):
+        if kind == _REPLY:  # most messages: the container and event checks can wait
+            settle = p.pending.pop(request_id, None)
+            if settle is not None:  # None: timed out locally; the late answer has no reader
+                settle(None, (meta, frames[1:]))
+            return
+        if _opens(kind, within):
             try:
-                parts = _contents(header, frames[1:])
+                parts = _contents(kind, meta, frames[1:])
             except ProtocolError as exc:
-                self._dropped("a malformed %s message from %s: %s", Kind(header.kind).name,
+                self._dropped("a malformed %s message from %s: %s", Kind(kind).name,
                               p.address, exc)
                 return
             for part in parts:
-                self._on_dealer_message(p, part, header.kind)
+                self._on_dealer_message(p, part, kind)
             return
-        if header.kind == _EVENT:
-            handler = self._event_handlers.get(header.op)
+        if kind == _EVENT:
+            handler = self._event_handlers.get(op)
             if handler is None:
-                log.debug("%s: no handler for event %r", self.name, header.op)
+                log.debug("%s: no handler for event %r", self.name, op)
                 return
-            handler(p.address, header.meta, frames[1:])
+            handler(p.address, meta, frames[1:])
             return
-        settle = p.pending.pop(header.request_id, None)
+        settle = p.pending.pop(request_id, None)
         if settle is None:
             return  # timed out locally; the late answer has no reader
-        if header.kind == _REPLY:
-            settle(None, (header.meta, frames[1:]))
-        elif header.kind == _ERROR:
-            settle(from_wire(header.meta), None)  # data only: never unpickled
+        if kind == _ERROR:
+            settle(from_wire(meta), None)  # data only: never unpickled
         else:
-            settle(ProtocolError(f"unexpected {Kind(header.kind).name} in reply to a request"), None)
+            settle(ProtocolError(f"unexpected {Kind(kind).name} in reply to a request"), None)
 
     # ------------------------------------------------------------------ failure
     def on_peer_lost(self, callback: Callable[[str, BaseException], None]) -> None:
@@ -902,14 +919,14 @@ def _opens(kind: int, within: int) -> bool:
     return kind == _BATCH and within != _BATCH
 
 
-def _contents(header: Any, payload: list[Any]) -> list[list[Any]]:
+def _contents(kind: int, meta: Any, payload: list[Any]) -> list[list[Any]]:
     """The messages inside a PACKED or SPLIT (one) or BATCH (several) message;
     ProtocolError if its meta does not describe its frames."""
-    if header.kind == _PACKED:
-        return [unpack(header.meta, payload)]
-    if header.kind == _SPLIT:
-        return [join_frames(header.meta, payload)]
-    return split_batch(header.meta, payload)
+    if kind == _PACKED:
+        return [unpack(meta, payload)]
+    if kind == _SPLIT:
+        return [join_frames(meta, payload)]
+    return split_batch(meta, payload)
 
 
 def _copy_lost(exc: BaseException) -> PeerLostError:

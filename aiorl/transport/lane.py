@@ -45,12 +45,12 @@ import re
 import socket
 import struct
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiorl.transport import security
 from aiorl.transport.security import ClusterKeys
-from aiorl.util.batching import TurnBatcher
 from aiorl.util.ratelimit import RateLimitedLog
 
 __all__ = ["LANE_SUFFIX", "LaneConnection", "LaneListener", "connect_lane", "lane_path"]
@@ -67,6 +67,9 @@ _PROOF_CONTEXT = b"aiorl-lane-1\0"
 #: The server's one-byte answer to a client's hello.
 _ADMITTED, _REFUSED = 1, 0
 _COUNT = struct.Struct("<I")
+#: The head of a message of one frame: its count (1) and the frame's length.
+_ONE_FRAME = struct.Struct("<IQ")
+_ONE_FRAME_HEAD = _ONE_FRAME.size
 #: A message with more frames than this, or more bytes, is refused (the connection closes):
 #: far above what the endpoint sends, and a bound on what a broken peer makes us allocate.
 MAX_FRAMES = 1 << 16
@@ -87,6 +90,10 @@ _COPY_BELOW = 64 * 1024
 #: a driver holds a lane per worker of its machine, and a worker one per caller, so this is
 #: paid hundreds of times (256 KiB each would be 64 MiB in a driver of 256 workers).
 _READ_CHUNK = 16 * 1024
+#: Less free room than this at the buffer's end: make room before reading.
+_MIN_ROOM = _READ_CHUNK // 4
+#: A buffer larger than this (grown for a large message) is given back once empty.
+_KEEP_BUFFER = 4 * _READ_CHUNK
 #: Messages a server holds for a client that does not read its answers before it drops
 #: more (what ZMQ's ROUTER high-water mark does on the other path).
 MAX_QUEUED = 100_000
@@ -121,17 +128,16 @@ def _peer_uid(sock: socket.socket) -> int:
     return int(struct.unpack("3i", creds)[1])
 
 
-_HEADS: dict[int, struct.Struct] = {}
+#: Layouts by frame count, made once for the counts messages have (a large count's is made
+#: per message): a message's head (its count, then each frame's length), and the lengths alone.
+_CACHED_COUNTS = 64
+_HEADS = [struct.Struct(f"<I{count}Q") for count in range(_CACHED_COUNTS + 1)]
+_LENGTHS = [struct.Struct(f"<{count}Q") for count in range(_CACHED_COUNTS + 1)]
 
 
 def _heads(count: int) -> struct.Struct:
     """The layout of a message's head: its frame count, then each frame's length."""
-    head = _HEADS.get(count)
-    if head is None:
-        head = struct.Struct(f"<I{count}Q")
-        if count <= 64:
-            _HEADS[count] = head
-    return head
+    return _HEADS[count] if count <= _CACHED_COUNTS else struct.Struct(f"<I{count}Q")
 
 
 def _as_bytes_view(part: Any) -> memoryview:
@@ -141,15 +147,58 @@ def _as_bytes_view(part: Any) -> memoryview:
     return view
 
 
+class _TurnClock:
+    """Where one event loop's turn ends, for all of its lanes: a lane's first message of a
+    turn leaves at once, the rest of that turn's messages together at its end (`send`).
+
+    One end-of-turn callback per turn for every lane of the loop: a driver calling 256
+    workers of its machine sends the first message of a turn on 256 lanes, and a batcher per
+    lane scheduled (and ran) 256 callbacks per group call for that. Loop thread only."""
+
+    __slots__ = ("turn", "scheduled", "holding", "__weakref__")
+
+    def __init__(self) -> None:
+        self.turn = 1  # a lane's `_turn` starts at 0: its first message leaves at once
+        self.scheduled = False
+        #: Lanes that hold messages until the turn ends.
+        self.holding: list[LaneConnection] = []
+
+    def begin(self, loop: asyncio.AbstractEventLoop) -> int:
+        """A lane sends its first message of this turn: the turn's number (the turn ends
+        with a callback scheduled now if none is)."""
+        if not self.scheduled:
+            self.scheduled = True
+            loop.call_soon(self._end_of_turn)
+        return self.turn
+
+    def _end_of_turn(self) -> None:
+        self.scheduled = False
+        self.turn += 1
+        holding, self.holding = self.holding, []
+        for conn in holding:
+            conn._send_held()
+
+
+_CLOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _TurnClock] = (
+    weakref.WeakKeyDictionary())
+
+
+def _clock_of(loop: asyncio.AbstractEventLoop) -> _TurnClock:
+    clock = _CLOCKS.get(loop)
+    if clock is None:
+        clock = _CLOCKS[loop] = _TurnClock()
+    return clock
+
+
 class LaneConnection:
     """One end of a lane: frames messages out and in. ``on_message(frames)`` gets each
     whole message (a list of ``bytes``) on the loop; ``on_closed()`` runs once when the
     stream ends or breaks (not after `close`)."""
 
     __slots__ = ("sock", "loop", "on_message", "on_closed", "lock", "closed", "_fd", "_out",
-                 "_queued", "_writing", "_batcher", "_buf", "_start", "_end", "_need",
-                 "_reading", "_parse_scheduled", "_expect_hello", "peer_identity", "max_queued",
-                 "_expect_answer", "on_refused")
+                 "_queued", "_writing", "_clock", "_turn", "_held", "_buf", "_view", "_start",
+                 "_end", "_need", "_reading", "_parse_scheduled", "_expect_hello",
+                 "peer_identity", "max_queued", "_expect_answer", "_greeting", "on_refused")
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop,
                  on_message: Callable[[list[Any]], None],
@@ -163,13 +212,16 @@ class LaneConnection:
         self.lock = threading.Lock()
         self.closed = False
         self._fd = sock.fileno()
-        #: What waits for the socket to take it, in order (views of whole buffers).
-        self._out: collections.deque[memoryview] = collections.deque()
+        #: What waits for the socket to take it, in order (whole buffers, or views of them).
+        self._out: collections.deque[bytes | memoryview] = collections.deque()
         self._queued = 0  # messages in _out, for MAX_QUEUED
         self._writing = False  # a writer callback is registered
-        self._batcher: TurnBatcher[bytes, Sequence[Any]] = TurnBatcher(
-            loop, self._send_held, max_items=_MAX_HELD, max_bytes=1 << 62)
+        self._clock = _clock_of(loop)
+        self._turn = 0  # the last turn in which a message left at once (`_TurnClock`)
+        self._held: list[Sequence[Any]] = []  # this turn's later messages, until it ends
         self._buf = bytearray(_READ_CHUNK)
+        #: A view of ``_buf`` kept for reads and frame copies (replaced with the buffer).
+        self._view = memoryview(self._buf)
         self._start = 0  # first unparsed byte
         self._end = 0  # end of what was read
         self._need = 0  # bytes the message at _start needs in all (0: not known yet)
@@ -182,6 +234,8 @@ class LaneConnection:
         #: A client's first byte from the server answers its hello: admitted, or refused
         #: (then ``on_refused()`` runs and the lane closes).
         self._expect_answer = expect_hello is None
+        #: Either of the two above is still to come (one check on the hot path).
+        self._greeting = True
         self.on_refused: Callable[[], None] | None = None
         #: Messages held for a peer that does not read before more are dropped: a server's
         #: bound (`MAX_QUEUED`); a client's requests are never dropped (as a DEALER's).
@@ -191,39 +245,77 @@ class LaneConnection:
     # ------------------------------------------------------------------ sending
     def send(self, parts: Sequence[Any]) -> None:
         """Send one message from the loop thread (the first of a turn at once, the rest of
-        the turn together at its end)."""
+        the turn together at its end, or once `_MAX_HELD` wait)."""
         if self.closed:
             return
-        if self._batcher.first_in_turn():
-            self._write([parts])
-        else:
-            self._batcher.add(b"", parts)
+        clock = self._clock
+        held = self._held
+        if self._turn != clock.turn:
+            self._turn = clock.begin(self.loop)
+            if held:  # held in an earlier turn whose end has not reached us yet: order first
+                self._held = []
+                held.append(parts)
+                self._write(held)
+            else:
+                self._write([parts])
+            return
+        if not held:
+            clock.holding.append(self)
+        held.append(parts)
+        if len(held) >= _MAX_HELD:
+            self._held = []
+            self._write(held)
 
     def send_direct(self, parts: Sequence[Any]) -> None:
         """Send now, after anything held this turn (order kept)."""
         if self.closed:
             return
-        held = self._batcher.take(b"")
-        held.append(parts)
-        self._write(held)
+        held = self._held
+        if held:
+            self._held = []
+            held.append(parts)
+            self._write(held)
+        else:
+            self._write([parts])
 
     def send_from_thread(self, parts: Sequence[Any]) -> None:
         """Send from a thread other than the loop's (a method thread's answer)."""
         if not self.closed:
             self._write([parts], from_thread=True)
 
-    def _send_held(self, _key: bytes, messages: list[Sequence[Any]]) -> None:
-        if not self.closed:
-            self._write(messages)
+    def _send_held(self) -> None:
+        """The turn ended: what this turn held leaves (`_TurnClock`)."""
+        held = self._held
+        if held:
+            self._held = []
+            if not self.closed:
+                self._write(held)
 
     def _write(self, messages: list[Sequence[Any]], from_thread: bool = False,
                answer: int | None = None) -> None:
-        buffers: list[memoryview] = [] if answer is None else [memoryview(bytes((answer,)))]
+        buffers: list[bytes | memoryview] = [] if answer is None else [bytes((answer,))]
         for parts in messages:
-            views = [_as_bytes_view(p) for p in parts]
-            buffers.append(memoryview(_heads(len(views)).pack(len(views),
-                                                              *[v.nbytes for v in views])))
-            buffers.extend(views)
+            count = len(parts)
+            # A message of small bytes frames (a header, a small pickle: most calls and
+            # answers) leaves as one buffer with its head; others as views, without a copy.
+            if count == 1:  # a header alone (a call without arguments, an empty answer)
+                only = parts[0]
+                if only.__class__ is bytes and len(only) < _COPY_BELOW:
+                    buffers.append(_ONE_FRAME.pack(1, len(only)) + only)
+                    continue
+            size = 0
+            for part in parts:
+                if part.__class__ is not bytes:
+                    size = _COPY_BELOW
+                    break
+                size += len(part)
+            head = _HEADS[count] if count <= _CACHED_COUNTS else _heads(count)
+            if size < _COPY_BELOW:
+                buffers.append(b"".join([head.pack(count, *map(len, parts)), *parts]))
+            else:
+                views = list(map(_as_bytes_view, parts))
+                buffers.append(head.pack(count, *map(len, views)))
+                buffers.extend(views)
         broke = False
         with self.lock:
             if self.closed:
@@ -247,9 +339,17 @@ class LaneConnection:
             else:
                 self._start_writer()
 
-    def _sendmsg(self, buffers: list[memoryview]) -> list[memoryview]:
-        """Send as much of ``buffers`` as the socket takes now; return the rest."""
+    def _sendmsg(self, buffers: list[bytes | memoryview]) -> list[bytes | memoryview]:
+        """Send as much of ``buffers`` as the socket takes now; return the rest. (Every
+        view is one-dimensional bytes: its ``len`` is its size.)"""
         sock = self.sock
+        if len(buffers) == 1:  # one message of small frames: most sends
+            only = buffers[0]
+            try:
+                sent = sock.send(only)
+            except (BlockingIOError, InterruptedError):
+                return buffers
+            return [] if sent == len(only) else [memoryview(only)[sent:]]
         while buffers:
             chunk = buffers[:_MAX_IOV]
             try:
@@ -257,22 +357,25 @@ class LaneConnection:
             except (BlockingIOError, InterruptedError):
                 return buffers
             for i, view in enumerate(chunk):
-                if sent < view.nbytes:
+                if sent < len(view):
                     rest = buffers[i:]
-                    rest[0] = view[sent:]
+                    rest[0] = memoryview(view)[sent:]
                     return rest
-                sent -= view.nbytes
+                sent -= len(view)
             buffers = buffers[len(chunk):]
         return buffers
 
-    def _queue(self, buffers: list[memoryview], messages: int) -> None:
+    def _queue(self, buffers: list[bytes | memoryview], messages: int) -> None:
         if self._queued + messages > self.max_queued:
             _refused.warning("lane queue full", "a peer does not read what it is sent on its "
                              "lane (%d messages queued): dropped %d message(s)",
                              self._queued, messages)
             return
+        out = self._out
         for view in buffers:
-            self._out.append(memoryview(bytes(view)) if view.nbytes < _COPY_BELOW else view)
+            # bytes cannot change; a small view is copied (its owner may reuse the buffer).
+            out.append(view if view.__class__ is bytes or len(view) >= _COPY_BELOW
+                       else bytes(view))
         self._queued += messages
 
     def _start_writer(self) -> None:
@@ -314,11 +417,12 @@ class LaneConnection:
             self.loop.remove_reader(self._fd)
 
     def _on_readable(self) -> None:
-        free = len(self._buf) - self._end
-        if free < _READ_CHUNK // 4:
+        end = self._end
+        if len(self._buf) - end < _MIN_ROOM:
             self._make_room()
+            end = self._end
         try:
-            n = self.sock.recv_into(memoryview(self._buf)[self._end:])
+            n = self.sock.recv_into(self._view[end:])
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -326,7 +430,7 @@ class LaneConnection:
         if n == 0:
             self._broken(False)
             return
-        self._end += n
+        self._end = end + n
         self._parse()
 
     def _make_room(self) -> None:
@@ -334,9 +438,12 @@ class LaneConnection:
         pending = self._end - self._start
         size = max(len(self._buf), self._need + _READ_CHUNK, pending + _READ_CHUNK)
         if size > len(self._buf) or self._start:
+            # Same size: moved within the buffer (its view stays valid, no resize).
             buf = bytearray(size) if size > len(self._buf) else self._buf
             buf[:pending] = self._buf[self._start:self._end]
-            self._buf, self._start, self._end = buf, 0, pending
+            self._start, self._end = 0, pending
+            if buf is not self._buf:
+                self._buf, self._view = buf, memoryview(buf)
 
     def _parse(self) -> None:
         self._parse_scheduled = False
@@ -345,13 +452,18 @@ class LaneConnection:
                 return
             frames = self._next_message()
             if frames is None:
-                self._resume_reading()
+                if not self._reading:
+                    self._resume_reading()
                 return
             try:
                 self.on_message(frames)
             except Exception as exc:  # a bug a peer's message can reach: logged, bounded
                 _refused.warning("lane dispatch", "unhandled error while dispatching a "
                                  "message from a lane", exc_info=exc)
+            if self._start == self._end:  # all that was read is dispatched (most wake-ups)
+                if not self._reading:
+                    self._resume_reading()
+                return
         # More may be complete already: continue after other callbacks (answers) ran, and
         # read no more until the backlog is worked through.
         self._pause_reading()
@@ -361,23 +473,24 @@ class LaneConnection:
 
     def _next_message(self) -> list[Any] | None:
         """The next whole message in the buffer (None: not all of it is here yet)."""
-        buf, start, end = self._buf, self._start, self._end
-        if self._expect_hello is not None:
-            return self._hello(buf, start, end)
-        if self._expect_answer:
-            if end == start:
-                return None
-            self._expect_answer = False
-            self._start = start + 1
-            if buf[start] != _ADMITTED:
-                refused, self.on_refused = self.on_refused, None
-                self.on_closed = None  # refused, not broken: the owner hears it once
-                self.close()
-                if refused is not None:
-                    refused()
-                return None
-            return self._next_message()
-        if end - start < 4:
+        if self._greeting:
+            return self._next_greeting()
+        start, end = self._start, self._end
+        buf = self._buf
+        if end - start >= _ONE_FRAME_HEAD:  # a whole message of one frame: most calls
+            count, size = _ONE_FRAME.unpack_from(buf, start)
+            if count == 1 and end - start >= _ONE_FRAME_HEAD + size:
+                pos = start + _ONE_FRAME_HEAD + size
+                frames = [bytes(self._view[start + _ONE_FRAME_HEAD:pos])]
+                self._need = 0
+                if pos != end:
+                    self._start = pos
+                    return frames
+                self._start = self._end = 0
+                if len(buf) > _KEEP_BUFFER:
+                    self._shrink()
+                return frames
+        elif end - start < 4:
             return None
         (count,) = _COUNT.unpack_from(buf, start)
         if count == 0 or count > MAX_FRAMES:
@@ -386,7 +499,8 @@ class LaneConnection:
         head = 4 + 8 * count
         if end - start < head:
             return None
-        lengths = struct.unpack_from(f"<{count}Q", buf, start + 4)
+        lengths = (_LENGTHS[count] if count <= _CACHED_COUNTS
+                   else struct.Struct(f"<{count}Q")).unpack_from(buf, start + 4)
         total = head + sum(lengths)
         if total > MAX_MESSAGE_BYTES:
             self._malformed(f"a message of {total} bytes")
@@ -395,18 +509,42 @@ class LaneConnection:
             self._need = total
             return None
         self._need = 0
-        frames: list[Any] = []
         pos = start + head
-        with memoryview(buf) as view:
-            for n in lengths:
-                frames.append(bytes(view[pos:pos + n]))
-                pos += n
-        self._start = pos
+        view = self._view
+        frames = []
+        for n in lengths:
+            frames.append(bytes(view[pos:pos + n]))
+            pos += n
         if pos == end:
             self._start = self._end = 0
-            if len(buf) > 4 * _READ_CHUNK:  # a large message passed: give its memory back
-                self._buf = bytearray(_READ_CHUNK)
+            if len(buf) > _KEEP_BUFFER:
+                self._shrink()
+        else:
+            self._start = pos
         return frames
+
+    def _shrink(self) -> None:
+        """A large message passed, and the buffer is empty: give its memory back."""
+        self._buf = bytearray(_READ_CHUNK)
+        self._view = memoryview(self._buf)
+
+    def _next_greeting(self) -> list[Any] | None:
+        """`_next_message` before the hello (a server) or its answer (a client) was read."""
+        buf, start, end = self._buf, self._start, self._end
+        if self._expect_hello is not None:
+            return self._hello(buf, start, end)
+        if end == start:
+            return None
+        self._expect_answer = self._greeting = False
+        self._start = start + 1
+        if buf[start] != _ADMITTED:
+            refused, self.on_refused = self.on_refused, None
+            self.on_closed = None  # refused, not broken: the owner hears it once
+            self.close()
+            if refused is not None:
+                refused()
+            return None
+        return self._next_message()
 
     def _hello(self, buf: bytearray, start: int, end: int) -> list[Any] | None:
         head = _PROOF_BYTES + _HELLO.size
@@ -418,6 +556,7 @@ class LaneConnection:
         proof = bytes(buf[start:start + _PROOF_BYTES])
         identity = bytes(buf[start + head:start + head + n])
         check, self._expect_hello = self._expect_hello, None
+        self._greeting = False  # a server's client expects no answer from us
         assert check is not None
         self._start = start + head + n
         self.peer_identity = identity
@@ -454,8 +593,9 @@ class LaneConnection:
             return
         self.on_closed = None
         if not self.closed:
-            held = self._batcher.take(b"")
+            held = self._held
             if held:
+                self._held = []
                 self._write(held)
         with self.lock:
             self.closed = True
