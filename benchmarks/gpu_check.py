@@ -3,8 +3,9 @@
 Run: ``python benchmarks/gpu_check.py [--quick] [--skip-tests] [--out DIR]``. Needs no
 network. In order, within about six minutes on one H100/H200:
 
-1. the GPU tests (``tests/test_gpu_*.py``, ``test_p2p_cuda``, ``test_broadcast_cuda``,
-   ``test_weights_cuda``; two-GPU tests skip on one GPU), their pytest summary line kept;
+1. the GPU tests (``tests/test_gpu_*.py``, ``test_p2p_cuda``, ``test_p2p_cuda_small``,
+   ``test_broadcast_cuda``, ``test_weights_cuda``; two-GPU tests skip on one GPU), their
+   pytest summary line kept;
 2. CUDA IPC between two workers on GPU 0 (``benchmarks/bench_gpu.py``'s measurement): one-way
    ``send_tensor`` into a posted buffer beside a device-to-device copy of the same size, and
    the round trip of a one-element tensor, CUDA against CPU;
@@ -41,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GPU_TESTS = [
     "tests/test_gpu_single.py",
     "tests/test_p2p_cuda.py",
+    "tests/test_p2p_cuda_small.py",
     "tests/test_broadcast_cuda.py",
     "tests/test_weights_cuda.py",
     "tests/test_gpu_multi.py",
