@@ -8,6 +8,8 @@ keeps it informed with heartbeats, and serves three operations:
 * ``kill_group``: stop every worker of a group (SIGTERM, then SIGKILL);
 * ``kill_workers``: stop some ranks of a group (an elastic group shrinking);
 * ``free_port``: a free TCP port on this machine (for ``MASTER_PORT``).
+* ``relay_p2p``: forward a worker's point-to-point message toward a worker of any node
+  (`aiorl.node.p2p_relay`: all-to-all p2p without a connection per pair).
 
 When a worker exits, the agent tells the registry its exit code, the signal
 that killed it and the last lines of its output, which reach the owner as the
@@ -49,6 +51,7 @@ from typing import Any
 
 from aiorl.errors import AddressError, AiorlError, ProtocolError, RegistryUnavailable
 from aiorl.names import WorkerInfo
+from aiorl.node.p2p_relay import P2PRelay
 from aiorl.node.relay import CallRelay
 from aiorl.node.visible_devices import physical_visible_devices
 from aiorl.node.zygote import encode_message, read_message, write_message
@@ -188,6 +191,8 @@ class NodeAgent:
         self.endpoint.handle(AgentOp.WORKER_READY, self._on_worker_ready)
         self.relay = CallRelay(self.endpoint)
         self.endpoint.handle(AgentOp.RELAY_CALL, self.relay.on_relay_call)
+        self.p2p_relay = P2PRelay(self.endpoint, self.node_id, self.registry.nodes)
+        self.endpoint.handle(AgentOp.RELAY_P2P, self.p2p_relay.on_relay_p2p)
         self._zygote_ready = loop.create_future()
         self._start_zygote()
         #: Whether the registry's connection is up: tells a slow registry from a dead one.
@@ -566,6 +571,7 @@ class NodeAgent:
             await self.registry.unregister_node(self.node_id, timeout=1.0)
         except Exception:
             pass
+        self.p2p_relay.close()
         self.registry.close()
         self._link.stop()
         if self.zygote.poll() is None:

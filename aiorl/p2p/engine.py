@@ -11,7 +11,9 @@ per source, routes the endpoint's ops and peer losses to them, and owns nothing 
 Ordering (``docs/ordering.md``): every message of a (sender, receiver) pair is announced
 by one control message on the sender's single connection to the receiver, in call
 order, whatever its kind or path; the receiver matches control messages to posted
-receives first-in first-out per sender.
+receives first-in first-out per sender. Beyond ``AIORL_P2P_DIRECT_PEERS`` destinations on
+other nodes, a pair's control messages take one fixed route through the node agents
+instead (`aiorl.p2p.relay`), FIFO at every hop, and arrive as ``p2p.via``.
 
 Threads: every public method may be called from the event loop (no thread hop) or from
 another thread such as a worker's method thread. Validation and pickling happen at call
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from threading import get_ident as _get_ident
 from typing import Any
 
-from aiorl.errors import PeerLostError, RegistryUnavailable
+from aiorl.errors import PeerLostError, ProtocolError, RegistryUnavailable
 from aiorl.names import WorkerAddress
 from aiorl.p2p.gpu import cuda_needs_init, local_cuda_info
 from aiorl.p2p.inbox import Inbox, InboxStatistics
@@ -51,18 +53,24 @@ from aiorl.p2p.proto import (
     OP_DONE,
     OP_DROP,
     OP_HELLO,
+    OP_VIA,
     RESOLVE_RETRY_S,
 )
+from aiorl.p2p.relay import RelayRoute, direct_peers
 from aiorl.p2p.sender import Sender, SenderStatistics
+from aiorl.protocol.p2p_relay import ViaP2P
 from aiorl.runtime import AsyncWork, Runtime
 from aiorl.runtime.promise import reject, trace_until_settled
 from aiorl.runtime.waiter import BlockingWaiter
 from aiorl.trace import recorder as _trace
 from aiorl.transport.endpoint import Incoming
+from aiorl.util.ratelimit import RateLimitedLog
 
 __all__ = ["P2PEngine", "P2PStatistics", "get_p2p"]
 
 log = logging.getLogger("aiorl.p2p")
+#: What a peer can repeat (a malformed relayed message) is logged once a second at most.
+_warn = RateLimitedLog(log)
 
 #: A source's messages came from a newer process than the dead one the runtime knows of:
 #: how soon to resolve its name again (doubling up to the maximum) until it is ready.
@@ -76,6 +84,8 @@ class P2PStatistics:
 
     senders: Mapping[str, SenderStatistics]
     inboxes: Mapping[str, InboxStatistics]
+    #: Destinations on other nodes this process holds a direct connection to (its budget).
+    direct_remote: int = 0
 
 
 #: Group names this process already checked against the name grammar (a worker sends to a
@@ -132,6 +142,11 @@ class P2PEngine:
         self._sender_by_address: dict[str, Sender] = {}
         self._inbox_by_address: dict[str, Inbox] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        #: At most this many destinations on other nodes get a direct connection ...
+        self.direct_peers = direct_peers()
+        #: ... these (by address); later ones are relayed through the node agents.
+        self._direct_remote: set[str] = set()
+        self._agent: asyncio.Future[str | None] | None = None  # this node's agent endpoint
         # Bound once: on every call's path.
         self._loop_tid = runtime.loop_thread.thread_id  # compared inline on each send/recv
         self._submit = runtime.submit
@@ -143,6 +158,8 @@ class P2PEngine:
         ep.handle(OP_DROP, self._on_drop)
         ep.handle(OP_CUDA, self._on_drop)
         ep.handle(OP_HELLO, self._on_hello)
+        ep.handle(OP_VIA, self._on_via)
+        self._via_handlers = {OP_DATA: self._on_data, OP_BATCH: self._on_batch}
         ep.on_peer_lost(self._on_peer_lost)
         runtime.on_close(self.close)
 
@@ -300,7 +317,44 @@ class P2PEngine:
         if self.endpoint.is_lost(address):
             self._sender_lost(s, PeerLostError(f"worker {s.name} is gone"))
             return
-        s.on_resolved(address, peer_node is not None and peer_node == self.node_id)
+        same_node = peer_node is not None and peer_node == self.node_id
+        relay = None
+        if not same_node and peer_node is not None and address not in self._direct_remote:
+            if len(self._direct_remote) < self.direct_peers:
+                self._direct_remote.add(address)
+            else:
+                relay = await self._relay_route(peer_node, address)
+                if s.lost_exc is not None:
+                    return  # lost while this node's agent was looked up
+        s.on_resolved(address, same_node, relay)
+
+    async def _relay_route(self, peer_node: str, address: str) -> RelayRoute | None:
+        """The route through the node agents to ``address``; None (a direct connection)
+        where this process has no agent to relay through (a driver, no registry)."""
+        if self._agent is None or (self._agent.done() and self._agent.result() is None):
+            self._agent = self.loop.create_future()
+            self.spawn(self._find_agent(self._agent))
+        agent = await asyncio.shield(self._agent)
+        if agent is None:
+            self._direct_remote.add(address)
+            return None
+        return RelayRoute(self.endpoint, agent, peer_node, address, self.endpoint.identity)
+
+    async def _find_agent(self, found: asyncio.Future[str | None]) -> None:
+        """This node's agent endpoint, from the registry's node list."""
+        agent = None
+        if self.node_id is not None:
+            try:
+                nodes = await self.runtime.registry.nodes()
+                agent = next((n.endpoint for n in nodes if n.node_id == self.node_id), None)
+            except Exception as exc:  # noqa: BLE001 - the pair goes direct instead
+                log.warning("%s: cannot find this node's agent (%r): p2p goes direct", self.name, exc)
+            else:
+                if agent is None:
+                    log.warning("%s: node %s is not in the registry: p2p goes direct",
+                                self.name, self.node_id)
+        if not found.done():
+            found.set_result(agent)
 
     async def _watch_source(self, ib: Inbox) -> None:
         """Resolve the sender through the registry so that its death fails our receives.
@@ -353,6 +407,7 @@ class P2PEngine:
         s = self._sender_by_address.pop(address, None)
         if s is not None:
             self._sender_lost(s, lost)
+        self._direct_remote.discard(address)  # its connection is closed: a slot is free
         ib = self._inbox_by_address.pop(address, None)
         if ib is not None:
             self._inbox_lost(ib, lost)
@@ -393,6 +448,17 @@ class P2PEngine:
         if ib is not None:
             ib.on_control(msg.op, msg.meta)
 
+    def _on_via(self, msg: Incoming) -> None:
+        """``p2p.via`` from a node agent: a relayed message, served as the inner op from the
+        original sender (its routing id is what the Inbox and `_death_of_a_predecessor` see)."""
+        try:
+            via = ViaP2P.from_wire(msg.meta)
+        except ProtocolError as exc:
+            _warn.warning("p2p.via", "%s: dropped a malformed relayed p2p message: %s", self.name, exc)
+            return
+        inner = Incoming(self.endpoint, via.src_identity, msg.kind, 0, via.op, via.meta, msg.frames)
+        self._via_handlers[via.op](inner)
+
     def _on_hello(self, msg: Incoming) -> None:
         ib = self.inbox(msg.meta["src"])
         if ib.sender is None:
@@ -421,6 +487,7 @@ class P2PEngine:
         return P2PStatistics(
             senders={name: s.statistics() for name, s in self._senders.items()},
             inboxes={name: ib.statistics() for name, ib in self._inboxes.items()},
+            direct_remote=len(self._direct_remote),
         )
 
     def close(self) -> None:

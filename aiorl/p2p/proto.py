@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from typing import Final
 
+from aiorl.protocol.p2p_relay import P2P_VIA
+
 OP_DATA: Final = "p2p.data"  # sender -> receiver, one-way: one message (control + inline payload)
 OP_BATCH: Final = "p2p.batch"  # sender -> receiver, one-way: several small messages, in order
 OP_ACK: Final = "p2p.ack"  # receiver -> sender, one-way: a shared segment is free again
@@ -22,6 +24,9 @@ OP_DROP: Final = "p2p.drop"  # sender -> receiver, one-way: forget a segment (th
 OP_HELLO: Final = "p2p.hello"  # sender -> receiver, request: can you map my segments? your GPUs?
 OP_DONE: Final = "p2p.done"  # receiver -> sender, one-way: a pulled payload was read (or not)
 OP_CUDA: Final = "p2p.cuda"  # sender -> receiver, one-way: NCCL "go", CUDA IPC share dropped
+#: node agent -> receiver, one-way: a ``p2p.data``/``p2p.batch`` relayed for a sender beyond
+#: the direct-connection budget (`aiorl.p2p.relay`); meta ``[src_identity, op, meta]``.
+OP_VIA: Final = P2P_VIA
 
 #: Pickled buffers smaller than this stay inside the pickle stream (one copy beats one frame).
 INBAND_MAX: Final = 64 * 1024

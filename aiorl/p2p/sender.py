@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.p2p.message import OutMessage, cuda_specs
-from aiorl.p2p.paths import CPU_PATHS, CUDA_PATHS
+from aiorl.p2p.paths import CPU_PATHS, CUDA_PATHS, RELAYED_PATHS
 from aiorl.p2p.paths.base import (
     PathHost,
     PathStatistics,
@@ -53,7 +53,7 @@ from aiorl.p2p.paths.base import (
     lost_error,
     resolve,
 )
-from aiorl.p2p.paths.cuda_host import staged_future, staged_ready
+from aiorl.p2p.paths.cuda_host import stage, staged_future, staged_ready
 from aiorl.p2p.proto import (
     BATCH_MAX_BYTES,
     BATCH_MAX_MSGS,
@@ -69,6 +69,7 @@ from aiorl.runtime.promise import reject as reject_work
 from aiorl.runtime.promise import resolve as resolve_work
 
 if TYPE_CHECKING:
+    from aiorl.p2p.relay import RelayRoute
     from aiorl.runtime import AsyncWork
 
 __all__ = ["Sender", "SenderStatistics"]
@@ -77,6 +78,8 @@ log = logging.getLogger("aiorl.p2p")
 
 #: The meta of every inline pickled message in a batch (shared: it is never modified).
 _OBJ_META: list[Any] = [K_OBJ, None, None]
+#: A relayed Sender's CUDA tensors all travel through pinned host memory, whatever their size.
+_NO_LIMIT = 1 << 62
 
 
 class SenderHost(PathHost, Protocol):
@@ -96,6 +99,7 @@ class SenderStatistics:
     pending: int  # sends out but not complete yet
     lost: bool
     paths: Mapping[str, PathStatistics]  # by path name; only the paths that apply
+    relayed: bool = False  # through the node agents (`aiorl.p2p.relay`), not a connection
 
     def usable(self, path: str) -> bool | None:
         """Whether ``path`` was found usable toward this destination (None: not probed)."""
@@ -111,6 +115,7 @@ class Sender:
         "name",
         "address",
         "same_node",
+        "relay",
         "ready",
         "resolved",
         "backlog",
@@ -135,6 +140,7 @@ class Sender:
         self.name = name
         self.address: str | None = None
         self.same_node = False
+        self.relay: RelayRoute | None = None
         self.ready = False
         self.resolved: asyncio.Future[None] = engine.loop.create_future()
         self.backlog: deque[tuple[OutMessage, AsyncWork[None]]] = deque()
@@ -160,15 +166,22 @@ class Sender:
         return next(self._tokens)
 
     # ------------------------------------------------------------------ resolution
-    def on_resolved(self, address: str, same_node: bool) -> None:
-        """The destination is known: create the paths that apply to it and start sending."""
+    def on_resolved(self, address: str, same_node: bool, relay: RelayRoute | None = None) -> None:
+        """The destination is known: create the paths that apply to it and start sending.
+
+        ``relay``: this pair's messages go through the node agents (for the Sender's
+        life), so only the paths that need no set-up and send nothing back apply.
+        """
         self.address = address
         self.same_node = same_node
+        self.relay = relay
         engine = self.engine
         cpu: list[SendPath] = []
         cuda: list[SendPath] = []
         for specs, out in ((CPU_PATHS, cpu), (CUDA_PATHS, cuda)):
             for spec in specs:
+                if relay is not None and spec not in RELAYED_PATHS:
+                    continue
                 path = spec.send(engine, self)
                 if path is not None:
                     out.append(path)
@@ -188,6 +201,12 @@ class Sender:
             if msg.inline is not None:
                 self._enqueue(msg, work)
                 return
+            if self.relay is not None and msg.cuda and msg.staged is None:
+                try:
+                    stage(msg, _NO_LIMIT)
+                except Exception as exc:  # noqa: BLE001 - e.g. no pinned memory left
+                    reject_work(work, exc)
+                    return
             staged = msg.staged
             if (staged is None or staged_ready(staged)) and (
                 not self.askers or not self._needs_setup(msg)
@@ -216,6 +235,13 @@ class Sender:
                 if work.done():  # cancelled before it left: withdraw it
                     backlog.popleft()
                     continue
+                if self.relay is not None and msg.cuda and msg.staged is None:
+                    try:
+                        stage(msg, _NO_LIMIT)  # sent before the route was known
+                    except Exception as exc:  # noqa: BLE001 - e.g. no pinned memory left
+                        backlog.popleft()
+                        reject_work(work, exc)
+                        continue
                 staged = msg.staged
                 if staged is not None and not staged.ready():
                     # Small CUDA tensors still being copied to pinned memory: later sends
@@ -295,9 +321,11 @@ class Sender:
                 else:
                     cudadesc = [NOTHING, specs]
             assert self.address is not None
-            self.engine.endpoint.send_oneway(
-                self.address, OP_DATA, [self._src, msg.kind, msg.head, bufdesc, cudadesc], frames
-            )
+            meta = [self._src, msg.kind, msg.head, bufdesc, cudadesc]
+            if self.relay is None:
+                self.engine.endpoint.send_oneway(self.address, OP_DATA, meta, frames)
+            else:
+                self.relay.send(OP_DATA, meta, frames)
         except BaseException as exc:  # noqa: BLE001 - nothing went out: the send fails, not hangs
             for placed in (placed_cpu, placed_cuda):
                 if placed is not None and placed.undo is not None:
@@ -371,11 +399,13 @@ class Sender:
         try:
             assert self.address is not None
             if len(works) == 1:
-                self.engine.endpoint.send_oneway(
-                    self.address, OP_DATA, [self._src, *metas[0], None], frames
-                )
+                op, meta = OP_DATA, [self._src, *metas[0], None]
             else:
-                self.engine.endpoint.send_oneway(self.address, OP_BATCH, [self._src, metas], frames)
+                op, meta = OP_BATCH, [self._src, metas]
+            if self.relay is None:
+                self.engine.endpoint.send_oneway(self.address, op, meta, frames)
+            else:
+                self.relay.send(op, meta, frames)
         except BaseException as exc:  # noqa: BLE001 - the sends fail, they do not hang
             for w in works:
                 reject_work(w, exc)
@@ -425,6 +455,7 @@ class Sender:
             pending=len(self.pending),
             lost=self.lost_exc is not None,
             paths={name: path.statistics() for name, path in self.path_names.items()},
+            relayed=self.relay is not None,
         )
 
 

@@ -8,6 +8,7 @@ the registry included, can parse messages without pulling in the runtime.
 * `registry`: the registry's requests, replies and events;
 * `spawn`: what a driver asks an agent to start, and what
   the agent hands each new worker process;
+* `relay`, `p2p_relay`: group calls and point-to-point messages relayed by node agents;
 * `fields`: the checked reading every ``from_wire`` uses.
 """
 

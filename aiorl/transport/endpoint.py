@@ -882,6 +882,12 @@ class Endpoint:
                 log.exception("peer-lost callback failed")
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def identity(self) -> bytes:
+        """This endpoint's routing id (``name/pid/nonce``): what a server sees it as, on a
+        DEALER or a lane (a relayed p2p message carries it: `aiorl.p2p.relay`)."""
+        return self._identity
+
     def call_soon_threadsafe(self, fn: Callable[..., Any], *args: Any) -> None:
         self.loop.call_soon_threadsafe(fn, *args)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from aiorl.p2p.paths import cma, cuda_host, cuda_ipc, frames, nccl, shm
 from aiorl.p2p.paths.base import PathSpec
 
-__all__ = ["CPU_PATHS", "CUDA_PATHS", "PATHS", "PathSpec"]
+__all__ = ["CPU_PATHS", "CUDA_PATHS", "PATHS", "RELAYED_PATHS", "PathSpec"]
 
 PATHS: tuple[PathSpec, ...] = (
     cma.PATH,
@@ -24,3 +24,7 @@ PATHS: tuple[PathSpec, ...] = (
 
 CPU_PATHS: tuple[PathSpec, ...] = tuple(p for p in PATHS if not p.cuda)
 CUDA_PATHS: tuple[PathSpec, ...] = tuple(p for p in PATHS if p.cuda)
+
+#: The paths of a Sender relayed through node agents (`aiorl.p2p.relay`): those that need no
+#: set-up question and send nothing back to the sender (a relayed pair has no connection).
+RELAYED_PATHS: tuple[PathSpec, ...] = (frames.PATH, cuda_host.PATH)

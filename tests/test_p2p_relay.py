@@ -1,0 +1,364 @@
+"""Point-to-point messages relayed through the node agents (issue 29: O(N) connections).
+
+One embedded two-node cluster for the module. The ``relayed`` group's workers run with
+``AIORL_P2P_DIRECT_PEERS=0``: every destination on the other node is reached through
+the two node agents. The ``direct`` group keeps the default budget, which every existing
+test runs under: its cross-node pair holds a connection, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import aiorl
+from aiorl.errors import ProtocolError
+from aiorl.node.p2p_relay import P2PRelay
+from aiorl.p2p.proto import OP_BATCH, OP_DATA, OP_VIA
+from aiorl.p2p.relay import DEFAULT_DIRECT_PEERS, direct_peers
+from aiorl.placement import NodePlacementStrategy
+from aiorl.protocol.ops import AgentOp
+from aiorl.protocol.p2p_relay import RELAYED_P2P_OPS, RelayedP2P, ViaP2P
+from aiorl.protocol.registry import NodeInfo
+
+RELAY_ENV = {"AIORL_P2P_DIRECT_PEERS": "0"}
+
+
+def tensor_of(kind: str) -> torch.Tensor:
+    return {
+        "small": torch.arange(10, dtype=torch.float32),
+        "mib": torch.arange(3 << 18, dtype=torch.float32),  # 3 MiB: frames, not inline
+        "empty": torch.empty(0, 3),
+    }[kind]
+
+
+def seq_size(i: int) -> int:
+    """Message i of the ordering test: mostly small (batched), every 97th above 64 KiB."""
+    return 40_000 if i % 97 == 5 else (i % 7 + 1) * 10
+
+
+class R(aiorl.Worker):
+    def node(self) -> str:
+        return self.worker_info.node_id
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def address(self) -> str:
+        return self._runtime.endpoint.address
+
+    async def connected_to(self, address: str) -> bool:
+        """Whether this process holds a connection (DEALER or lane) to ``address``."""
+        return address in self._runtime.endpoint._peers
+
+    async def route_to(self, dst: int) -> list[Any]:
+        """(relayed, direct connections to other nodes) of the Sender toward ``dst``."""
+        from aiorl.p2p import get_p2p
+
+        stats = get_p2p(self._runtime).statistics()
+        return [stats.senders[f"{self.worker_group_name}:{dst}"].relayed, stats.direct_remote]
+
+    async def wait_posted(self, src: int, n: int) -> int:
+        """Until ``n`` receives from ``src`` are posted (a recv started by another call)."""
+        from aiorl.p2p import get_p2p
+
+        engine = get_p2p(self._runtime)
+        name = f"{self.worker_group_name}:{src}"
+        while True:
+            inbox = engine.statistics().inboxes.get(name)
+            if inbox is not None and inbox.posted >= n:
+                return inbox.posted
+            await asyncio.sleep(0.005)
+
+    async def send_objects(self, dst: int, n: int) -> int:
+        for i in range(n):
+            await self.send({"i": i, "s": "x" * i, "nested": [i, (i, None)]},
+                            self.worker_group_name, dst)
+        return n
+
+    async def recv_objects(self, src: int, n: int) -> list[int]:
+        bad = []
+        for i in range(n):
+            got = await self.recv(self.worker_group_name, src)
+            if got != {"i": i, "s": "x" * i, "nested": [i, (i, None)]}:
+                bad.append(i)
+        return bad
+
+    async def send_tensors(self, dst: int, kinds: list[str], into: bool) -> int:
+        g = self.worker_group_name
+        for k in kinds:
+            await (self.send_tensor(tensor_of(k), g, dst) if into else self.send(tensor_of(k), g, dst))
+        return len(kinds)
+
+    async def recv_tensors(self, src: int, kinds: list[str], into: bool) -> list[str]:
+        bad = []
+        for k in kinds:
+            want = tensor_of(k)
+            if into:
+                buf = torch.empty_like(want)
+                got = await self.recv_tensor(buf, self.worker_group_name, src)
+                ok = got is buf and torch.equal(buf, want)
+            else:
+                got = await self.recv(self.worker_group_name, src)
+                ok = isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
+            if not ok:
+                bad.append(k)
+        return bad
+
+    async def exchange(self, peer: int, n: int) -> int:
+        """Send n interleaved objects and tensors to ``peer`` while receiving its n; check order."""
+        g = self.worker_group_name
+        sends = []
+        for i in range(n):
+            t = torch.full((seq_size(i),), float(i))
+            if i % 3 == 0:
+                sends.append(self.send_tensor(t, g, peer))
+            else:
+                sends.append(self.send({"i": i, "t": t, "from": self.rank}, g, peer))
+            if i % 50 == 0:
+                await asyncio.sleep(0)  # let the peer's messages in meanwhile
+        checked = 0
+        for start in range(0, n, 100):
+            batch = []  # posted before awaiting: some arrive before, some after
+            for i in range(start, min(n, start + 100)):
+                if i % 3 == 0:
+                    buf = torch.empty(seq_size(i))
+                    batch.append((i, buf, self.recv_tensor(buf, g, peer)))
+                else:
+                    batch.append((i, None, self.recv(g, peer)))
+            for i, buf, w in batch:
+                got = await w
+                if buf is not None:
+                    assert got is buf and bool((buf == i).all()), f"tensor message {i} out of order"
+                else:
+                    assert got["i"] == i and got["from"] == peer, f"message {i} out of order: {got['i']}"
+                    assert got["t"].shape == (seq_size(i),) and bool((got["t"] == i).all())
+                checked += 1
+        for w in sends:
+            await w
+        return checked
+
+    async def recv_expect_loss(self, src: int) -> tuple[str, str]:
+        try:
+            got = await self.recv(self.worker_group_name, src)
+            return "received", repr(got)
+        except Exception as exc:  # noqa: BLE001 - the test inspects the type
+            return type(exc).__name__, str(exc)
+
+    async def after_loss(self, peer: int) -> list[str]:
+        out = []
+        for op in (
+            lambda: self.send(1, self.worker_group_name, peer),
+            lambda: self.recv(self.worker_group_name, peer),
+            lambda: self.send_tensor(torch.ones(1 << 20), self.worker_group_name, peer),
+        ):
+            try:
+                await asyncio.wait_for(op().async_wait(), 5)
+                out.append("ok")
+            except Exception as exc:  # noqa: BLE001
+                out.append(type(exc).__name__)
+        return out
+
+
+# ----------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def cluster2():
+    with aiorl.Cluster(num_nodes=2) as c:
+        yield c
+
+
+def _launch(cluster: Any, name: str, nodes: list[int], env: dict[str, str] | None) -> Any:
+    g = R.create_group().launch(cluster, name=name, placement_strategy=NodePlacementStrategy(nodes),
+                                env=env)
+    where = g.node().wait(60)
+    assert where[0] != where[1]
+    return g
+
+
+@pytest.fixture(scope="module")
+def relayed(cluster2):
+    g = _launch(cluster2, "relayed", [0, 1], RELAY_ENV)
+    yield g
+    g.close()
+
+
+@pytest.fixture(scope="module")
+def direct(cluster2):
+    g = _launch(cluster2, "direct", [0, 1], None)
+    yield g
+    g.close()
+
+
+def on(g: Any, rank: int) -> Any:
+    return g.execute_on(rank)
+
+
+# ----------------------------------------------------------------------------- real processes
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("src,dst", [(0, 1), (1, 0)], ids=["node0_to_node1", "node1_to_node0"])
+def test_objects_recv_posted_first_and_sent_first(relayed: Any, src: int, dst: int) -> None:
+    recv = on(relayed, dst).recv_objects(src, 50)
+    assert on(relayed, dst).wait_posted(src, 1).wait(30) == [1]
+    assert on(relayed, src).send_objects(dst, 50).wait(30) == [50]
+    assert recv.wait(30) == [[]]
+    # Sent first: the messages wait at the receiver.
+    assert on(relayed, src).send_objects(dst, 50).wait(30) == [50]
+    assert on(relayed, dst).recv_objects(src, 50).wait(30) == [[]]
+    assert on(relayed, src).route_to(dst).wait(30) == [[True, 0]]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("into", [False, True], ids=["send", "send_tensor"])
+def test_cpu_tensors_small_and_mib(relayed: Any, into: bool) -> None:
+    kinds = ["small", "mib", "empty", "mib", "small"]
+    recv = on(relayed, 1).recv_tensors(0, kinds, into)
+    assert on(relayed, 1).wait_posted(0, 1).wait(30) == [1]
+    assert on(relayed, 0).send_tensors(1, kinds, into).wait(60) == [len(kinds)]
+    assert recv.wait(60) == [[]]
+    assert on(relayed, 1).send_tensors(0, kinds, into).wait(60) == [len(kinds)]
+    assert on(relayed, 0).recv_tensors(1, kinds, into).wait(60) == [[]]
+
+
+@pytest.mark.timeout(120)
+def test_thousand_interleaved_messages_keep_order_both_directions(relayed: Any) -> None:
+    both = [on(relayed, 0).exchange(1, 1000), on(relayed, 1).exchange(0, 1000)]
+    assert [w.wait(90) for w in both] == [[1000], [1000]]
+
+
+@pytest.mark.timeout(90)
+def test_relayed_sender_holds_no_connection_direct_one_does(relayed: Any, direct: Any) -> None:
+    for g, relay in ((relayed, True), (direct, False)):
+        assert on(g, 0).send_objects(1, 3).wait(30) == [3]
+        assert on(g, 1).recv_objects(0, 3).wait(30) == [[]]
+        dst = on(g, 1).address().wait(30)[0]
+        assert on(g, 0).route_to(1).wait(30) == [[relay, 0 if relay else 1]]
+        assert on(g, 0).connected_to(dst).wait(30) == [not relay]
+
+
+@pytest.mark.timeout(90)
+def test_destination_that_dies_fails_pending_recv_then_every_operation(cluster2: Any) -> None:
+    g = _launch(cluster2, "relaykill", [0, 1], RELAY_ENV)
+    try:
+        victim = on(g, 1).pid().wait(60)[0]
+        # A relayed route exists before the death: rank 0 has sent through it.
+        assert on(g, 0).send_objects(1, 2).wait(30) == [2]
+        assert on(g, 1).recv_objects(0, 2).wait(30) == [[]]
+        pending = on(g, 0).recv_expect_loss(1)
+        assert on(g, 0).wait_posted(1, 1).wait(30) == [1]
+        t = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        name, text = pending.wait(10)[0]
+        assert name == "PeerLostError", (name, text)
+        assert time.monotonic() - t <= 5.0
+        assert on(g, 0).after_loss(1).wait(30)[0] == ["PeerLostError"] * 3
+    finally:
+        g.close()
+
+
+# ----------------------------------------------------------------------------- units
+@pytest.mark.timeout(10)
+def test_direct_peer_budget_parses_strictly() -> None:
+    assert direct_peers({}) == DEFAULT_DIRECT_PEERS == 64
+    assert direct_peers({"AIORL_P2P_DIRECT_PEERS": " "}) == 64
+    assert direct_peers({"AIORL_P2P_DIRECT_PEERS": "0"}) == 0
+    assert direct_peers({"AIORL_P2P_DIRECT_PEERS": " 7 "}) == 7
+    for junk in ("x", "1.5", "-1", "64k"):
+        with pytest.raises(ValueError, match="AIORL_P2P_DIRECT_PEERS"):
+            direct_peers({"AIORL_P2P_DIRECT_PEERS": junk})
+
+
+@pytest.mark.timeout(10)
+def test_envelopes_round_trip_and_refuse_what_may_not_be_relayed() -> None:
+    assert {OP_DATA, OP_BATCH} == RELAYED_P2P_OPS
+    assert OP_VIA == "p2p.via"
+    inner = ["g:0", 0, None, None, None]
+    r = RelayedP2P.from_wire(["node-b", "ipc:///x/w", b"g:0/42/abcd", OP_DATA, inner])
+    assert r.to_wire() == ["node-b", "ipc:///x/w", b"g:0/42/abcd", OP_DATA, inner]
+    assert ViaP2P.from_wire(r.via().to_wire()) == ViaP2P(b"g:0/42/abcd", OP_DATA, inner)
+    bad = [
+        None,
+        {"dst_node": "n"},
+        ["node-b", "ipc:///x/w", b"id", OP_DATA],  # a field missing
+        ["", "ipc:///x/w", b"id", OP_DATA, inner],  # no node
+        ["node-b", 5, b"id", OP_DATA, inner],
+        ["node-b", "ipc:///x/w", "id", OP_DATA, inner],  # identity not bytes
+        ["node-b", "ipc:///x/w", b"", OP_DATA, inner],
+        ["node-b", "ipc:///x/w", b"id", "p2p.hello", inner],  # needs an answer: never relayed
+        ["node-b", "ipc:///x/w", b"id", OP_BATCH, {"src": "g:0"}],
+        ["n" * 5000, "ipc:///x/w", b"id", OP_DATA, inner],
+    ]
+    for meta in bad:
+        with pytest.raises(ProtocolError):
+            RelayedP2P.from_wire(meta)
+    for meta in ([b"id", OP_DATA], [b"id", "p2p.ack", inner], ["id", OP_DATA, inner]):
+        with pytest.raises(ProtocolError):
+            ViaP2P.from_wire(meta)
+
+
+class _FakeEndpoint:
+    def __init__(self, gone: frozenset[str] = frozenset()) -> None:
+        self.sent: list[tuple[str, str, Any, list[Any]]] = []
+        self.gone = gone
+
+    def send_oneway(self, peer: str, op: str, meta: Any = None, frames: Any = ()) -> None:
+        if peer in self.gone:
+            from aiorl.errors import PeerLostError
+
+            raise PeerLostError(f"{peer} is gone")
+        self.sent.append((peer, op, meta, list(frames)))
+
+
+def _incoming(meta: Any, frames: list[Any]) -> Any:
+    return SimpleNamespace(meta=meta, frames=frames)
+
+
+@pytest.mark.timeout(10)
+def test_agent_forwards_in_order_and_drops_what_it_cannot() -> None:
+    async def run() -> None:
+        looked_up = asyncio.Event()
+        release = asyncio.Event()
+
+        async def nodes() -> list[NodeInfo]:
+            looked_up.set()
+            await release.wait()
+            return [NodeInfo("a", "tcp://agent-a"), NodeInfo("b", "tcp://agent-b")]
+
+        ep = _FakeEndpoint(gone=frozenset({"ipc:///dead"}))
+        relay = P2PRelay(ep, "a", nodes)  # type: ignore[arg-type]
+
+        def msg(node: str, addr: str, i: int) -> Any:
+            return _incoming([node, addr, b"g:0/1/x", OP_DATA, ["g:0", i]], [b"f%d" % i])
+
+        # This node: handed to the worker as p2p.via, frames unchanged.
+        relay.on_relay_p2p(msg("a", "ipc:///w", 0))
+        assert ep.sent == [("ipc:///w", OP_VIA, [b"g:0/1/x", OP_DATA, ["g:0", 0]], [b"f0"])]
+        # Another node, its agent not known yet: held, in order, behind the look-up.
+        for i in range(1, 4):
+            relay.on_relay_p2p(msg("b", "ipc:///v", i))
+        await looked_up.wait()
+        assert len(ep.sent) == 1
+        release.set()
+        while len(ep.sent) < 4:
+            await asyncio.sleep(0)
+        relay.on_relay_p2p(msg("b", "ipc:///v", 4))  # known now: forwarded at once
+        assert [(p, op, m[4][1]) for p, op, m, _ in ep.sent[1:]] == [
+            ("tcp://agent-b", AgentOp.RELAY_P2P.value, i) for i in range(1, 5)
+        ]
+        # Malformed, to a dead worker, to an unknown node: dropped, the agent goes on.
+        relay.on_relay_p2p(_incoming(["b", "ipc:///v"], []))
+        relay.on_relay_p2p(_incoming(["a", "ipc:///v", b"id", "p2p.hello", {}], []))
+        relay.on_relay_p2p(msg("a", "ipc:///dead", 5))
+        relay.on_relay_p2p(msg("zz", "ipc:///v", 6))
+        while relay._tasks:
+            await asyncio.sleep(0)
+        assert len(ep.sent) == 5
+        relay.close()
+
+    asyncio.run(run())
