@@ -27,6 +27,7 @@ from aiorl.placement import NodePlacementStrategy
 from aiorl.protocol.ops import AgentOp
 from aiorl.protocol.p2p_relay import RELAYED_P2P_OPS, RelayedP2P, ViaP2P
 from aiorl.protocol.registry import NodeInfo
+from tests.test_p2p import P
 
 RELAY_ENV = {"AIORL_P2P_DIRECT_PEERS": "0"}
 
@@ -39,17 +40,9 @@ def tensor_of(kind: str) -> torch.Tensor:
     }[kind]
 
 
-def seq_size(i: int) -> int:
-    """Message i of the ordering test: mostly small (batched), every 97th above 64 KiB."""
-    return 40_000 if i % 97 == 5 else (i % 7 + 1) * 10
-
-
-class R(aiorl.Worker):
-    def node(self) -> str:
-        return self.worker_info.node_id
-
-    def pid(self) -> int:
-        return os.getpid()
+class R(P):
+    """`tests.test_p2p.P` (``pid``, ``node``, ``exchange``, ``recv_expect_loss``,
+    ``after_loss``), and what the relayed route needs checked."""
 
     def address(self) -> str:
         return self._runtime.endpoint.address
@@ -111,60 +104,6 @@ class R(aiorl.Worker):
             if not ok:
                 bad.append(k)
         return bad
-
-    async def exchange(self, peer: int, n: int) -> int:
-        """Send n interleaved objects and tensors to ``peer`` while receiving its n; check order."""
-        g = self.worker_group_name
-        sends = []
-        for i in range(n):
-            t = torch.full((seq_size(i),), float(i))
-            if i % 3 == 0:
-                sends.append(self.send_tensor(t, g, peer))
-            else:
-                sends.append(self.send({"i": i, "t": t, "from": self.rank}, g, peer))
-            if i % 50 == 0:
-                await asyncio.sleep(0)  # let the peer's messages in meanwhile
-        checked = 0
-        for start in range(0, n, 100):
-            batch = []  # posted before awaiting: some arrive before, some after
-            for i in range(start, min(n, start + 100)):
-                if i % 3 == 0:
-                    buf = torch.empty(seq_size(i))
-                    batch.append((i, buf, self.recv_tensor(buf, g, peer)))
-                else:
-                    batch.append((i, None, self.recv(g, peer)))
-            for i, buf, w in batch:
-                got = await w
-                if buf is not None:
-                    assert got is buf and bool((buf == i).all()), f"tensor message {i} out of order"
-                else:
-                    assert got["i"] == i and got["from"] == peer, f"message {i} out of order: {got['i']}"
-                    assert got["t"].shape == (seq_size(i),) and bool((got["t"] == i).all())
-                checked += 1
-        for w in sends:
-            await w
-        return checked
-
-    async def recv_expect_loss(self, src: int) -> tuple[str, str]:
-        try:
-            got = await self.recv(self.worker_group_name, src)
-            return "received", repr(got)
-        except Exception as exc:  # noqa: BLE001 - the test inspects the type
-            return type(exc).__name__, str(exc)
-
-    async def after_loss(self, peer: int) -> list[str]:
-        out = []
-        for op in (
-            lambda: self.send(1, self.worker_group_name, peer),
-            lambda: self.recv(self.worker_group_name, peer),
-            lambda: self.send_tensor(torch.ones(1 << 20), self.worker_group_name, peer),
-        ):
-            try:
-                await asyncio.wait_for(op().async_wait(), 5)
-                out.append("ok")
-            except Exception as exc:  # noqa: BLE001
-                out.append(type(exc).__name__)
-        return out
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -228,7 +167,7 @@ def test_cpu_tensors_small_and_mib(relayed: Any, into: bool) -> None:
 
 @pytest.mark.timeout(120)
 def test_thousand_interleaved_messages_keep_order_both_directions(relayed: Any) -> None:
-    both = [on(relayed, 0).exchange(1, 1000), on(relayed, 1).exchange(0, 1000)]
+    both = [on(relayed, 0).exchange(1000), on(relayed, 1).exchange(1000)]
     assert [w.wait(90) for w in both] == [[1000], [1000]]
 
 
