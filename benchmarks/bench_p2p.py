@@ -1,7 +1,9 @@
 """Point-to-point between two workers of one node: aiorl side by side with Gloo, memcpy and Ray.
 
 Run: ``python benchmarks/bench_p2p.py [--reps 7] [--quick]``. Prints a table of
-medians and writes ``benchmarks/results/p2p.json``.
+medians and writes ``benchmarks/results/p2p.json``. ``--relay`` measures instead, on two
+nodes, a direct pair beside a pair relayed through both node agents (``aiorl.p2p.relay``)
+and writes ``benchmarks/results/p2p_relay.json``.
 
 What is measured (both ends are separate processes on this host; times are taken
 with ``time.perf_counter``, which is CLOCK_MONOTONIC and so comparable across
@@ -49,7 +51,7 @@ ONEWAY_N = 100_000
 
 
 class Peer(aiorl.Worker):
-    """Rank 0 sends, rank 1 receives (group name ``p2pbench``)."""
+    """Rank 0 sends, rank 1 receives."""
 
     def _other(self) -> int:
         return 1 - self.rank
@@ -57,30 +59,30 @@ class Peer(aiorl.Worker):
     async def pingpong(self, n: int) -> float:
         other = self._other()
         if self.rank == 0:
-            await self.recv("p2pbench", other)  # both sides up
+            await self.recv(self.worker_group_name, other)  # both sides up
             t = time.perf_counter()
             for i in range(n):
-                await self.send(i, "p2pbench", other)
-                await self.recv("p2pbench", other)
+                await self.send(i, self.worker_group_name, other)
+                await self.recv(self.worker_group_name, other)
             return (time.perf_counter() - t) / n * 1e6
-        await self.send("go", "p2pbench", other)
+        await self.send("go", self.worker_group_name, other)
         for _ in range(n):
-            x = await self.recv("p2pbench", other)
-            await self.send(x, "p2pbench", other)
+            x = await self.recv(self.worker_group_name, other)
+            await self.send(x, self.worker_group_name, other)
         return 0.0
 
     async def oneway(self, n: int) -> float:
         other = self._other()
         if self.rank == 0:
-            await self.recv("p2pbench", other)
+            await self.recv(self.worker_group_name, other)
             t0 = time.perf_counter()
             last = None
             for i in range(n):
-                last = self.send(i, "p2pbench", other)
+                last = self.send(i, self.worker_group_name, other)
             await last
             return t0
-        works = [self.recv("p2pbench", other) for _ in range(n)]
-        await self.send("go", "p2pbench", other)
+        works = [self.recv(self.worker_group_name, other) for _ in range(n)]
+        await self.send("go", self.worker_group_name, other)
         for i, w in enumerate(works):
             if await w != i:
                 raise AssertionError("out of order")
@@ -94,12 +96,12 @@ class Peer(aiorl.Worker):
         if self.rank == 0:
             x = torch.arange(nbytes, dtype=torch.uint8)  # values 0..255 repeating
             for _ in range(reps + 2):
-                await self.recv("p2pbench", other)
+                await self.recv(self.worker_group_name, other)
                 stamps.append(time.perf_counter())
                 w = (
-                    self.send_tensor(x, "p2pbench", other)
+                    self.send_tensor(x, self.worker_group_name, other)
                     if mode == "tensor"
-                    else self.send(x, "p2pbench", other)
+                    else self.send(x, self.worker_group_name, other)
                 )
                 await w
             return stamps[2:]
@@ -107,11 +109,11 @@ class Peer(aiorl.Worker):
         expect = torch.arange(nbytes, dtype=torch.uint8)
         for i in range(reps + 2):
             w = (
-                self.recv_tensor(buf, "p2pbench", other)
+                self.recv_tensor(buf, self.worker_group_name, other)
                 if mode == "tensor"
-                else self.recv("p2pbench", other)
+                else self.recv(self.worker_group_name, other)
             )
-            self.send(None, "p2pbench", other)
+            self.send(None, self.worker_group_name, other)
             got = await w
             stamps.append(time.perf_counter())
             if i == reps + 1 and not torch.equal(got, expect):
@@ -145,6 +147,48 @@ def bench_aiorl(reps: int, sizes: dict[str, int]) -> dict[str, Any]:
             out[f"{mode}_ms"] = res
         g.close()
     return out
+
+
+def bench_relay(reps: int, sizes: dict[str, int]) -> dict[str, Any]:
+    """Two nodes (an embedded cluster): a direct pair beside a pair relayed through the two
+    node agents (``AIORL_P2P_DIRECT_PEERS=0``, `aiorl.p2p.relay`), same measurements."""
+    out: dict[str, Any] = {}
+    with aiorl.Cluster(num_nodes=2) as c:
+        for route, env in (("direct", None), ("relayed", {"AIORL_P2P_DIRECT_PEERS": "0"})):
+            g = Peer.create_group().launch(
+                c, name=f"p2p{route}", placement_strategy=NodePlacementStrategy([0, 1]), env=env
+            )
+            g.pingpong(50).wait(120)  # warm-up
+            res: dict[str, Any] = {
+                "small_rtt_us": statistics.median(
+                    g.pingpong(SMALL_RTT_N).wait(120)[0] for _ in range(reps)
+                )
+            }
+            rates = []
+            for _ in range(max(3, reps // 2)):
+                t0, t1 = g.oneway(ONEWAY_N // 4).wait(120)
+                rates.append(ONEWAY_N // 4 / (t1 - t0))
+            res["small_oneway_msgs_per_s"] = statistics.median(rates)
+            tensor_ms = {}
+            for label, n in sizes.items():
+                t0s, t1s = g.bw(n, reps, "tensor").wait(300)
+                tensor_ms[label] = statistics.median(b - a for a, b in zip(t0s, t1s, strict=True)) * 1e3
+            res["tensor_ms"] = tensor_ms
+            out[route] = res
+            g.close()
+    return out
+
+
+def print_relay(results: dict[str, Any], sizes: dict[str, int]) -> None:
+    d, r = results["direct"], results["relayed"]
+    print("\ntwo nodes of one machine: a direct pair and a pair relayed through both node agents")
+    print(f"{'':>28} {'direct':>12} {'relayed':>12} {'relayed/direct':>15}")
+    rows = [("small object round trip, us", d["small_rtt_us"], r["small_rtt_us"]),
+            ("small one-way, msg/s", d["small_oneway_msgs_per_s"], r["small_oneway_msgs_per_s"])]
+    rows += [(f"send_tensor {label} one-way, ms", d["tensor_ms"][label], r["tensor_ms"][label])
+             for label in sizes]
+    for name, a, b in rows:
+        print(f"{name:>28} {a:>12,.3f} {b:>12,.3f} {b / a:>14.2f}x")
 
 
 # --------------------------------------------------------------------------- gloo
@@ -253,10 +297,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="skip 256MB")
+    parser.add_argument("--relay", action="store_true",
+                        help="only a direct pair beside a relayed pair, on two nodes (1KB-64MB)")
     args = parser.parse_args(argv)
     sizes = dict(SIZES)
-    if args.quick:
+    if args.quick or args.relay:
         sizes.pop("256MB")
+    if args.relay:
+        relay = bench_relay(args.reps, sizes)
+        print_relay(relay, sizes)
+        os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
+        path = os.path.join(os.path.dirname(__file__), "results", "p2p_relay.json")
+        with open(path, "w") as f:
+            json.dump({"cpus": os.cpu_count(), "python": sys.version.split()[0],
+                       "reps": args.reps, **relay}, f, indent=2)
+        print(f"saved {path}")
+        return 0
     t_start = time.perf_counter()
     results: dict[str, Any] = {
         "host": {
