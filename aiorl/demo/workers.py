@@ -26,6 +26,7 @@ classes and must stay light; worker processes have torch preloaded.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -37,6 +38,8 @@ from aiorl.actors.worker import Worker
 from aiorl.errors import PeerLostError
 
 __all__ = ["DemoConfig", "RolloutWorker", "TrainerWorker"]
+
+log = logging.getLogger("aiorl.demo")
 
 #: The demo's configuration, a plain dict shipped to every worker (see ``aiorl.cli.demo``):
 #: channel, rollout_group, trainer_group, num_rollouts, num_trainers, steps, batch_weight,
@@ -164,8 +167,9 @@ class RolloutWorker(PollingWorker):
         # moment ago: ask the directory rather than trust the listener's last news.
         try:
             self._weights_received = await self._weights.refresh() or 0
-        except PeerLostError:
-            pass
+        except PeerLostError as exc:  # the report keeps the listener's last news
+            log.warning("%s: could not ask the weights directory for the final report: %s",
+                        self.worker_name, exc)
 
     # ------------------------------------------------------------------ internals
     def _issue_put(self, traj: dict[str, Any], length: int, nbytes: int) -> None:

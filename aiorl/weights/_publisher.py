@@ -185,7 +185,12 @@ class WeightPublisher:
             if self._fanout is not None:  # runs beside us: never waited for
                 self._fanout.offer(version, slot)
             announcing = self._announce_task(version, slot, host)
-            await asyncio.wait({announcing}, timeout=ANNOUNCE_WAIT_S)
+            done, _ = await asyncio.wait({announcing}, timeout=ANNOUNCE_WAIT_S)
+            if not done:  # rare, and it breaks "returned means readable": say so
+                log.warning("%s: weights %r version %d: the directory has not confirmed it "
+                            "within %g s; publish returns, and a subscriber asking now may "
+                            "not see it yet", self.service.worker, self.name, version,
+                            ANNOUNCE_WAIT_S)
             if not host and self.host_wanted and announcing.done() and gpu is not None:
                 # The directory knew a host reader this publish had not heard of yet (its
                 # word was on its way): copy the version to host memory before returning,
