@@ -113,7 +113,11 @@ class Inbox:
         r = None
         while posted:
             r = posted[0]
-            if not is_settled(r.work):
+            # done(), not only settled on the loop: a receive cancelled from another thread
+            # (its wait() timed out) is withdrawn the moment cancel() returns, though the
+            # loop has not run the cancellation yet; a message that causally follows it (the
+            # canceller's caller then had it sent) must not be consumed by it (docs/ordering.md).
+            if not r.work.done():
                 break
             posted.popleft()  # cancelled: it no longer takes a message
             r = None
@@ -159,7 +163,7 @@ class Inbox:
             if kind == K_OBJ and bufdesc is None and posted:
                 # Fast path, as in handle(): a small object for a waiting recv().
                 r = posted[0]
-                if r.buf is None and not is_settled(r.work):
+                if r.buf is None and not r.work.done():  # done(): see handle()
                     posted.popleft()
                     try:
                         value = _loads(frame)
