@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from aiorl.protocol.ops import AgentOp
+from aiorl.util.environment import count_setting
 
 if TYPE_CHECKING:
     from aiorl.transport.endpoint import Endpoint
@@ -43,18 +44,8 @@ def direct_peers(environ: Mapping[str, str] = os.environ) -> int:
     Raises ValueError for a value that is not a non-negative integer: a typo must not
     silently open a connection to every peer (or relay every message).
     """
-    text = environ.get("AIORL_P2P_DIRECT_PEERS", "").strip()
-    if not text:
-        return DEFAULT_DIRECT_PEERS
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(
-            f"AIORL_P2P_DIRECT_PEERS must be a number of peers, got {text!r}"
-        ) from None
-    if value < 0:
-        raise ValueError(f"AIORL_P2P_DIRECT_PEERS must be >= 0, got {value}")
-    return value
+    return count_setting(environ, "AIORL_P2P_DIRECT_PEERS", DEFAULT_DIRECT_PEERS,
+                         "a number of peers")
 
 
 class RelayRoute:

@@ -201,12 +201,8 @@ class Sender:
             if msg.inline is not None:
                 self._enqueue(msg, work)
                 return
-            if self.relay is not None and msg.cuda and msg.staged is None:
-                try:
-                    stage(msg, _NO_LIMIT)
-                except Exception as exc:  # noqa: BLE001 - e.g. no pinned memory left
-                    reject_work(work, exc)
-                    return
+            if not self._staged_for_relay(msg, work):
+                return
             staged = msg.staged
             if (staged is None or staged_ready(staged)) and (
                 not self.askers or not self._needs_setup(msg)
@@ -217,6 +213,18 @@ class Sender:
         if not self.pumping:
             self.pumping = True
             self.engine.spawn(self._pump())
+
+    def _staged_for_relay(self, msg: OutMessage, work: AsyncWork[None]) -> bool:
+        """A relayed Sender's CUDA tensors all travel through pinned host memory: stage
+        ``msg``'s now if nothing did. False (``work`` failed) if staging failed."""
+        if self.relay is None or not msg.cuda or msg.staged is not None:
+            return True
+        try:
+            stage(msg, _NO_LIMIT)
+        except Exception as exc:  # noqa: BLE001 - e.g. no pinned memory left
+            reject_work(work, exc)
+            return False
+        return True
 
     def _needs_setup(self, msg: OutMessage) -> bool:
         for path in self.askers:
@@ -235,13 +243,9 @@ class Sender:
                 if work.done():  # cancelled before it left: withdraw it
                     backlog.popleft()
                     continue
-                if self.relay is not None and msg.cuda and msg.staged is None:
-                    try:
-                        stage(msg, _NO_LIMIT)  # sent before the route was known
-                    except Exception as exc:  # noqa: BLE001 - e.g. no pinned memory left
-                        backlog.popleft()
-                        reject_work(work, exc)
-                        continue
+                if not self._staged_for_relay(msg, work):  # sent before the route was known
+                    backlog.popleft()
+                    continue
                 staged = msg.staged
                 if staged is not None and not staged.ready():
                     # Small CUDA tensors still being copied to pinned memory: later sends

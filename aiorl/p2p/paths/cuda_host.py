@@ -57,6 +57,7 @@ from aiorl.p2p.paths.base import PathSpec, Placed, RecvPathBase, SendPathBase
 from aiorl.p2p.proto import HOST, K_CUDA, TRACK_MIN
 from aiorl.transport.serialization import CudaUnavailableError, byte_view
 from aiorl.util.cuda_device import selected_device
+from aiorl.util.environment import count_setting
 
 __all__ = ["CUDA_INLINE_BYTES", "PATH", "inline_limit", "stage", "staged_future"]
 
@@ -71,16 +72,8 @@ def inline_limit(environ: Mapping[str, str] = os.environ) -> int:
     Raises ValueError for a value that is not a non-negative integer: a typo must not
     silently send every small tensor by IPC.
     """
-    text = environ.get("AIORL_CUDA_INLINE_BYTES", "").strip()
-    if not text:
-        return DEFAULT_INLINE_BYTES
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"AIORL_CUDA_INLINE_BYTES must be a byte count, got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"AIORL_CUDA_INLINE_BYTES must be >= 0, got {value}")
-    return value
+    return count_setting(environ, "AIORL_CUDA_INLINE_BYTES", DEFAULT_INLINE_BYTES,
+                         "a byte count")
 
 
 #: The largest CUDA payload (bytes, a message's tensors together) that travels inline.
