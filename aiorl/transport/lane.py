@@ -430,7 +430,21 @@ class LaneConnection:
         if n == 0:
             self._broken(False)
             return
-        self._end = end + n
+        self._end = end = end + n
+        # Most wake-ups read one whole message of one frame (a call without arguments, an
+        # answer) into an empty buffer: it is dispatched here, without `_parse`'s loop.
+        if not self._start and not self._greeting and end >= _ONE_FRAME_HEAD:
+            count, size = _ONE_FRAME.unpack_from(self._buf)
+            if count == 1 and end == _ONE_FRAME_HEAD + size and not self._parse_scheduled:
+                frame = bytes(self._view[_ONE_FRAME_HEAD:end])
+                self._end = self._need = 0
+                if len(self._buf) > _KEEP_BUFFER:
+                    self._shrink()
+                try:
+                    self.on_message([frame])
+                except Exception as exc:
+                    self._dispatch_failed(exc)
+                return
         self._parse()
 
     def _make_room(self) -> None:
@@ -457,9 +471,8 @@ class LaneConnection:
                 return
             try:
                 self.on_message(frames)
-            except Exception as exc:  # a bug a peer's message can reach: logged, bounded
-                _refused.warning("lane dispatch", "unhandled error while dispatching a "
-                                 "message from a lane", exc_info=exc)
+            except Exception as exc:
+                self._dispatch_failed(exc)
             if self._start == self._end:  # all that was read is dispatched (most wake-ups)
                 if not self._reading:
                     self._resume_reading()
@@ -470,6 +483,12 @@ class LaneConnection:
         if not self._parse_scheduled:
             self._parse_scheduled = True
             self.loop.call_soon(self._parse)
+
+    @staticmethod
+    def _dispatch_failed(exc: Exception) -> None:
+        """A bug a peer's message can reach: logged, bounded; the lane reads on."""
+        _refused.warning("lane dispatch", "unhandled error while dispatching a message from "
+                         "a lane", exc_info=exc)
 
     def _next_message(self) -> list[Any] | None:
         """The next whole message in the buffer (None: not all of it is here yet)."""
