@@ -213,6 +213,12 @@ def print_floor_cpu(samples: dict[str, dict[str, dict[str, list[float]]]], floor
     floor_footnotes(layouts)
 
 
+def record(samples: dict[str, list[float]], result: dict[str, float]) -> None:
+    """Add one run's values to a layout's samples, key by key."""
+    for key, value in result.items():
+        samples.setdefault(key, []).append(value)
+
+
 def machine() -> str:
     load = os.getloadavg()
     return (f"{platform.node()}: {os.cpu_count()} cores, Python {platform.python_version()}, "
@@ -254,9 +260,7 @@ def main() -> int:
         for run in range(args.runs):
             for tree_name, tree in trees.items():  # interleaved: noise hits both trees alike
                 result = run_probe(layout, args.calls, tree, args.timeout)
-                per = samples[tree_name].setdefault(layout.label, {})
-                for key, value in result.items():
-                    per.setdefault(key, []).append(value)
+                record(samples[tree_name].setdefault(layout.label, {}), result)
                 print(f"  {layout.label:>18} run {run + 1}/{args.runs} {tree_name:>9}: "
                       f"launch {result['launch_s']:.2f} s, call p50 {result['call_p50_ms']:.2f} ms"
                       f", driver CPU {result['driver_cpu_ms']:.2f} ms/call",
@@ -266,8 +270,7 @@ def main() -> int:
                 if len(per.get("call_p50_ms", ())) > run:
                     continue  # measured with an earlier layout of as many workers
                 result = run_floor(mode, layout.workers, args.calls, args.timeout)
-                for key, value in result.items():
-                    per.setdefault(key, []).append(value)
+                record(per, result)
                 print(f"  {layout.workers:>18} run {run + 1}/{args.runs} {name}: call p50 "
                       f"{result['call_p50_ms']:.2f} ms, worker CPU {result['worker_cpu_us']:.1f}"
                       f" us/call, driver CPU {result['driver_cpu_ms']:.2f} ms/call",
