@@ -329,3 +329,60 @@ def test_dropping_a_peer_mid_handshake_never_stalls_the_processs_other_links(
             control.close()
 
     asyncio.run(main())
+
+
+
+def test_every_way_a_message_can_arrive_on_the_stream_gives_the_same_messages() -> None:
+    """A read may bring one whole one-frame message (dispatched at once), part of one, the
+    rest of one, several, or one larger than the read buffer: each is delivered whole, once,
+    in order; a handler that raises loses only its own message."""
+
+    def framed(*frames: bytes) -> bytes:
+        return struct.pack(f"<I{len(frames)}Q", len(frames), *map(len, frames)) + b"".join(frames)
+
+    split, body, big = framed(b"split"), framed(b"b" * 100), os.urandom(3 * lane_module._READ_CHUNK)
+    # (what the peer writes, whether the lane must have read it before the next write)
+    writes = [
+        (framed(b"one"), False),  # one whole one-frame message in one read
+        (split[:5], True), (split[5:], False),  # its head split across two reads
+        (body[:20], True), (body[20:], False),  # its frame split across two reads
+        (framed(b"x", b"y") + framed(b"two") + framed(b"raise") + framed(b"after"), False),
+        (framed(big), False),  # larger than the read buffer: grown, then given back
+        (framed(b"small again"), False),
+    ]
+    expected = [[b"one"], [b"split"], [b"b" * 100], [b"x", b"y"], [b"two"], [b"after"], [big],
+                [b"small again"]]
+
+    async def main() -> list[list[Any]]:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        theirs.setblocking(False)
+        got: list[list[Any]] = []
+
+        def on_message(frames: list[Any]) -> None:
+            if frames == [b"raise"]:
+                raise RuntimeError("a handler's bug")
+            got.append(frames)
+
+        async def until(condition: Callable[[], bool]) -> None:
+            # A partial read dispatches nothing, so there is no event to wait on: poll.
+            async with asyncio.timeout(10):
+                while not condition():
+                    await asyncio.sleep(0.001)
+
+        conn = LaneConnection(ours, loop, on_message)  # a client: the server admits it first
+        try:
+            await loop.sock_sendall(theirs, bytes((lane_module._ADMITTED,)))
+            for data, read_first in writes:
+                await loop.sock_sendall(theirs, data)
+                if read_first:  # the next part must come in a read of its own
+                    await until(lambda: conn._end > conn._start)
+            await until(lambda: len(got) == len(expected))
+            assert len(conn._buf) == lane_module._READ_CHUNK  # the big one's buffer given back
+        finally:
+            conn.close()
+            theirs.close()
+        return got
+
+    assert asyncio.run(main()) == expected
