@@ -37,7 +37,7 @@ import asyncio
 import itertools
 import logging
 from collections import deque
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -324,12 +324,7 @@ class Sender:
                     cudadesc = placed_cuda.desc
                 else:
                     cudadesc = [NOTHING, specs]
-            assert self.address is not None
-            meta = [self._src, msg.kind, msg.head, bufdesc, cudadesc]
-            if self.relay is None:
-                self.engine.endpoint.send_oneway(self.address, OP_DATA, meta, frames)
-            else:
-                self.relay.send(OP_DATA, meta, frames)
+            self._send(OP_DATA, [self._src, msg.kind, msg.head, bufdesc, cudadesc], frames)
         except BaseException as exc:  # noqa: BLE001 - nothing went out: the send fails, not hangs
             for placed in (placed_cpu, placed_cuda):
                 if placed is not None and placed.undo is not None:
@@ -401,15 +396,11 @@ class Sender:
         metas, frames = self.outbox, self.outbox_frames
         self.outbox, self.outbox_frames, self.outbox_works, self.outbox_bytes = [], [], [], 0
         try:
-            assert self.address is not None
             if len(works) == 1:
                 op, meta = OP_DATA, [self._src, *metas[0], None]
             else:
                 op, meta = OP_BATCH, [self._src, metas]
-            if self.relay is None:
-                self.engine.endpoint.send_oneway(self.address, op, meta, frames)
-            else:
-                self.relay.send(op, meta, frames)
+            self._send(op, meta, frames)
         except BaseException as exc:  # noqa: BLE001 - the sends fail, they do not hang
             for w in works:
                 reject_work(w, exc)
@@ -420,6 +411,15 @@ class Sender:
             return
         for w in works:
             resolve_work(w, None)
+
+    def _send(self, op: str, meta: list[Any], frames: Sequence[Any]) -> None:
+        """One p2p message toward the destination: on this process's connection to it, or
+        through the node agents (`relay`)."""
+        if self.relay is None:
+            assert self.address is not None
+            self.engine.endpoint.send_oneway(self.address, op, meta, frames)
+        else:
+            self.relay.send(op, meta, frames)
 
     # ------------------------------------------------------------------ replies, loss
     def on_ack(self, op: str, meta: list[Any]) -> None:

@@ -228,14 +228,8 @@ class Incoming:
         if self.kind != _REQUEST or self._answered:
             return
         self._answered = True
-        lane = self.lane
-        if lane is not None and not frames and _thread_id() != self.endpoint._loop_thread:
-            # A method thread's answer without a payload, on the lane the request came by:
-            # the shortest way (most answers of plain methods at scale: docs/scale.md).
-            if lane.send_frame_from_thread(encode_header(_REPLY, self.request_id, self.op, meta)):
-                return
         self.endpoint._send_router(self.identity, _REPLY, self.request_id, self.op, meta, frames,
-                                   lane)
+                                   self.lane)
 
     def reply_error(self, exc: BaseException, **extra: Any) -> None:
         """Answer a request with an error; ``extra`` lands in the error's meta (e.g. rank)."""
@@ -598,7 +592,10 @@ class Endpoint:
             lane = self._lanes.get(identity)
         if lane is not None:
             if _thread_id() != self._loop_thread:
-                lane.send_from_thread([head, *frames])
+                if frames:
+                    lane.send_from_thread([head, *frames])
+                else:  # a header alone (a method's None answer: most answers at scale)
+                    lane.send_frame_from_thread(head)
             elif kind == _EVENT:
                 lane.send_direct([head, *frames])
             else:

@@ -284,17 +284,17 @@ class LaneConnection:
         if not self.closed:
             self._write([parts], from_thread=True)
 
-    def send_frame_from_thread(self, frame: bytes) -> bool:
+    def send_frame_from_thread(self, frame: bytes) -> None:
         """`send_from_thread` of a message of one small frame (a header alone: the answer of
         a method that returned None), without the general path's lists and loops when the
-        socket takes it at once; False if the lane is closed (nothing was sent).
+        socket takes it at once.
 
         At 256 workers on two cores each one runs this from cold caches, so every Python
         step it saves is a few milliseconds per group call (docs/scale.md)."""
         data = _ONE_FRAME.pack(1, len(frame)) + frame
         with self.lock:  # re-entrant: what is left goes through `_emit`, still in order
             if self.closed:
-                return False
+                return
             sent = 0
             if not self._out:  # nothing waits before it: straight to the socket
                 try:
@@ -302,9 +302,8 @@ class LaneConnection:
                 except OSError:  # EAGAIN, EINTR or broken: `_emit` tries again and decides
                     pass
                 if sent == len(data):
-                    return True
+                    return
             self._emit([memoryview(data)[sent:] if sent else data], 1, True)
-        return True
 
     def _send_held(self) -> None:
         """The turn ended: what this turn held leaves (`_TurnClock`)."""
