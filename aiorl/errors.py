@@ -305,6 +305,16 @@ class PeerLostError(AiorlError):
     """
 
 
+class ConnectionLostError(PeerLostError):
+    """The connection a request travelled on broke, and neither its answer nor a verdict on
+    the peer came in time (a `PeerLostError`, so one ``except`` clause still covers both).
+
+    The peer may still be alive and may still run the request: aiorl does not send a request
+    twice when it cannot prove that the first one never arrived. Later requests to the same
+    peer take a new connection (docs/reference/contract.md, "Connections").
+    """
+
+
 class ClusterClosedError(AiorlError, RuntimeError):
     """The [`Cluster`][aiorl.Cluster] this operation goes through is closed (also a
     `RuntimeError`): ``close()`` or the end of its ``with`` block stopped it, or its

@@ -72,7 +72,7 @@ from aiorl.runtime.descriptors import check_descriptors_for
 from aiorl.transport import security
 from aiorl.transport.address import normalize_address
 from aiorl.transport.endpoint import Endpoint, Incoming
-from aiorl.transport.lane import LANE_DIR_VAR
+from aiorl.transport.lane_setup import LANE_DIR_VAR
 from aiorl.transport.link import LinkWatch
 from aiorl.transport.sockets import local_ip
 from aiorl.util.limits import raise_open_file_limit
