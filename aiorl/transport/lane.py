@@ -121,6 +121,14 @@ def _as_bytes_view(part: Any) -> memoryview:
     return view
 
 
+class _PartlySent(OSError):
+    """A write failed after some of its bytes left: what was in it may have reached the peer."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error.errno, error.strerror)
+        self.error = error
+
+
 class _TurnClock:
     """Where one event loop's turn ends, for all of its lanes: a lane's first message of a
     turn leaves at once, the rest of that turn's messages together at its end (`send`).
@@ -325,12 +333,15 @@ class LaneConnection:
                 views = list(map(_as_bytes_view, parts))
                 buffers.append(head.pack(count, *map(len, views)))
                 buffers.extend(views)
-        self._emit(buffers, len(messages), from_thread)
+        self._emit(buffers, len(messages), from_thread, messages)
 
-    def _emit(self, buffers: list[bytes | memoryview], messages: int, from_thread: bool) -> None:
-        """Send ``buffers`` (``messages`` whole messages) now, or queue what the socket does
-        not take yet behind what waits already (any thread: under the lock)."""
+    def _emit(self, buffers: list[bytes | memoryview], messages: int, from_thread: bool,
+              parts: list[Sequence[Any]] | None = None) -> None:
+        """Send ``buffers`` (``messages`` whole messages, ``parts`` before they were framed)
+        now, or queue what the socket does not take yet behind what waits already (any
+        thread: under the lock)."""
         broke: OSError | None = None
+        unsent: list[Sequence[Any]] = []
         with self.lock:
             if self.closed:
                 raise ConnectionClosed("the lane is closed")
@@ -339,17 +350,21 @@ class LaneConnection:
             else:
                 try:
                     left = self._sendmsg(buffers)
-                except OSError as exc:
+                except _PartlySent as exc:
+                    # Part of it may have reached the peer: the owner's pending requests wait
+                    # for their answers or a verdict (aiorl.transport.peer); none is sent twice.
+                    broke = exc.error
+                    self.closed = True
+                except OSError as exc:  # not a byte of it left: the owner sends it again
                     broke = exc
+                    unsent = parts or []
                     self.closed = True
                 else:
                     if not left:  # all sent: most sends end here
                         return
                     self._queue(left, messages)
         if broke is not None:
-            # Part of it may have reached the peer: the owner's pending requests wait for
-            # their answers or a verdict (aiorl.transport.peer), nothing is sent twice.
-            self._broken(from_thread, f"a write failed: {broke.strerror or broke}")
+            self._broken(from_thread, f"a write failed: {broke.strerror or broke}", unsent)
             return
         if self._out and not self._writing:
             if from_thread:
@@ -368,12 +383,18 @@ class LaneConnection:
             except (BlockingIOError, InterruptedError):
                 return buffers
             return [] if sent == len(only) else [memoryview(only)[sent:]]
+        first = True
         while buffers:
             chunk = buffers[:_MAX_IOV]
             try:
                 sent = sock.sendmsg(chunk)
             except (BlockingIOError, InterruptedError):
                 return buffers
+            except OSError as exc:
+                if first:
+                    raise
+                raise _PartlySent(exc) from exc
+            first = False
             for i, view in enumerate(chunk):
                 if sent < len(view):
                     rest = buffers[i:]
@@ -632,11 +653,12 @@ class LaneConnection:
         if refused is not None:
             refused(_REFUSALS.get(answer, f"it answered our hello with {answer}"))
 
-    def _broken(self, from_thread: bool, reason: str) -> None:
-        """The stream ended or broke: close it, and tell the owner once, with what this turn
-        held (it never left)."""
+    def _broken(self, from_thread: bool, reason: str,
+                unsent: list[Sequence[Any]] | None = None) -> None:
+        """The stream ended or broke: close it, and tell the owner once, with ``unsent`` and
+        what this turn held (none of it left)."""
         if from_thread:
-            self.loop.call_soon_threadsafe(self._broken, False, reason)
+            self.loop.call_soon_threadsafe(self._broken, False, reason, unsent)
             return
         if self._expect_answer and self._fd >= 0:
             # A client's write can fail (EPIPE) before its loop read the server's answer to
@@ -652,7 +674,7 @@ class LaneConnection:
         held, self._held = self._held, []
         self.close()
         if callback is not None:
-            callback(reason, held)
+            callback(reason, [*(unsent or ()), *held])
 
     def close(self) -> None:
         """Close the stream; what was sent this turn leaves first (as far as it can now),
