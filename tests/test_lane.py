@@ -27,6 +27,7 @@ from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.transport.lane import LaneConnection
 from aiorl.transport.lane_setup import lane_path
 from aiorl.transport.security import ClusterKeys
+from aiorl.util.batching import turn_clock_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -135,7 +136,7 @@ def test_calls_to_many_lanes_in_one_turn_keep_each_lanes_order(tmp_path: Path) -
             n = 3 * lane_module._MAX_HELD + 5
             # No await in between: one turn, interleaved across the lanes.
             calls = [client.request(s.address, "note", i) for i in range(n) for s in servers]
-            clock = lane_module._clock_of(asyncio.get_running_loop())
+            clock = turn_clock_of(asyncio.get_running_loop())
             assert clock.scheduled and len(set(clock.holding)) == len(servers)
             replies = await asyncio.gather(*calls)
             assert [m for m, _ in replies] == [i for i in range(n) for _ in servers]

@@ -43,11 +43,11 @@ import logging
 import socket
 import struct
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiorl.transport.connection import Broken, ConnectionClosed
+from aiorl.util.batching import turn_clock_of
 from aiorl.util.ratelimit import RateLimitedLog
 
 __all__ = ["ADMITTED", "HELLO_HEAD", "MAX_FRAMES", "MAX_MESSAGE_BYTES", "PROOF_BYTES", "REFUSED",
@@ -129,49 +129,6 @@ class _PartlySent(OSError):
         self.error = error
 
 
-class _TurnClock:
-    """Where one event loop's turn ends, for all of its lanes: a lane's first message of a
-    turn leaves at once, the rest of that turn's messages together at its end (`send`).
-
-    One end-of-turn callback per turn for every lane of the loop: a driver calling 256
-    workers of its machine sends the first message of a turn on 256 lanes, and a batcher per
-    lane scheduled (and ran) 256 callbacks per group call for that. Loop thread only."""
-
-    __slots__ = ("turn", "scheduled", "holding", "__weakref__")
-
-    def __init__(self) -> None:
-        self.turn = 1  # a lane's `_turn` starts at 0: its first message leaves at once
-        self.scheduled = False
-        #: Lanes that hold messages until the turn ends.
-        self.holding: list[LaneConnection] = []
-
-    def begin(self, loop: asyncio.AbstractEventLoop) -> int:
-        """A lane sends its first message of this turn: the turn's number (the turn ends
-        with a callback scheduled now if none is)."""
-        if not self.scheduled:
-            self.scheduled = True
-            loop.call_soon(self._end_of_turn)
-        return self.turn
-
-    def _end_of_turn(self) -> None:
-        self.scheduled = False
-        self.turn += 1
-        holding, self.holding = self.holding, []
-        for conn in holding:
-            conn._send_held()
-
-
-_CLOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _TurnClock] = (
-    weakref.WeakKeyDictionary())
-
-
-def _clock_of(loop: asyncio.AbstractEventLoop) -> _TurnClock:
-    clock = _CLOCKS.get(loop)
-    if clock is None:
-        clock = _CLOCKS[loop] = _TurnClock()
-    return clock
-
-
 class LaneConnection:
     """One end of a lane: frames messages out and in. ``on_message(frames)`` gets each
     whole message (a list of ``bytes``) on the loop; ``on_broken(reason, unsent)`` runs once
@@ -200,8 +157,8 @@ class LaneConnection:
         self._out: collections.deque[bytes | memoryview] = collections.deque()
         self._queued = 0  # messages in _out, for MAX_QUEUED
         self._writing = False  # a writer callback is registered
-        self._clock = _clock_of(loop)
-        self._turn = 0  # the last turn in which a message left at once (`_TurnClock`)
+        self._clock = turn_clock_of(loop)
+        self._turn = 0  # the last turn in which a message left at once (`aiorl.util.batching.TurnClock`)
         self._held: list[Sequence[Any]] = []  # this turn's later messages, until it ends
         self._buf = bytearray(_READ_CHUNK)
         #: A view of ``_buf`` kept for reads and frame copies (replaced with the buffer).
@@ -298,8 +255,8 @@ class LaneConnection:
         except OSError:
             return False
 
-    def _send_held(self) -> None:
-        """The turn ended: what this turn held leaves (`_TurnClock`)."""
+    def send_held(self) -> None:
+        """The turn ended: what this turn held leaves (`aiorl.util.batching.TurnClock`)."""
         held = self._held
         if held and not self.closed:
             self._held = []
@@ -458,42 +415,42 @@ class LaneConnection:
         memory) closes this lane: a reader left registered after raising would be called
         again at once, for ever."""
         try:
-            self._read()
-        except Exception as exc:
-            _refused.warning("lane reader failed", "closed a lane whose reader failed: %r",
-                             exc, exc_info=exc)
-            self._broken(False, f"its reader failed: {exc!r}")
-
-    def _read(self) -> None:
-        end = self._end
-        if len(self._buf) - end < _MIN_ROOM:
-            self._make_room()
             end = self._end
-        try:
-            n = self.sock.recv_into(self._view[end:])
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            n = 0
-        if n == 0:
-            self._broken(False, "the peer closed it")
-            return
-        self._end = end = end + n
-        # Most wake-ups read one whole message of one frame (a call without arguments, an
-        # answer) into an empty buffer: it is dispatched here, without `_parse`'s loop.
-        if not self._start and not self._greeting and end >= _ONE_FRAME_HEAD:
-            count, size = _ONE_FRAME.unpack_from(self._buf)
-            if count == 1 and end == _ONE_FRAME_HEAD + size and not self._parse_scheduled:
-                frame = bytes(self._view[_ONE_FRAME_HEAD:end])
-                self._end = self._need = 0
-                if len(self._buf) > _KEEP_BUFFER:
-                    self._shrink()
-                try:
-                    self.on_message([frame])
-                except Exception as exc:
-                    self._dispatch_failed(exc)
+            if len(self._buf) - end < _MIN_ROOM:
+                self._make_room()
+                end = self._end
+            try:
+                n = self.sock.recv_into(self._view[end:])
+            except (BlockingIOError, InterruptedError):
                 return
-        self._parse()
+            except OSError:
+                n = 0
+            if n == 0:
+                self._broken(False, "the peer closed it")
+                return
+            self._end = end = end + n
+            # Most wake-ups read one whole message of one frame (a call without arguments,
+            # an answer) into an empty buffer: it is dispatched here, without `_parse`'s loop.
+            if not self._start and not self._greeting and end >= _ONE_FRAME_HEAD:
+                count, size = _ONE_FRAME.unpack_from(self._buf)
+                if count == 1 and end == _ONE_FRAME_HEAD + size and not self._parse_scheduled:
+                    frame = bytes(self._view[_ONE_FRAME_HEAD:end])
+                    self._end = self._need = 0
+                    if len(self._buf) > _KEEP_BUFFER:
+                        self._shrink()
+                    try:
+                        self.on_message([frame])
+                    except Exception as exc:
+                        self._dispatch_failed(exc)
+                    return
+            self._parse()
+        except Exception as exc:
+            self._reader_failed(exc)
+
+    def _reader_failed(self, exc: Exception) -> None:
+        _refused.warning("lane reader failed", "closed a lane whose reader failed: %r", exc,
+                         exc_info=exc)
+        self._broken(False, f"its reader failed: {exc!r}")
 
     def _make_room(self) -> None:
         """Move what is unparsed to the front, and grow the buffer for a large message: to
@@ -533,7 +490,13 @@ class LaneConnection:
         self._pause_reading()
         if not self._parse_scheduled:
             self._parse_scheduled = True
-            self.loop.call_soon(self._parse)
+            self.loop.call_soon(self._parse_later)
+
+    def _parse_later(self) -> None:
+        try:
+            self._parse()
+        except Exception as exc:  # as in `_on_readable`: never left half-read and paused
+            self._reader_failed(exc)
 
     @staticmethod
     def _dispatch_failed(exc: Exception) -> None:

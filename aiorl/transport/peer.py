@@ -184,7 +184,7 @@ class Peer:
             return
         conn.close()
         self._wait_for_verdict(reason)
-        log.warning("%s: the connection to %s broke (%s): its later messages go through ZMQ",
+        log.debug("%s: the connection to %s broke (%s): its later messages go through ZMQ",
                     self.name, self.address, reason)
         self._connect_zmq()
         for parts in unsent:  # they never left: in order, ahead of anything later
