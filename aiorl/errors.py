@@ -312,6 +312,15 @@ class ConnectionLostError(PeerLostError):
     The peer may still be alive and may still run the request: aiorl does not send a request
     twice when it cannot prove that the first one never arrived. Later requests to the same
     peer take a new connection (docs/reference/contract.md, "Connections").
+
+    Example:
+        ```python
+        try:
+            result = group.execute_on(0).step().wait()
+        except aiorl.ConnectionLostError as exc:
+            print(exc)   # ... the connection to ipc://... broke (the peer closed it) ...
+            result = group.execute_on(0).step().wait()   # only if step() may run twice
+        ```
     """
 
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(60)
 
 TOP_LEVEL = [
     "AddressError", "AiorlError", "AsyncChannelWork", "AsyncCollWork", "AsyncFuncWork",
-    "AsyncWork", "AuthenticationError", "Channel", "Cluster", "ClusterClosedError", "ConflictError", "EventKind", "GroupEvent",
+    "AsyncWork", "AuthenticationError", "Channel", "Cluster", "ClusterClosedError", "ConflictError", "ConnectionLostError", "EventKind", "GroupEvent",
     "GroupExistsError", "GroupNotFoundError", "MappingThread", "NodeRankTakenError", "NotFoundError", "PeerLostError",
     "PlacementError", "PollResult", "PollingWorker", "ProtocolError", "QueueEmpty", "QueueFull",
     "RegistryError", "RegistryUnavailable", "RemoteError", "WaitTimeout", "Worker",

@@ -213,6 +213,9 @@ class Endpoint:
     ) -> None:
         self.name = name
         self.verdict_wait = verdict_wait
+        #: Whether verdicts on peers may come late (the registry is unreachable): set by the
+        #: runtime above; requests on a broken connection then wait for one longer.
+        self.verdict_hold: Callable[[], bool] = _never
         self.keys: ClusterKeys | None = (
             security.keys_from_environment() if keys is _FROM_ENVIRONMENT else keys  # type: ignore[assignment]
         )
@@ -465,7 +468,7 @@ class Endpoint:
             if not address.startswith(IPC_PREFIX):
                 _refuse_plain_over_tcp(self.keys, f"connect to {address}")
             p = Peer(self.name, address, self._identity, self.keys, self.loop,
-                     self._on_dealer_message, self.verdict_wait)
+                     self._on_dealer_message, self.verdict_wait, self._holding_verdicts)
             p.open()
             lost = self._lost.get(address)
             if lost is not None:
@@ -523,6 +526,9 @@ class Endpoint:
         a peer still starting refuses the connection instead, which counts nothing here."""
         p = self._peers.get(address)
         return 0 if p is None else p.broken_handshakes
+
+    def _holding_verdicts(self) -> bool:
+        return self.verdict_hold()
 
     def pending_requests(self) -> list[tuple[str, Settle]]:
         """Every request waiting for an answer, as ``(peer address, settle)`` (what the
@@ -605,6 +611,10 @@ def _contents(kind: int, meta: Any, payload: list[Any]) -> list[list[Any]]:
     if kind == _SPLIT:
         return [join_frames(meta, payload)]
     return split_batch(meta, payload)
+
+
+def _never() -> bool:
+    return False
 
 
 def _refuse_plain_over_tcp(keys: ClusterKeys | None, action: str) -> None:

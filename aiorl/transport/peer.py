@@ -16,7 +16,9 @@ What happens to the requests pending on a connection that breaks while the peer 
   its ROUTER, which our new DEALER reaches under the same routing id; a ZMQ link reconnects
   by itself). When neither their answer nor a verdict on the peer (`Endpoint.mark_peer_lost`:
   a dead worker's reason, which names how it died) comes within `VERDICT_WAIT_S`, they fail
-  with `aiorl.ConnectionLostError`, naming the peer;
+  with `aiorl.ConnectionLostError`, naming the peer. While whoever gives verdicts cannot be
+  reached (``hold()``: the registry does not answer heartbeats), they wait on: a verdict may
+  still come, and it says more;
 * a refused connection (the peer does not accept our key, or another connection already
   holds our routing id on its lane) fails what is pending with `aiorl.AuthenticationError`
   at once, and the ZMQ link is rebuilt after a backoff (0.1 s doubling to 2 s) until a
@@ -85,15 +87,18 @@ class Peer:
         loop: the owning endpoint's loop.
         on_message: ``on_message(peer, frames)`` for each message the peer sends us.
         verdict_wait: `VERDICT_WAIT_S` unless a test shortens it.
+        hold: whether a verdict may still come later than usual (the registry is
+            unreachable): requests on a broken connection then wait another `verdict_wait`.
     """
 
-    __slots__ = ("name", "address", "identity", "keys", "loop", "on_message", "verdict_wait",
+    __slots__ = ("name", "address", "identity", "keys", "loop", "on_message", "verdict_wait", "hold",
                  "connection", "monitor", "pending", "lost", "refused", "backoff", "rebuild",
                  "broken_handshakes", "established", "retired", "_verdicts")
 
     def __init__(self, name: str, address: str, identity: bytes, keys: ClusterKeys | None,
                  loop: asyncio.AbstractEventLoop, on_message: Callable[[Peer, list[Any]], None],
-                 verdict_wait: float = VERDICT_WAIT_S) -> None:
+                 verdict_wait: float = VERDICT_WAIT_S,
+                 hold: Callable[[], bool] = lambda: False) -> None:
         self.name = name
         self.address = address
         self.identity = identity
@@ -101,6 +106,7 @@ class Peer:
         self.loop = loop
         self.on_message = on_message
         self.verdict_wait = verdict_wait
+        self.hold = hold
         #: The lane, or the DEALER; None only while a refused link waits to be rebuilt.
         self.connection: LaneConnection | ZmqLink | None = None
         self.monitor: ZmqLink | None = None  # the DEALER's handshake and disconnect events
@@ -202,7 +208,12 @@ class Peer:
         handle: asyncio.TimerHandle | None = None
 
         def give_up() -> None:
+            nonlocal handle
             self._verdicts.discard(handle)
+            if self.hold() and any(rid in self.pending for rid in rids):
+                handle = self.loop.call_later(self.verdict_wait, give_up)
+                self._verdicts.add(handle)
+                return
             for rid in rids:
                 settle = self.pending.pop(rid, None)
                 if settle is not None:
