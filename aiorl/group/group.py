@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from aiorl.group.core import GroupCore, ship_class
+from aiorl.group.method_names import check_method_names
 from aiorl.group.supervision import GroupEvent, GroupEvents, Supervision
 from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.placement import (
@@ -52,21 +53,6 @@ log = logging.getLogger("aiorl.group")
 W = TypeVar("W")
 
 
-def _shadowed_api(cls: type, base: type) -> list[str]:
-    """The public names of ``base`` (the framework's worker class) that ``cls`` redefines in a
-    class of its own, not one of aiorl's (an aiorl subclass such as PollingWorker may)."""
-    if base is object:
-        return []
-    shadowed = []
-    for name in dir(base):
-        if name.startswith("_"):
-            continue
-        owner = next((c for c in cls.__mro__ if name in vars(c)), base)
-        if not owner.__module__.startswith("aiorl."):
-            shadowed.append(name)
-    return sorted(shadowed)
-
-
 class WorkerGroupBuilder(Generic[W]):
     """What ``Worker.create_group(*args, **kwargs)`` returns; ``launch`` starts it.
 
@@ -83,7 +69,8 @@ class WorkerGroupBuilder(Generic[W]):
 
     Raises:
         ValueError: A public method of ``cls`` would be hidden by a
-            [`WorkerGroup`][aiorl.WorkerGroup] attribute of the same name.
+            [`WorkerGroup`][aiorl.WorkerGroup] attribute of the same name, or re-defines
+            ``base``'s API without ``@typing.override``; one error names them all.
 
     Example:
         ```python
@@ -96,23 +83,7 @@ class WorkerGroupBuilder(Generic[W]):
                  base: type = object) -> None:
         # ``base`` is the framework class the worker derives from (aiorl.Worker): its own
         # attributes may share a name with a group attribute (``world_size``) on purpose.
-        clashes = sorted(
-            n for n in dir(cls)
-            if not n.startswith("_") and callable(getattr(cls, n, None)) and n in _GROUP_ATTRIBUTES
-            and getattr(cls, n) is not getattr(base, n, None)
-        )
-        if clashes:
-            raise ValueError(
-                f"{cls.__name__} defines {', '.join(clashes)}, which clash with WorkerGroup "
-                "attributes of the same name; rename them"
-            )
-        shadowed = _shadowed_api(cls, base)
-        if shadowed:
-            raise ValueError(
-                f"{cls.__name__} defines {', '.join(shadowed)}, which shadow aiorl."
-                f"{base.__qualname__}'s own API of the same name (aiorl itself calls it, e.g. "
-                f"send and recv carry messages between workers); rename them"
-            )
+        check_method_names(cls, base, _GROUP_ATTRIBUTES)
         self.cls = cls
         self.args = args
         self.kwargs = kwargs
