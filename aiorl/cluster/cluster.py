@@ -32,6 +32,8 @@ from aiorl.errors import AddressError, ClusterClosedError
 from aiorl.placement import ClusterSpec
 from aiorl.protocol.registry import GroupSpec
 from aiorl.runtime import Runtime
+from aiorl.runtime.working_dir import PackedDir, WorkingDir
+from aiorl.runtime.working_dir import pack as pack_working_dir
 from aiorl.trace import recorder as _trace
 from aiorl.transport import security
 from aiorl.transport.address import normalize_address
@@ -106,6 +108,12 @@ class Cluster:
             does); [`trace_dump`][aiorl.Cluster.trace_dump] writes them as one Perfetto trace
             (docs/debugging.md).
         timeout: seconds to wait for the registry and the agents.
+        working_dir: a directory (or an [`aiorl.WorkingDir`][aiorl.WorkingDir] with
+            ``excludes``, ``max_bytes``, ``chdir``) holding the workers' code, for nodes that
+            do not share this machine's filesystem (Ray's ``runtime_env={"working_dir":
+            ...}``): packed once, here, before anything starts, and shipped to every node
+            that starts a worker of this driver's groups, first on the workers' ``sys.path``
+            (docs/deploy.md). ``launch(working_dir=...)`` overrides it for one group.
 
     Example:
         ```python
@@ -133,7 +141,12 @@ class Cluster:
         log_to_driver: bool = True,
         timeout: float = 60.0,
         trace: bool = False,
+        working_dir: WorkingDir | str | os.PathLike[str] | None = None,
     ) -> None:
+        # Packed first: a directory over its limit or with a link out of it is refused
+        # before any process starts.
+        self._working_dir = pack_working_dir(WorkingDir.of(working_dir)) if (
+            working_dir is not None) else None
         self._cfg = _cluster_section(cluster_cfg)
         self._closed = False
         self._closed_reason = CLOSED
@@ -217,6 +230,12 @@ class Cluster:
         Empty once the Cluster is closed (a group closed after its cluster finds nothing to
         forget)."""
         return self._session.groups if self._session is not None and not self._closed else {}
+
+    @property
+    def working_dir(self) -> PackedDir | None:
+        """The packed ``working_dir`` given to the constructor, shipped with every group this
+        driver launches (unless ``launch(working_dir=...)`` names another); None without."""
+        return self._working_dir
 
     @property
     def log_to_driver(self) -> bool:
