@@ -71,6 +71,12 @@ class WorkingDir:
         max_bytes: The largest total size of the files shipped (100 MiB by default).
         chdir: Also make the node's copy the workers' current directory (relative paths in
             the code then resolve as on the driver).
+
+    Example:
+        ```python
+        code = aiorl.WorkingDir("~/project", excludes=["data", "*.ckpt"], chdir=True)
+        cluster = aiorl.Cluster(registry="tcp://head:6380", working_dir=code)
+        ```
     """
 
     path: str
