@@ -269,3 +269,37 @@ def test_the_messages_round_trip_and_refuse_a_digest_that_is_not_one():
     assert SpawnRequest.from_wire(plain.to_wire()) == plain
     with pytest.raises(aiorl.ProtocolError, match="spawn.working_dir"):
         SpawnRequest.from_wire({**request.to_wire(), "working_dir": "/tmp"})
+
+
+def test_the_node_cache_keeps_a_bounded_number_of_unused_entries(tmp_path):
+    """Entries a killed agent left in a kept log directory are adopted as the oldest unused
+    ones, its staging directories removed, and no more than KEEP_UNUSED unused entries stay
+    once a new directory arrives; an entry a live group uses is never removed."""
+    import asyncio
+
+    from aiorl.node.working_dirs import KEEP_UNUSED, WorkingDirCache
+    from aiorl.protocol.spawn import SpawnRequest, WorkerLaunch
+    from aiorl.protocol.working_dir import WorkingDirOffer
+
+    root = tmp_path / "working_dirs"
+    old = [f"{i:064x}" for i in range(KEEP_UNUSED + 2)]
+    for digest in old:
+        (root / digest).mkdir(parents=True)
+    (root / ".unpack-abc").mkdir()
+    live: set[str] = set()
+    cache = WorkingDirCache(str(root), lambda: live)
+    packed = pack(WorkingDir(str(write_project(tmp_path / "p", "wd_m", "wd_h"))))
+    request = SpawnRequest("busy", "d", 1, (WorkerLaunch(0),), working_dir=old[0])
+    prepared = cache.prepare(request)  # a live group holds the oldest leftover
+    assert prepared.workers[0].env["PYTHONPATH"].split(os.pathsep)[0] == str(root / old[0])
+    live.add("busy")
+
+    offer = WorkingDirOffer(packed.digest, len(packed.data), packed.size)
+    asyncio.run(cache._receive(offer, packed.data))
+    kept = sorted(p.name for p in root.iterdir())
+    assert packed.digest in kept and old[0] in kept and ".unpack-abc" not in kept
+    assert len(kept) == KEEP_UNUSED + 1  # the unused ones, plus the one in use
+    with pytest.raises(aiorl.WorkingDirError, match="is not on this node"):
+        cache.prepare(SpawnRequest("g", "d", 1, (WorkerLaunch(0),), working_dir="f" * 64))
+    cache.close()
+    assert not root.exists()

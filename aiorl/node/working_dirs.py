@@ -5,8 +5,9 @@ log directory (``<log dir>/working_dirs/<digest>``): a second job with the same 
 there and nothing is sent or unpacked again. An entry is in use while a worker of a group
 that named it runs on this node; when its job ends it stays, for the next job, among the
 `KEEP_UNUSED` most recently used unused entries, and older unused ones are removed when a
-new directory arrives. The whole cache goes when the agent stops (it is only a cache: the
-drivers hold the originals), so what a node keeps is bounded.
+new directory arrives (entries left by an earlier, killed agent in a kept ``--log-dir`` count
+as the oldest unused ones). The whole cache goes when the agent stops (it is only a cache:
+the drivers hold the originals), so what a node keeps is bounded.
 
 The workers of a group that names a directory get it first on ``PYTHONPATH`` (so modules
 there win over same-named ones elsewhere, as the driver saw them), its path in
@@ -19,6 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -38,6 +40,8 @@ KEEP_UNUSED = 4
 #: Set in a worker of a group with a shipped working directory: the node's copy.
 WORKING_DIR_VARIABLE = "AIORL_WORKING_DIR"
 
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
 
 class WorkingDirCache:
     """The agent's working-directory cache: answers ``working_dir`` offers and prepares the
@@ -56,6 +60,7 @@ class WorkingDirCache:
         self._last_used: dict[str, float] = {}
         #: Unpacks in progress, by digest: a second offer of one waits for the first.
         self._unpacking: dict[str, asyncio.Future[None]] = {}
+        self._adopted = False
 
     def path_of(self, digest: str) -> str:
         return os.path.join(self.root, digest)
@@ -97,22 +102,24 @@ class WorkingDirCache:
         if len(data) != offer.size:
             raise WorkingDirError(f"working directory {offer.digest[:12]}: {len(data)} bytes "
                                   f"arrived, the offer said {offer.size}")
+        if not self._adopted:  # the first archive, before any unpack runs in a thread
+            self._adopted = True
+            self._adopt_leftovers()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._unpacking[offer.digest] = fut
         try:
-            self._evict()
             await asyncio.to_thread(unpack, data, offer.digest, self.path_of(offer.digest),
                                     min(offer.unpacked, MAX_ARCHIVE_BYTES))
-            self._last_used[offer.digest] = time.monotonic()
-            log.info("working directory %s cached (%d bytes packed)", offer.digest[:12],
-                     offer.size)
-            fut.set_result(None)
         except BaseException as exc:
             fut.set_exception(exc)
             fut.exception()  # retrieved: a waiting offer re-raises it
             raise
         finally:
             del self._unpacking[offer.digest]
+        self._last_used[offer.digest] = time.monotonic()
+        self._evict()  # the new entry counts as the most recently used
+        log.info("working directory %s cached (%d bytes packed)", offer.digest[:12], offer.size)
+        fut.set_result(None)
 
     # ------------------------------------------------------------------ spawning
     def prepare(self, request: SpawnRequest) -> SpawnRequest:
@@ -143,6 +150,19 @@ class WorkingDirCache:
         return dataclasses.replace(launch, env=env, cwd=path if chdir else launch.cwd)
 
     # ------------------------------------------------------------------ cleaning up
+    def _adopt_leftovers(self) -> None:
+        """Entries an earlier agent left in this directory (it was killed, and ``--log-dir``
+        is kept) count as unused and oldest; its half-unpacked staging directories go."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name.startswith(".unpack-"):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+            elif _DIGEST.fullmatch(name) and name not in self._last_used:
+                self._last_used[name] = 0.0
+
     def _evict(self) -> None:
         """Remove unused entries beyond the `KEEP_UNUSED` most recently used."""
         live = self._live_groups()
