@@ -40,6 +40,7 @@ from aiorl.errors import (
     WaitTimeout,
     WorkerInitError,
     WorkerNotFoundError,
+    WorkingDirError,
 )
 from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.trace import mark, span
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from aiorl.channels import Channel
     from aiorl.cluster import Cluster
     from aiorl.group.supervision import EventKind, GroupEvent
+    from aiorl.runtime.working_dir import WorkingDir
 
 # The runtime's names are imported on first use (PEP 562), not with the package: the registry
 # and node agent processes import ``aiorl.registry``/``aiorl.node``, which runs this file, and
@@ -80,6 +82,7 @@ _LAZY = {
     "Cluster": ("aiorl.cluster", "Cluster"),
     "EventKind": ("aiorl.group.supervision", "EventKind"),
     "GroupEvent": ("aiorl.group.supervision", "GroupEvent"),
+    "WorkingDir": ("aiorl.runtime.working_dir", "WorkingDir"),
 }
 
 
@@ -135,6 +138,8 @@ __all__ = [
     "WorkerInfo",
     "WorkerInitError",
     "WorkerNotFoundError",
+    "WorkingDir",
+    "WorkingDirError",
     "mark",
     "span",
 ]

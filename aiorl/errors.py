@@ -66,6 +66,7 @@ __all__ = [
     "WaitTimeout",
     "WorkerInitError",
     "WorkerNotFoundError",
+    "WorkingDirError",
     "from_wire",
     "to_wire",
 ]
@@ -369,6 +370,21 @@ class PlacementError(AiorlError, ValueError):
             Trainer.create_group().launch(cluster, "0-9")   # the cluster has 8 GPUs
         except aiorl.PlacementError as exc:
             print(exc)                    # '0-9': resource rank 9 is out of range; ...
+        ```
+    """
+
+
+class WorkingDirError(AiorlError, ValueError):
+    """A working directory that cannot be shipped to the nodes (also a `ValueError`): over
+    its size limit, holding a symbolic link that leaves it, or missing; or an archive a node
+    refuses to unpack. The message names the entry and what to do.
+
+    Example:
+        ```python
+        try:
+            cluster = aiorl.Cluster(working_dir="~/project")
+        except aiorl.WorkingDirError as exc:   # e.g. a checkpoint left in the directory
+            print(exc)     # ... holds 812.0 MiB of files, more than its limit of 100.0 MiB ...
         ```
     """
 

@@ -17,7 +17,7 @@ TOP_LEVEL = [
     "PlacementError", "PollResult", "PollingWorker", "ProtocolError", "QueueEmpty", "QueueFull",
     "RegistryError", "RegistryUnavailable", "RemoteError", "WaitTimeout", "Worker",
     "WorkerAddress", "WorkerGroup", "WorkerInfo", "WorkerInitError", "WorkerNotFoundError",
-    "mark", "span",
+    "WorkingDir", "WorkingDirError", "mark", "span",
 ]
 
 

@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
+from aiorl.actors.timing import Timing
 from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.p2p import P2PEngine, get_p2p
 
@@ -64,7 +65,7 @@ class _AnyWorker(metaclass=_AnyPublicMethod):
     sent."""
 
 
-class Worker:
+class Worker(Timing):
     """Base class of aiorl workers: subclass it, then ``create_group(...).launch(cluster)``.
 
     In the worker process, ``async def`` methods run concurrently on the worker's event loop;

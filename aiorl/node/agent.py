@@ -54,6 +54,7 @@ from aiorl.names import WorkerInfo
 from aiorl.node.p2p_relay import P2PRelay
 from aiorl.node.relay import CallRelay
 from aiorl.node.visible_devices import physical_visible_devices
+from aiorl.node.working_dirs import WorkingDirCache
 from aiorl.node.zygote import encode_message, read_message, write_message
 from aiorl.protocol.fields import Fields
 from aiorl.protocol.ops import AgentOp, DriverOp, WorkerOp, WorkerState
@@ -193,6 +194,9 @@ class NodeAgent:
         self.endpoint.handle(AgentOp.RELAY_CALL, self.relay.on_relay_call)
         self.p2p_relay = P2PRelay(self.endpoint, self.node_id, self.registry.nodes)
         self.endpoint.handle(AgentOp.RELAY_P2P, self.p2p_relay.on_relay_p2p)
+        self.working_dirs = WorkingDirCache(os.path.join(self.log_dir, "working_dirs"),
+                                            lambda: {c.group for c in self.children.values()})
+        self.endpoint.handle(AgentOp.WORKING_DIR, self.working_dirs.on_offer)
         self._zygote_ready = loop.create_future()
         self._start_zygote()
         #: Whether the registry's connection is up: tells a slow registry from a dead one.
@@ -433,6 +437,7 @@ class NodeAgent:
     async def _spawn(self, request: SpawnRequest, payload: bytes) -> list[int]:
         assert self._zygote_ready is not None
         await self._zygote_ready
+        request = self.working_dirs.prepare(request)  # a shipped working directory, if any
         os.makedirs(self.log_dir, mode=0o700, exist_ok=True)  # worker output is private
         self.groups[request.group] = request.group_spec()
         node = HostNode(self.node_id, self.node_rank, self.host, socket.gethostname(),
@@ -578,6 +583,7 @@ class NodeAgent:
             self.zygote.kill()
         self.zygote.wait()
         self.endpoint.close()
+        self.working_dirs.close()
         if self.owns_log_dir and os.environ.get("AIORL_KEEP_LOGS") != "1":
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
