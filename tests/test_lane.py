@@ -185,13 +185,20 @@ def test_a_client_without_the_key_is_refused_and_others_are_still_served(
     _run(tmp_path, body)
 
 
-def _raw_lane(path: str, keys: ClusterKeys, identity: bytes) -> socket.socket:
-    """A lane client by hand: connected, its hello sent (a valid proof), admitted."""
+def lane_hello(path: str, keys: ClusterKeys, identity: bytes) -> socket.socket:
+    """A lane client by hand: connected, its hello sent (a valid proof); the answer is left
+    to read."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)
     sock.connect(path)
     sock.sendall(lane_setup._proof(keys, path, identity)
                  + struct.pack("<H", len(identity)) + identity)
+    return sock
+
+
+def _raw_lane(path: str, keys: ClusterKeys, identity: bytes) -> socket.socket:
+    """A lane client by hand, admitted."""
+    sock = lane_hello(path, keys, identity)
     assert sock.recv(1) == b"\x01"  # admitted
     return sock
 

@@ -23,6 +23,7 @@ from aiorl.transport import lane_setup
 from aiorl.transport.endpoint import Endpoint
 from aiorl.transport.lane_setup import lane_path
 from aiorl.transport.security import ClusterKeys
+from tests.test_lane import lane_hello
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -48,16 +49,6 @@ def _run(tmp_path: Path, body: Callable[[Endpoint, Endpoint, ClusterKeys, str], 
             server.close()
 
     asyncio.run(main())
-
-
-def _hello(path: str, keys: ClusterKeys, identity: bytes) -> socket.socket:
-    """A raw lane client that sent a valid hello (the answer is left to read)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10)
-    sock.connect(path)
-    sock.sendall(lane_setup._proof(keys, path, identity)
-                 + struct.pack("<H", len(identity)) + identity)
-    return sock
 
 
 async def _in_thread(fn: Callable[[], object]) -> object:
@@ -113,7 +104,7 @@ def test_calls_of_a_refused_client_fail_with_authentication_error_never_hang(
 def test_a_head_announcing_a_terabyte_costs_what_arrived_and_spins_nothing(
         tmp_path: Path) -> None:
     async def body(server: Endpoint, client: Endpoint, keys: ClusterKeys, path: str) -> None:
-        sock = _hello(path, keys, b"huge")
+        sock = lane_hello(path, keys, b"huge")
         assert await _in_thread(lambda: sock.recv(1)) == b"\x01"
         size = (1 << 40) - 12
         sock.sendall(struct.pack("<IQ", 1, size) + b"\0" * 16384)
@@ -136,7 +127,7 @@ def test_a_reader_that_fails_closes_its_lane_and_is_not_run_again(
     monkeypatch.setattr(lane_module, "_GROWTH", 1 << 62)
 
     async def body(server: Endpoint, client: Endpoint, keys: ClusterKeys, path: str) -> None:
-        sock = _hello(path, keys, b"wedge")
+        sock = lane_hello(path, keys, b"wedge")
         assert await _in_thread(lambda: sock.recv(1)) == b"\x01"
         sock.sendall(struct.pack("<IQ", 1, (1 << 40) - 12) + b"\0" * 16384)
         assert await _in_thread(lambda: _closed_by_server(sock))
@@ -151,7 +142,7 @@ def test_a_reader_that_fails_closes_its_lane_and_is_not_run_again(
 def test_a_head_announcing_a_gibibyte_does_not_cost_one(tmp_path: Path) -> None:
     async def body(server: Endpoint, client: Endpoint, keys: ClusterKeys, path: str) -> None:
         rss = psutil.Process().memory_info().rss
-        sock = _hello(path, keys, b"gib")
+        sock = lane_hello(path, keys, b"gib")
         assert await _in_thread(lambda: sock.recv(1)) == b"\x01"
         sock.sendall(struct.pack("<IQ", 1, 1 << 30) + b"\1" * 40_000)
         (conn,) = [c for c in server._lane_listener._clients  # type: ignore[union-attr]
@@ -168,7 +159,7 @@ def test_a_head_announcing_a_gibibyte_does_not_cost_one(tmp_path: Path) -> None:
 def test_a_second_client_with_someones_routing_id_is_refused_and_they_keep_working(
         tmp_path: Path) -> None:
     async def body(server: Endpoint, client: Endpoint, keys: ClusterKeys, path: str) -> None:
-        impostor = _hello(path, keys, client.identity)
+        impostor = lane_hello(path, keys, client.identity)
         try:
             assert await _in_thread(lambda: impostor.recv(1)) == bytes((lane_module.TAKEN,))
             assert await _in_thread(lambda: _closed_by_server(impostor))

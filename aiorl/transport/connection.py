@@ -246,6 +246,12 @@ class ZmqLink:
 
     def _send_now(self, parts: Sequence[Any]) -> None:
         """Send now, then re-check EVENTS (a send can consume the FD's edge)."""
+        if self._send_locked(parts):
+            self.schedule_drain()
+
+    def _send_locked(self, parts: Sequence[Any]) -> bool:
+        """Send under the lock (any thread); whether input waits that the send may have
+        hidden from the FD's edge."""
         with self.lock:
             if self.closed:
                 raise ConnectionClosed("the ZMQ link is closed")
@@ -253,8 +259,7 @@ class ZmqLink:
                 send_parts(self.sock, self._packed(parts))
             finally:
                 pending = _raw_get(self.sock, _EVENTS) & _POLLIN
-        if pending:
-            self.schedule_drain()
+        return bool(pending)
 
     def _packed(self, parts: Sequence[Any]) -> Sequence[Any]:
         """``parts`` as one PACKED frame when they are many and small (see wire.py): the
@@ -274,14 +279,7 @@ class ZmqLink:
     def send_from_thread(self, parts: Sequence[Any]) -> None:
         """Send from a thread other than the loop's. If the send consumed the edge of
         waiting input, wake the loop to drain it, or that input would sit unnoticed."""
-        with self.lock:
-            if self.closed:
-                raise ConnectionClosed("the ZMQ link is closed")
-            try:
-                send_parts(self.sock, self._packed(parts))
-            finally:
-                pending = _raw_get(self.sock, _EVENTS) & _POLLIN
-        if pending:
+        if self._send_locked(parts):
             self.loop.call_soon_threadsafe(self.schedule_drain)
 
     def close(self) -> None:
