@@ -129,6 +129,69 @@ class _PartlySent(OSError):
         self.error = error
 
 
+def _framed(messages: list[Sequence[Any]], answer: int | None) -> list[bytes | memoryview]:
+    """``messages`` as the lane's stream: ``<u32 count> <u64 length>... <frames>`` each (after
+    ``answer``'s byte, a server's answer to a hello). A message of small bytes frames (a
+    header, a small pickle: most calls and answers) is one buffer with its head; others are
+    views of their frames, without a copy."""
+    buffers: list[bytes | memoryview] = [] if answer is None else [bytes((answer,))]
+    for parts in messages:
+        count = len(parts)
+        if count == 1:  # a header alone (a call without arguments, an empty answer)
+            only = parts[0]
+            if only.__class__ is bytes and len(only) < _COPY_BELOW:
+                buffers.append(_ONE_FRAME.pack(1, len(only)) + only)
+                continue
+        size = 0
+        for part in parts:
+            if part.__class__ is not bytes:
+                size = _COPY_BELOW
+                break
+            size += len(part)
+        head = _HEADS[count] if count <= _CACHED_COUNTS else _heads(count)
+        if size < _COPY_BELOW:
+            buffers.append(b"".join([head.pack(count, *map(len, parts)), *parts]))
+        else:
+            views = list(map(_as_bytes_view, parts))
+            buffers.append(head.pack(count, *map(len, views)))
+            buffers.extend(views)
+    return buffers
+
+
+def _send_buffers(sock: socket.socket,
+                  buffers: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    """Send as much of ``buffers`` as ``sock`` takes now; return the rest. An error before a
+    byte left is raised as it is; one after some left, as `_PartlySent`. (Every view is
+    one-dimensional bytes: its ``len`` is its size.)"""
+    if len(buffers) == 1:  # one message of small frames: most sends
+        only = buffers[0]
+        try:
+            sent = sock.send(only)
+        except (BlockingIOError, InterruptedError):
+            return buffers
+        return [] if sent == len(only) else [memoryview(only)[sent:]]
+    first = True
+    while buffers:
+        chunk = buffers[:_MAX_IOV]
+        try:
+            sent = sock.sendmsg(chunk)
+        except (BlockingIOError, InterruptedError):
+            return buffers
+        except OSError as exc:
+            if first:
+                raise
+            raise _PartlySent(exc) from exc
+        first = False
+        for i, view in enumerate(chunk):
+            if sent < len(view):
+                rest = buffers[i:]
+                rest[0] = memoryview(view)[sent:]
+                return rest
+            sent -= len(view)
+        buffers = buffers[len(chunk):]
+    return buffers
+
+
 class LaneConnection:
     """One end of a lane: frames messages out and in. ``on_message(frames)`` gets each
     whole message (a list of ``bytes``) on the loop; ``on_broken(reason, unsent)`` runs once
@@ -251,7 +314,7 @@ class LaneConnection:
         socket does not take them whole at once (the server is going away)."""
         try:
             with self.lock:
-                return not self._sendmsg([memoryview(hello)])
+                return not _send_buffers(self.sock, [memoryview(hello)])
         except OSError:
             return False
 
@@ -267,30 +330,7 @@ class LaneConnection:
 
     def _write(self, messages: list[Sequence[Any]], from_thread: bool = False,
                answer: int | None = None) -> None:
-        buffers: list[bytes | memoryview] = [] if answer is None else [bytes((answer,))]
-        for parts in messages:
-            count = len(parts)
-            # A message of small bytes frames (a header, a small pickle: most calls and
-            # answers) leaves as one buffer with its head; others as views, without a copy.
-            if count == 1:  # a header alone (a call without arguments, an empty answer)
-                only = parts[0]
-                if only.__class__ is bytes and len(only) < _COPY_BELOW:
-                    buffers.append(_ONE_FRAME.pack(1, len(only)) + only)
-                    continue
-            size = 0
-            for part in parts:
-                if part.__class__ is not bytes:
-                    size = _COPY_BELOW
-                    break
-                size += len(part)
-            head = _HEADS[count] if count <= _CACHED_COUNTS else _heads(count)
-            if size < _COPY_BELOW:
-                buffers.append(b"".join([head.pack(count, *map(len, parts)), *parts]))
-            else:
-                views = list(map(_as_bytes_view, parts))
-                buffers.append(head.pack(count, *map(len, views)))
-                buffers.extend(views)
-        self._emit(buffers, len(messages), from_thread, messages)
+        self._emit(_framed(messages, answer), len(messages), from_thread, messages)
 
     def _emit(self, buffers: list[bytes | memoryview], messages: int, from_thread: bool,
               parts: list[Sequence[Any]] | None = None) -> None:
@@ -306,7 +346,7 @@ class LaneConnection:
                 self._queue(buffers, messages)
             else:
                 try:
-                    left = self._sendmsg(buffers)
+                    left = _send_buffers(self.sock, buffers)
                 except _PartlySent as exc:
                     # Part of it may have reached the peer: the owner's pending requests wait
                     # for their answers or a verdict (aiorl.transport.peer); none is sent twice.
@@ -328,38 +368,6 @@ class LaneConnection:
                 self.loop.call_soon_threadsafe(self._start_writer)
             else:
                 self._start_writer()
-
-    def _sendmsg(self, buffers: list[bytes | memoryview]) -> list[bytes | memoryview]:
-        """Send as much of ``buffers`` as the socket takes now; return the rest. (Every
-        view is one-dimensional bytes: its ``len`` is its size.)"""
-        sock = self.sock
-        if len(buffers) == 1:  # one message of small frames: most sends
-            only = buffers[0]
-            try:
-                sent = sock.send(only)
-            except (BlockingIOError, InterruptedError):
-                return buffers
-            return [] if sent == len(only) else [memoryview(only)[sent:]]
-        first = True
-        while buffers:
-            chunk = buffers[:_MAX_IOV]
-            try:
-                sent = sock.sendmsg(chunk)
-            except (BlockingIOError, InterruptedError):
-                return buffers
-            except OSError as exc:
-                if first:
-                    raise
-                raise _PartlySent(exc) from exc
-            first = False
-            for i, view in enumerate(chunk):
-                if sent < len(view):
-                    rest = buffers[i:]
-                    rest[0] = memoryview(view)[sent:]
-                    return rest
-                sent -= len(view)
-            buffers = buffers[len(chunk):]
-        return buffers
 
     def _queue(self, buffers: list[bytes | memoryview], messages: int) -> None:
         if self._queued + messages > self.max_queued:
@@ -384,7 +392,7 @@ class LaneConnection:
         with self.lock:
             out = self._out
             try:
-                left = self._sendmsg(list(out)) if out else []
+                left = _send_buffers(self.sock, list(out)) if out else []
             except OSError as exc:
                 failure = exc
                 self.closed = True
