@@ -74,10 +74,10 @@ from aiorl.errors import (
     ProtocolError,
     WaitTimeout,
     from_wire,
-    to_wire,
 )
 from aiorl.transport import security
 from aiorl.transport.connection import ConnectionClosed, ZmqLink
+from aiorl.transport.incoming import Incoming
 from aiorl.transport.lane import LaneConnection
 from aiorl.transport.lane_setup import LaneListener, lane_path
 from aiorl.transport.peer import VERDICT_WAIT_S, Peer, Reply, Settle
@@ -93,7 +93,7 @@ from aiorl.transport.wire import (
 )
 from aiorl.util.ratelimit import RateLimitedLog
 
-__all__ = ["Endpoint", "Incoming", "Reply"]
+__all__ = ["Endpoint", "Incoming", "Reply"]  # Incoming: transport/incoming.py
 
 log = logging.getLogger("aiorl.transport")
 _dispatch_errors = RateLimitedLog(log)
@@ -124,56 +124,6 @@ class _DropLog:
 
     def __call__(self, what: str, *args: Any) -> None:
         self._log.warning("dropped", "%s: dropped " + what, self.name, *args)
-
-
-class Incoming:
-    """One received request, one-way message or event, with the means to answer it."""
-
-    __slots__ = ("endpoint", "identity", "kind", "request_id", "op", "meta", "frames", "lane",
-                 "_answered")
-
-    def __init__(
-        self,
-        endpoint: Endpoint,
-        identity: bytes,
-        kind: int,  # a Kind value, as a plain int (see wire.Header)
-        request_id: int,
-        op: str,
-        meta: Any,
-        frames: list[Any],
-        lane: LaneConnection | None = None,
-    ) -> None:
-        self.endpoint = endpoint
-        self.identity = identity
-        self.kind = kind
-        self.request_id = request_id
-        self.op = op
-        self.meta = meta
-        self.frames = frames
-        #: The lane it came on (None: through the ROUTER): the answer's way back, unless
-        #: it broke meanwhile (then the client's lane now, or the ROUTER).
-        self.lane = lane
-        self._answered = False
-
-    @property
-    def expects_reply(self) -> bool:
-        return self.kind == _REQUEST
-
-    def reply(self, meta: Any = None, frames: Sequence[Any] = ()) -> None:
-        """Answer a request (ignored for one-way messages and after the first answer)."""
-        if self.kind != _REQUEST or self._answered:
-            return
-        self._answered = True
-        self.endpoint._send_router(self.identity, _REPLY, self.request_id, self.op, meta, frames,
-                                   self.lane)
-
-    def reply_error(self, exc: BaseException, **extra: Any) -> None:
-        """Answer a request with an error; ``extra`` lands in the error's meta (e.g. rank)."""
-        if self.kind != _REQUEST or self._answered:
-            return
-        self._answered = True
-        self.endpoint._send_router(self.identity, _ERROR, self.request_id, self.op,
-                                   to_wire(exc, **extra), ())
 
 
 class Endpoint:
