@@ -4,19 +4,23 @@ the means to answer it (through the endpoint that received it, on the way it cam
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiorl.errors import to_wire
+from aiorl.transport.lane import LaneConnection
 from aiorl.transport.wire import Kind
-
-if TYPE_CHECKING:
-    from aiorl.transport.endpoint import Endpoint
-    from aiorl.transport.lane import LaneConnection
 
 __all__ = ["Incoming"]
 
 # Plain ints on the hot path: comparing IntEnum members costs more than the send itself.
 _REQUEST, _REPLY, _ERROR = int(Kind.REQUEST), int(Kind.REPLY), int(Kind.ERROR)
+
+
+class _Receiver(Protocol):
+    """The endpoint that received a message: it sends the answer (`Endpoint._send_router`)."""
+
+    def _send_router(self, identity: bytes, kind: int, request_id: int, op: str, meta: Any,
+                     frames: Sequence[Any], lane: LaneConnection | None = None) -> bool: ...
 
 
 class Incoming:
@@ -27,7 +31,7 @@ class Incoming:
 
     def __init__(
         self,
-        endpoint: Endpoint,
+        endpoint: _Receiver,
         identity: bytes,
         kind: int,  # a Kind value, as a plain int (see wire.Header)
         request_id: int,
