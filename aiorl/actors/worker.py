@@ -170,7 +170,7 @@ class Worker(Timing):
         self._log(logging.ERROR, msg, *args)
 
     # ------------------------------------------------------------------ point-to-point
-    # Implemented in aiorl.p2p; see API.md section 4 and docs/ordering.md.
+    # Implemented in aiorl.p2p; see docs/reference/contract.md section 4 and docs/ordering.md.
     # ``async_op`` is RLinf's switch: True (aiorl's default) returns the AsyncWork;
     # False waits for it and returns its result (RLinf's default; not on the event loop).
     # Typed both ways: an AsyncWork by default, the plain result with RLinf's async_op=False.
@@ -218,7 +218,7 @@ class Worker(Timing):
         """Fill the preallocated ``tensor`` with the next ``send_tensor`` from the source."""
         return _sync_unless(async_op, self._p2p().recv_tensor(tensor, src_group_name, src_rank))
 
-    # Implemented in aiorl.collective; see API.md section 8 and docs/broadcast.md.
+    # Implemented in aiorl.collective; see docs/reference/contract.md section 8 and docs/broadcast.md.
     def broadcast(self, obj: Any = None, groups: list[tuple[str, Any]] | None = None,
                   src: tuple[str, Any] | None = None, async_op: bool = False) -> Any:
         """Broadcast ``obj`` from ``src`` (default: the first worker ``groups`` names) to every
@@ -237,7 +237,7 @@ class Worker(Timing):
         return engine
 
     # ------------------------------------------------------------------ channels
-    # Implemented in aiorl.channels; see API.md section 5.
+    # Implemented in aiorl.channels; see docs/reference/contract.md section 5.
     def create_channel(
         self,
         name: str | None = None,
@@ -273,7 +273,7 @@ class Worker(Timing):
         return connect_channel_from_worker(self._runtime, _channel_name(name, channel_name))
 
     # ------------------------------------------------------------------ weights
-    # Implemented in aiorl.weights; see API.md section 8 and docs/weights.md.
+    # Implemented in aiorl.weights; see docs/reference/contract.md section 8 and docs/weights.md.
     def weight_publisher(self, name: str, *, shard: int = 0, num_shards: int = 1,
                          bucket_mb: int = 256) -> WeightPublisher:
         """The publisher of weights ``name`` (shard ``shard`` of ``num_shards``) in this worker.
