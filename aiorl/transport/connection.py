@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from aiorl.transport.sockets import monitor_connection
 from aiorl.transport.wire import (
     MAX_BATCH_MESSAGES,
     PACK_MIN_FRAMES,
@@ -68,6 +69,9 @@ class ConnectionClosed(ConnectionError):
 
 class Connection(Protocol):
     """One way to one peer: see the module docstring for what every implementation keeps."""
+
+    #: ``"zmq"`` or ``"lane"``: which implementation (for the doctor and tests).
+    kind: str
 
     @property
     def closed(self) -> bool:
@@ -142,10 +146,13 @@ class ZmqLink:
             (``zmq.ZMQError``); None drops them (replies to a routed peer that vanished).
         max_held: messages one peer's turn holds before they leave as one BATCH (at
             most what receivers accept, wire.py).
+        on_link_event: for a DEALER: gets each of its handshake and disconnection events
+            (`aiorl.transport.sockets.monitor_connection`; connect the socket after this).
     """
 
+    kind = "zmq"
     __slots__ = ("sock", "on_message", "loop", "_scheduled", "closed", "lock", "routed",
-                 "_batcher", "on_send_failed")
+                 "_batcher", "on_send_failed", "_monitor")
 
     def __init__(
         self,
@@ -155,6 +162,7 @@ class ZmqLink:
         routed: bool = False,
         on_send_failed: Callable[[zmq.ZMQError], None] | None = None,
         max_held: int = MAX_BATCH_MESSAGES,
+        on_link_event: Callable[[list[Any]], None] | None = None,
     ) -> None:
         self.sock = sock
         self.on_message = on_message
@@ -168,6 +176,8 @@ class ZmqLink:
         # and leave as one BATCH message when the turn ends.
         self._batcher: TurnBatcher[bytes, list[Any]] = TurnBatcher(
             loop, self._send_held, max_items=max_held, max_bytes=_MAX_HELD_BYTES)
+        self._monitor = (None if on_link_event is None
+                         else ZmqLink(monitor_connection(sock), on_link_event, loop))
         loop.add_reader(sock.FD, self.drain)
         self.schedule_drain()  # input may have queued before the reader existed
 
@@ -285,6 +295,19 @@ class ZmqLink:
     def close(self) -> None:
         if not self.closed:
             self._batcher.flush_all()  # what was sent before close() still leaves
+        monitor, self._monitor = self._monitor, None
+        if monitor is not None:
+            # Stop the socket's events before their reader goes. Closing the reader first,
+            # while a handshake with a closing peer could still be reported, stalls libzmq's
+            # I/O thread (it reports monitor events from there), and with it every socket of
+            # the process.
+            with self.lock:
+                if not self.closed:
+                    try:
+                        self.sock.disable_monitor()
+                    except zmq.ZMQError:
+                        pass
+            monitor.close()
         with self.lock:
             if self.closed:
                 return

@@ -198,6 +198,7 @@ class LaneConnection:
     when the stream ends or breaks (not after `close`); a client's ``on_refused(reason)``
     runs instead when the server does not admit it."""
 
+    kind = "lane"
     __slots__ = ("sock", "loop", "on_message", "on_broken", "lock", "closed", "_fd", "_out",
                  "_queued", "_writing", "_clock", "_turn", "_held", "_buf", "_view", "_start",
                  "_end", "_need", "_reading", "_parse_scheduled", "_expect_hello",

@@ -43,7 +43,7 @@ from aiorl.transport.connection import Connection, ConnectionClosed, ZmqLink
 from aiorl.transport.lane import LaneConnection
 from aiorl.transport.lane_setup import connect_lane
 from aiorl.transport.security import ClusterKeys
-from aiorl.transport.sockets import HANDSHAKE_FAILED_EVENTS, make_socket, monitor_connection
+from aiorl.transport.sockets import HANDSHAKE_FAILED_EVENTS, make_socket
 
 __all__ = ["VERDICT_WAIT_S", "Peer", "Settle"]
 
@@ -92,7 +92,7 @@ class Peer:
     """
 
     __slots__ = ("name", "address", "identity", "keys", "loop", "on_message", "verdict_wait", "hold",
-                 "connection", "monitor", "pending", "lost", "refused", "backoff", "rebuild",
+                 "connection", "pending", "lost", "refused", "backoff", "rebuild",
                  "broken_handshakes", "established", "retired", "_verdicts")
 
     def __init__(self, name: str, address: str, identity: bytes, keys: ClusterKeys | None,
@@ -108,8 +108,7 @@ class Peer:
         self.verdict_wait = verdict_wait
         self.hold = hold
         #: The lane, or the DEALER; None only while a refused link waits to be rebuilt.
-        self.connection: LaneConnection | ZmqLink | None = None
-        self.monitor: ZmqLink | None = None  # the DEALER's handshake and disconnect events
+        self.connection: Connection | None = None
         self.pending: dict[int, Settle] = {}
         self.lost: BaseException | None = None
         #: Set while the connection is down after a refusal (until the rebuilt one is made).
@@ -137,21 +136,18 @@ class Peer:
         """A fresh DEALER (same routing id: the server hands the old one's place over) and a
         monitor of its handshakes and disconnections."""
         sock = make_socket(zmq.DEALER, identity=self.identity, keys=self.keys)
-        monitor = monitor_connection(sock)
-        sock.connect(self.address)
         self.refused = None
         self.established = False
-        self.monitor = ZmqLink(monitor, self._on_link_event, self.loop)
         self.connection = ZmqLink(sock, functools.partial(self.on_message, self), self.loop,
-                                  on_send_failed=self._send_failed)
+                                  on_send_failed=self._send_failed,
+                                  on_link_event=self._on_link_event)
+        sock.connect(self.address)
 
     @property
     def kind(self) -> str:
         """``"lane"`` or ``"zmq"`` (``"none"`` while a refused link waits to be rebuilt)."""
         conn = self.connection
-        if conn is None:
-            return "none"
-        return "lane" if isinstance(conn, LaneConnection) else "zmq"
+        return "none" if conn is None else conn.kind
 
     # ------------------------------------------------------------------ sending
     def send(self, parts: Sequence[Any], now: bool) -> None:
@@ -292,22 +288,8 @@ class Peer:
 
     # ------------------------------------------------------------------ ending
     def close_sockets(self) -> None:
-        conn, monitor = self.connection, self.monitor
-        if monitor is not None and isinstance(conn, ZmqLink):
-            # Stop the DEALER's events before their reader goes. Closing the reader first,
-            # while a handshake with a closing peer could still be reported, stalls libzmq's
-            # I/O thread (it reports monitor events from there), and with it every socket of
-            # the process.
-            with conn.lock:
-                if not conn.closed:
-                    try:
-                        conn.sock.disable_monitor()
-                    except zmq.ZMQError:
-                        pass
-        for each in (conn, monitor):
-            if each is not None:
-                each.close()
-        self.monitor = None
+        if self.connection is not None:
+            self.connection.close()
         if self.rebuild is not None:
             self.rebuild.cancel()
             self.rebuild = None
