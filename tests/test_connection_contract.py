@@ -213,3 +213,25 @@ def test_a_send_on_a_closed_connection_raises(tmp_path: Path, kind: str) -> None
                 send([b"x"])
 
     asyncio.run(main())
+
+
+def test_answers_held_for_a_client_whose_lane_broke_are_bounded_and_expire() -> None:
+    """What a server holds for a client that has not come back (aiorl/transport/parked.py):
+    nothing for a client whose lane did not break, at most MAX_MESSAGES for one that did,
+    handed over once when it is back, and dropped when it does not come back in time."""
+    from aiorl.transport import parked
+
+    async def main() -> None:
+        held = parked.ParkedAnswers("server", asyncio.get_running_loop(), hold_s=0.2)
+        assert not held.park(b"stranger", [b"answer"])  # its lane never broke: not held
+        held.expect(b"client")
+        assert all(held.park(b"client", [b"%d" % i]) for i in range(parked.MAX_MESSAGES))
+        assert not held.park(b"client", [b"one too many"])
+        assert [m[0] for m in held.take(b"client")][:3] == [b"0", b"1", b"2"]
+        assert held.take(b"client") == []  # handed over once
+        held.expect(b"gone")
+        assert held.park(b"gone", [b"x" * 1024])
+        await asyncio.sleep(0.4)
+        assert not held and held.take(b"gone") == []  # dropped when it did not come back
+
+    asyncio.run(main())

@@ -80,10 +80,12 @@ from aiorl.transport.connection import ConnectionClosed, ZmqLink
 from aiorl.transport.incoming import Incoming
 from aiorl.transport.lane import LaneConnection
 from aiorl.transport.lane_setup import LaneListener, lane_path
+from aiorl.transport.parked import ParkedAnswers
 from aiorl.transport.peer import VERDICT_WAIT_S, Peer, Reply, Settle
 from aiorl.transport.security import ClusterKeys
 from aiorl.transport.sockets import IPC_PREFIX, ROUTER_HWM, bind_endpoint, make_socket
 from aiorl.transport.wire import (
+    RESUME,
     Kind,
     decode_fields,
     encode_header,
@@ -194,6 +196,9 @@ class Endpoint:
         self.closed = False
         #: Clients on our lane, by their endpoint's routing id (what a ROUTER would name them).
         self._lanes: dict[bytes, LaneConnection] = {}
+        #: Answers for clients whose lane broke, until they are back by ZMQ.
+        self._parked = ParkedAnswers(name, self.loop, verdict_wait)
+        self._handlers[RESUME] = _resumed  # what is held leaves on arrival (_on_router_message)
         self._lane_listener: LaneListener | None = None
         if lane and lane_path(self.address) is not None:
             try:
@@ -222,6 +227,9 @@ class Endpoint:
             self._dropped("a message with %d frames (need identity and header)", len(frames))
             return
         identity = frames[0]
+        if self._parked and not within:  # a client whose lane broke is back
+            for parts in self._parked.take(identity):
+                self._send_parked(identity, parts)
         try:
             kind, request_id, op, meta = decode_fields(frames[1])
         except ProtocolError as exc:
@@ -290,7 +298,13 @@ class Endpoint:
                 self._router.send([identity, head, *frames])
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
-                return False  # the client went away; nothing is waiting for this any more
+                if kind == _EVENT:  # events report whether the subscriber is still there
+                    return False
+                if _thread_id() != self._loop_thread:
+                    self.loop.call_soon_threadsafe(self._park, identity, [head, *frames])
+                    return True
+                # Held if its lane just broke (it comes back by ZMQ); else it went away.
+                return self._park(identity, [head, *frames])
             if exc.errno == zmq.EAGAIN:  # its queue is full (ROUTER_HWM): it does not read
                 _dispatch_errors.warning(
                     "peer not reading", "%s: a peer does not read what it is sent (%d "
@@ -322,9 +336,32 @@ class Endpoint:
             return
         self._serve(conn.peer_identity, kind, request_id, op, meta, frames[1:], conn)
 
-    def _lane_gone(self, conn: LaneConnection) -> None:
-        if self._lanes.get(conn.peer_identity) is conn:
-            del self._lanes[conn.peer_identity]
+    def _lane_gone(self, conn: LaneConnection, unsent: list[Sequence[Any]]) -> None:
+        """A client's lane ended: it may come back by ZMQ under the same routing id; what
+        could not leave on the lane goes that way, held until it is back."""
+        identity = conn.peer_identity
+        if self._lanes.get(identity) is conn:
+            del self._lanes[identity]
+        if self.closed:
+            return
+        self._parked.expect(identity)
+        for parts in unsent:
+            self._send_parked(identity, parts)
+
+    def _park(self, identity: bytes, parts: list[Any]) -> bool:
+        return self._parked.park(identity, parts)
+
+    def _send_parked(self, identity: bytes, parts: Sequence[Any]) -> None:
+        """Send a message held for (or not yet sent to) ``identity`` through the ROUTER, or
+        hold it again while the client is not back."""
+        try:
+            self._router.send_direct([identity, *parts])
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH or not self._parked.park(identity, parts):
+                log.debug("%s: dropped a message for a client whose lane broke: %s",
+                          self.name, exc)
+        except ConnectionClosed:
+            pass
 
     # ------------------------------------------------------------------ calling
     def request(
@@ -540,6 +577,7 @@ class Endpoint:
         if self._lane_listener is not None:
             self._lane_listener.close()
         self._lanes.clear()
+        self._parked.close()
         self._router.close()
 
 
@@ -565,6 +603,10 @@ def _contents(kind: int, meta: Any, payload: list[Any]) -> list[list[Any]]:
 
 def _never() -> bool:
     return False
+
+
+def _resumed(msg: Incoming) -> None:
+    """`RESUME`: a client whose lane broke is back (what was held for it left already)."""
 
 
 def _refuse_plain_over_tcp(keys: ClusterKeys | None, action: str) -> None:

@@ -22,7 +22,7 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiorl.transport import security
@@ -105,7 +105,8 @@ class LaneListener:
     """A server's lane: accepts this user's clients that prove the cluster key, and asks
     ``on_client(connection)`` whether to admit each once its hello passed (False: another
     live lane holds its routing id); the connection's messages then go to
-    ``on_message(connection, frames)``, and ``on_gone(connection)`` runs once it ends.
+    ``on_message(connection, frames)``, and ``on_gone(connection, unsent)`` runs once it ends,
+    with what it could not send.
 
     A client has `hello_deadline` seconds to say hello, and at most `MAX_UNGREETED` clients
     may be waiting to: a connection that says nothing costs a descriptor, and nothing else
@@ -116,7 +117,7 @@ class LaneListener:
                  loop: asyncio.AbstractEventLoop,
                  on_client: Callable[[LaneConnection], bool],
                  on_message: Callable[[LaneConnection, list[Any]], None],
-                 on_gone: Callable[[LaneConnection], None], *,
+                 on_gone: Callable[[LaneConnection, list[Sequence[Any]]], None], *,
                  hello_deadline: float = HELLO_DEADLINE_S) -> None:
         path = lane_path(address)
         if path is None:
@@ -196,13 +197,13 @@ class LaneListener:
             self._clients.discard(conn)
             conn.close()
 
-    def _gone(self, conn: LaneConnection, reason: str, unsent: list[Any]) -> None:
+    def _gone(self, conn: LaneConnection, reason: str, unsent: list[Sequence[Any]]) -> None:
         self._clients.discard(conn)
         timer = self._ungreeted.pop(conn, None)
         if timer is not None:
             timer.cancel()
         if conn.peer_identity:
-            self._on_gone(conn)
+            self._on_gone(conn, unsent)
 
     @property
     def clients(self) -> int:

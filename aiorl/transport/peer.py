@@ -44,6 +44,7 @@ from aiorl.transport.lane import LaneConnection
 from aiorl.transport.lane_setup import connect_lane
 from aiorl.transport.security import ClusterKeys
 from aiorl.transport.sockets import HANDSHAKE_FAILED_EVENTS, make_socket
+from aiorl.transport.wire import RESUME, Kind, encode_header
 
 __all__ = ["VERDICT_WAIT_S", "Peer", "Settle"]
 
@@ -70,6 +71,7 @@ _HANDSHAKE_FAILURES: dict[int, str] = {
         "the handshake broke off (under CURVE: the peer does not hold this cluster's key)",
 }
 
+_ONEWAY = int(Kind.ONEWAY)
 Reply = tuple[Any, list[Any]]  # (meta, payload frames)
 #: How a pending request is completed: ``settle(None, reply)`` or ``settle(error, None)``,
 #: exactly once, on the loop.
@@ -189,6 +191,8 @@ class Peer:
         log.debug("%s: the connection to %s broke (%s): its later messages go through ZMQ",
                     self.name, self.address, reason)
         self._connect_zmq()
+        # The server holds what it could not send us meanwhile until it hears from us.
+        self.send([encode_header(_ONEWAY, 0, RESUME, None)], now=True)
         for parts in unsent:  # they never left: in order, ahead of anything later
             self.send(parts, now=False)
 

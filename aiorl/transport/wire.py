@@ -40,7 +40,7 @@ import msgpack
 from aiorl.errors import ProtocolError
 
 __all__ = [
-    "MAX_BATCH_MESSAGES", "MAX_FRAME_BYTES", "PACK_MIN_FRAMES", "PROTOCOL_VERSION", "Header",
+    "MAX_BATCH_MESSAGES", "MAX_FRAME_BYTES", "PACK_MIN_FRAMES", "PROTOCOL_VERSION", "RESUME", "Header",
     "Kind", "decode_fields", "decode_header", "encode_batch", "encode_header", "join_frames", "oversized", "pack",
     "split_batch", "split_frames", "unpack",
 ]
@@ -48,6 +48,9 @@ __all__ = [
 # 2: errors travel as data, typed control messages, one tensor reducer (pickles name it by path).
 # 3: PACKED messages.
 PROTOCOL_VERSION = 3
+#: The one op the transport sends itself: a client whose lane broke says it is back, on its
+#: ZMQ link, so that the server sends what it held for it (aiorl.transport.parked).
+RESUME = "transport.resume"
 
 #: Headers larger than this are rejected before they are parsed.
 MAX_HEADER_BYTES = 1 << 20
