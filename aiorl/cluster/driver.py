@@ -123,7 +123,8 @@ class DriverSession:
                 log.warning("no answer from the registry at %s yet; waiting up to %.0f s more "
                             "(Cluster(timeout=...))", self.registry_address,
                             deadline - loop.time())
-        reg.start_heartbeats(self.driver_id, lease.heartbeat_interval, self._reregister)
+        reg.start_heartbeats(self.driver_id, lease.heartbeat_interval, self._reregister,
+                             expiry=lease.expiry)
         await reg.watch_nodes(self._on_nodes)
 
     async def _reregister(self) -> None:

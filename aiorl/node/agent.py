@@ -203,7 +203,8 @@ class NodeAgent:
         self._link = LinkWatch(f"node-{self.node_id}", self.registry_address, self.keys)
         self._link.start()
         await self._register()
-        self.registry.start_heartbeats(self.node_id, self._heartbeat_interval, self._rejoin)
+        self.registry.start_heartbeats(self.node_id, self._heartbeat_interval, self._rejoin,
+                                       expiry=self._expiry)
         self._output_task = loop.create_task(self._forward_output_forever())
         self._fence_task = loop.create_task(self._fence_forever())
 

@@ -94,6 +94,9 @@ class RegistryClient:
         self.known: dict[str, WorkerRecord] = {}  # worker name -> the last record seen
         self._pulse: Pulse | None = None  # the heartbeat thread, once started
         self._beat_interval = 0.0
+        self._expiry = 0.0
+        #: When heartbeats were answered again after a silence (``time.monotonic()``).
+        self._silence_ended = -float("inf")
         self._on_unknown: Callable[[], Any] | None = None
         self._reregister_task: asyncio.Task[None] | None = None
         self._reregistering = False
@@ -334,7 +337,8 @@ class RegistryClient:
 
     # ------------------------------------------------------------------ heartbeats
     def start_heartbeats(
-        self, my_id: str, interval: float, on_unknown: Callable[[], Any] | None = None
+        self, my_id: str, interval: float, on_unknown: Callable[[], Any] | None = None,
+        expiry: float = 0.0,
     ) -> None:
         """Send heartbeats for ``my_id`` every ``interval`` seconds from a thread of their own
         (`Pulse`): a loop busy with user work (a slow import
@@ -342,20 +346,26 @@ class RegistryClient:
         longer knows us (it restarted, or it declared us dead), ``on_unknown`` (a coroutine
         function) runs on the loop, so the caller can register again; one that failed halfway
         runs again after each later beat until it succeeds (the registry may know us by then
-        while our watches are still missing)."""
+        while our watches are still missing). ``expiry`` is the lease's (`verdicts_late`)."""
         self._on_unknown = on_unknown
         self._beat_interval = interval
+        self._expiry = expiry
         self._pulse = Pulse(self.endpoint.name, self.address, self.endpoint.keys,
                             RegistryOp.HEARTBEAT, Heartbeat(my_id).to_wire(), interval,
                             self._beat_answered, self._beat_refused)
         self._pulse.start()
 
-    def unreachable(self) -> bool:
-        """Whether the registry has not answered a heartbeat for two intervals (a second
-        at least): it is down, restarting or cut off, and cannot give verdicts on peers."""
+    def verdicts_late(self) -> bool:
+        """Whether the registry may be late to declare a dead peer: it has not answered a
+        heartbeat for two intervals (a second at least: it is down, restarting or cut off),
+        or it answered again less than two expiries ago (a restarted registry declares dead,
+        after two expiries, the workers nobody reports again)."""
         if self._pulse is None:
             return False
-        return time.monotonic() - self.last_answered > max(2 * self._beat_interval, 1.0)
+        now = time.monotonic()
+        silence = max(2 * self._beat_interval, 1.0)
+        return (now - self.last_answered > silence
+                or now - self._silence_ended < 2 * self._expiry + silence)
 
     def _beat_answered(self, meta: Any) -> None:
         """A heartbeat's reply (on the pulse thread)."""
@@ -363,7 +373,10 @@ class RegistryClient:
             known = HeartbeatReply.from_wire(meta).known
         except ProtocolError:
             return
-        self.last_answered = time.monotonic()
+        now = time.monotonic()
+        if now - self.last_answered > max(2 * self._beat_interval, 1.0):
+            self._silence_ended = now
+        self.last_answered = now
         self._beats_failing = False
         if (not known or self._reregister_pending) and self._on_unknown is not None:
             self.endpoint.loop.call_soon_threadsafe(self._reregister)
