@@ -211,7 +211,7 @@ def _load_class(spec: WorkerSpawn) -> tuple[type, tuple[Any, ...], dict[str, Any
 
     The driver's ``sys.path`` entries go *after* the worker's own (its interpreter's:
     ``PYTHONPATH``, the standard library, site-packages, then the directory it started in,
-    moved last by `aiorl.node.zygote.demote_working_directory`): a module beside the
+    put last by `aiorl.node.zygote.working_directory_last`): a module beside the
     driver's script or in its working directory is found when nothing installed has its
     name, and never shadows an installed one."""
     for p in spec.launch.sys_path:

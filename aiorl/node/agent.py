@@ -76,7 +76,7 @@ from aiorl.transport.lane import LANE_DIR_VAR
 from aiorl.transport.link import LinkWatch
 from aiorl.transport.sockets import local_ip
 from aiorl.util.limits import raise_open_file_limit
-from aiorl.util.processes import pid_alive
+from aiorl.util.processes import pid_alive, python_module_command
 from aiorl.util.ratelimit import RateLimitedLog
 
 __all__ = ["NodeAgent", "detect_accelerators", "main"]
@@ -358,7 +358,7 @@ class NodeAgent:
         ours, theirs = socket.socketpair()
         self._zygote_channel = ours
         self.zygote = subprocess.Popen(
-            [sys.executable, "-m", "aiorl.node.zygote", str(theirs.fileno()), str(os.getpid())],
+            python_module_command("aiorl.node.zygote", str(theirs.fileno()), str(os.getpid())),
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
         )
