@@ -8,14 +8,19 @@ a consumer killed mid-run.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
+import aiorl
+from aiorl.cluster.driver import probe_tcp
 from aiorl.util.processes import python_module_command
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,7 +62,6 @@ def test_a_folder_named_aiorl_in_the_working_directory_does_not_replace_the_pack
     out = subprocess.run([sys.executable, str(scripts / "driver.py")], cwd=cwd,
                          capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    import aiorl
     assert f"RESULT {aiorl.__file__} base" in out.stdout, out.stdout + out.stderr[-3000:]
 
 
@@ -83,5 +87,48 @@ def test_a_module_command_leaves_the_working_directory_out_then_last(tmp_path, i
     env = {**os.environ, "PYTHONPATH": str(site)}
     out = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    import aiorl
     assert out.stdout.split() == [aiorl.__file__, str(cwd), "['x',", "'y']"]
+
+
+# ---------------------------------------------------------------------------- a wrong port
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_port_nobody_listens_on_fails_in_seconds_naming_the_address() -> None:
+    """ZMQ's connects retry in silence, so a wrong port used to look like a registry still
+    starting: the driver waited its whole timeout (60 s by default)."""
+    port = _free_port()
+    started = time.monotonic()
+    with pytest.raises(aiorl.RegistryUnavailable) as caught:
+        aiorl.Cluster(registry=f"127.0.0.1:{port}", timeout=60)
+    assert time.monotonic() - started <= 5
+    assert f"nothing listens at tcp://127.0.0.1:{port}" in str(caught.value)
+    assert "refused" in str(caught.value)
+
+
+def test_a_port_that_accepts_but_does_not_answer_is_waited_for() -> None:
+    """Something listens (a registry still starting, or under load): the driver waits its
+    timeout, as for a host that does not answer at all."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)  # the kernel accepts; nothing ever answers
+        port = listener.getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(aiorl.RegistryUnavailable, match="no answer from .* within 4 s"):
+            aiorl.Cluster(registry=f"127.0.0.1:{port}", timeout=4)
+        assert time.monotonic() - started >= 4
+
+
+def test_the_probe_tells_refused_from_accepted() -> None:
+    async def probe(address: str) -> str:
+        return await probe_tcp(address)
+
+    assert asyncio.run(probe(f"tcp://127.0.0.1:{_free_port()}")) == "refused"
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        assert asyncio.run(probe(f"tcp://127.0.0.1:{listener.getsockname()[1]}")) == "accepted"
+    assert asyncio.run(probe("ipc:///nowhere")) == "silent"
