@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -132,3 +133,46 @@ def test_the_probe_tells_refused_from_accepted() -> None:
         listener.listen(8)
         assert asyncio.run(probe(f"tcp://127.0.0.1:{listener.getsockname()[1]}")) == "accepted"
     assert asyncio.run(probe("ipc:///nowhere")) == "silent"
+
+
+# ---------------------------------------------------------------------------- the doctor
+class Rollout(aiorl.Worker):
+    def fill(self, n: int) -> None:
+        channel = self.connect_channel("r4-rollouts")
+        for i in range(n):  # blocks once the channel is full and nobody takes
+            channel.put(i, async_op=False)
+        channel.flush().wait(300)
+
+
+class Learner(aiorl.Worker):
+    async def take(self, n: int) -> int:
+        channel = self.connect_channel("r4-rollouts")
+        for _ in range(n):
+            await channel.get()
+        return os.getpid()
+
+
+def test_the_doctor_names_a_dead_sole_consumer_with_blocked_producers() -> None:
+    """The learner (the only consumer) is SIGKILLed; the rollouts wait in ``put`` for ever.
+    The doctor used to say "no wait on a dead peer" while listing the putters waiting."""
+    with aiorl.Cluster(num_nodes=1) as cluster:
+        aiorl.Channel.create(cluster, "r4-rollouts", maxsize=4)
+        rollouts = Rollout.create_group().launch(cluster, num_workers=2, name="rollout")
+        learner = Learner.create_group().launch(cluster, num_workers=1, name="learner")
+        filling = rollouts.fill(20)  # the learner takes 2, 4 more fit: both ranks then wait
+        pid = learner.take(2).wait(60)[0]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        report = cluster.doctor()
+        while not any("is dead" in w for w in report.dead_peer_waits):
+            assert time.monotonic() < deadline, aiorl.cluster.doctor.format_report(report)
+            time.sleep(0.3)  # the state forms in other processes: polled, briefly
+            report = cluster.doctor()
+        assert report.exit_code == 1
+        texts = sorted(report.dead_peer_waits)
+        assert [t.split(" waits")[0] for t in texts] == ["rollout:0", "rollout:1"], texts
+        for text in texts:
+            assert "put on channel 'r4-rollouts'" in text, text
+            assert "which is full and has no consumer alive (learner:0 is dead)" in text, text
+        assert "consumers: learner:0" in aiorl.cluster.doctor.format_report(report)
+        assert not filling.done()

@@ -144,6 +144,10 @@ class ChannelServer:
         self._grant_due: set[CreditKey] = set()  # (client, queue) whose credits to top up
         self._flushes: dict[bytes, list[int]] = {}  # FLUSH tokens waiting for credited puts
         self._takers: dict[QueueKey, _Takers] = {}  # per queue: prefetch and held gets
+        #: Per queue, every process that took (or asked to take) from it, gone ones included:
+        #: ``aiorl doctor`` names a full queue whose consumers are all dead, which no put can
+        #: ever leave.
+        self.consumers: dict[QueueKey, set[bytes]] = {}
         endpoint.handle(P.OPS, self._on_ops)
 
     # ------------------------------------------------------------------ requests
@@ -175,8 +179,13 @@ class ChannelServer:
     def _dispatch(self, identity: bytes, kind: int, token: int, qname: QueueKey, number: Any,
                   item: Item) -> None:
         waiter = (identity, token)
-        if kind in _TAKING and self._hold(identity, kind, token, qname, number):
-            return
+        if kind in _TAKING:
+            takers = self.consumers.get(qname)
+            if takers is None:
+                takers = self.consumers[qname] = set()
+            takers.add(identity)
+            if self._hold(identity, kind, token, qname, number):
+                return
         if kind == P.PUT_CREDITED:
             self._put_credited(identity, waiter, qname, float(number), item)
         elif kind == P.PUT:
