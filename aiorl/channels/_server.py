@@ -180,10 +180,10 @@ class ChannelServer:
                   item: Item) -> None:
         waiter = (identity, token)
         if kind in _TAKING:
-            takers = self.consumers.get(qname)
-            if takers is None:
-                takers = self.consumers[qname] = set()
-            takers.add(identity)
+            seen = self.consumers.get(qname)
+            if seen is None:
+                seen = self.consumers[qname] = set()
+            seen.add(identity)
             if self._hold(identity, kind, token, qname, number):
                 return
         if kind == P.PUT_CREDITED:
