@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from aiorl.actors.polling import PollingWorker, PollResult
     from aiorl.channels import Channel
     from aiorl.cluster import Cluster
+    from aiorl.group.per_rank import PerRank
     from aiorl.group.supervision import EventKind, GroupEvent
 
 # The runtime's names are imported on first use (PEP 562), not with the package: the registry
@@ -79,6 +80,7 @@ _LAZY = {
     "Cluster": ("aiorl.cluster", "Cluster"),
     "EventKind": ("aiorl.group.supervision", "EventKind"),
     "GroupEvent": ("aiorl.group.supervision", "GroupEvent"),
+    "PerRank": ("aiorl.group.per_rank", "PerRank"),
 }
 
 
@@ -117,6 +119,7 @@ __all__ = [
     "NodeRankTakenError",
     "NotFoundError",
     "PeerLostError",
+    "PerRank",
     "PlacementError",
     "PollResult",
     "PollingWorker",

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -176,3 +178,105 @@ def test_the_doctor_names_a_dead_sole_consumer_with_blocked_producers() -> None:
             assert "which is full and has no consumer alive (learner:0 is dead)" in text, text
         assert "consumers: learner:0" in aiorl.cluster.doctor.format_report(report)
         assert not filling.done()
+
+
+# ---------------------------------------------------------------------------- Ray habits
+class Member(aiorl.Worker):
+    def __init__(self, seed: int = 0, scale: int = 1) -> None:
+        super().__init__()
+        self.seed, self.scale = seed, scale
+
+    def whoami(self) -> int:
+        return self.rank
+
+    def drawn(self) -> tuple[int, int]:
+        return self.seed, self.scale
+
+    def ask(self, other: Any, rank: int) -> int:
+        return other.execute_on(rank).whoami().wait_one(30)
+
+    async def ask_async(self, other: Any) -> list[int]:
+        return await other.whoami()
+
+    def ask_view(self, view: Any) -> list[int]:
+        return view.whoami().wait(30)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[aiorl.Cluster]:
+    with aiorl.Cluster(num_nodes=1) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def members(cluster: aiorl.Cluster) -> Iterator[aiorl.WorkerGroup[Member]]:
+    group = Member.create_group().launch(cluster, num_workers=3, name="member")
+    group.wait_ready(120)
+    yield group
+    group.close()
+
+
+def test_ray_spellings_are_answered_with_aiorls(members: Any) -> None:
+    with pytest.raises(TypeError, match=r"group.whoami.remote\(...\) is Ray's spelling: in "
+                                        r"aiorl call group.whoami\(...\) directly"):
+        members.whoami.remote(5)
+    with pytest.raises(AttributeError, match=r"has no \.remote \(Ray's spelling\)"):
+        members.remote(5)
+    with pytest.raises(TypeError, match=r"Member.remote\(0\) is Ray's spelling: in aiorl, "
+                                        r"Member.create_group\(0\).launch\(cluster, "):
+        Member.remote(0)
+    work = members.whoami()
+    for name in ("get", "result"):
+        with pytest.raises(AttributeError, match=rf"an AsyncWork has no .{name}\(\): "
+                                                 r"work.wait\(timeout\) blocks"):
+            getattr(work, name)()
+    assert work.wait(30) == [0, 1, 2]
+    with pytest.raises(AttributeError, match="'AsyncWork' object has no attribute 'nope'"):
+        work.nope  # noqa: B018 - the attribute access is the test
+
+
+def test_indexing_a_group_is_execute_on(members: Any) -> None:
+    assert members[1] is members.execute_on(1)
+    assert members[2].whoami().wait_one(30) == 2
+    with pytest.raises(IndexError, match="rank 7 is not a member of group member"):
+        members[7]  # noqa: B018
+    with pytest.raises(TypeError, match=r"group.execute_on\(0, 3\)"):
+        members[0:2]  # noqa: B018
+
+
+def test_a_group_handle_passed_to_a_worker_arrives_as_its_own_handle(cluster: Any,
+                                                                    members: Any) -> None:
+    """Ray users pass actor handles to other actors: the handle used to fail to pickle
+    ("cannot pickle '_thread.lock' object")."""
+    asker = Member.create_group().launch(cluster, num_workers=1, name="asker")
+    try:
+        assert asker.ask(members, 2).wait_one(60) == 2
+        assert asker.ask_async(members).wait_one(60) == [0, 1, 2]
+        assert asker.ask_view(members.execute_on(2, 0)).wait_one(60) == [2, 0]
+    finally:
+        asker.close()
+
+
+def test_per_rank_constructor_arguments_in_one_call(cluster: Any) -> None:
+    """Ray's [P.remote(seed) for seed in seeds]: each actor its own seed. P.create_group(0)
+    gave every rank the same, in silence."""
+    group = Member.create_group(aiorl.PerRank([10, 20, 30]), scale=aiorl.PerRank(range(3))
+                                ).launch(cluster, num_workers=3, name="seeded")
+    try:
+        assert group.drawn().wait(60) == [(10, 0), (20, 1), (30, 2)]
+    finally:
+        group.close()
+    with pytest.raises(ValueError, match=r"Member.create_group\(...\): scale= is a PerRank of "
+                                         r"2 value\(s\) and the launch places 3 rank\(s\)"):
+        Member.create_group(scale=aiorl.PerRank([1, 2])).launch(cluster, num_workers=3)
+    with pytest.raises(ValueError, match="give one value per rank"):
+        aiorl.PerRank([])
+
+
+def test_the_coming_from_ray_page_shows_the_new_rows() -> None:
+    page = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "coming-from-ray.md"
+            ).read_text()
+    assert "| a constructor argument per actor: `[P.remote(seed) for seed in seeds]` | " \
+           "`P.create_group(aiorl.PerRank(seeds)).launch(cluster, num_workers=len(seeds))`" in page
+    assert "`group[3].method(x)`, the same as `group.execute_on(3).method(x)`" in page
+    assert "actor handle passed to another actor: `b.use.remote(a)` | `b.use(a)`" in page

@@ -31,6 +31,7 @@ from aiorl.actors import worker as worker_mod
 from aiorl.actors.inspection import serve_inspection, traced_execution
 from aiorl.collective import get_broadcaster
 from aiorl.errors import RegistryUnavailable, to_wire
+from aiorl.group.per_rank import resolve_per_rank
 from aiorl.names import WorkerInfo
 from aiorl.p2p import get_p2p
 from aiorl.protocol.ops import AgentOp, WorkerOp, WorkerState
@@ -259,6 +260,7 @@ async def _main(spec: WorkerSpawn, listen: str) -> int:
 
     def construct() -> Any:
         cls, args, kwargs = _load_class(spec)
+        args, kwargs = resolve_per_rank(args, kwargs, rank)  # PerRank: this rank's value
         instance = cls(*args, **kwargs)
         note_thread_device()  # a torch.cuda.set_device in __init__ holds for every thread
         return instance
