@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+import pty
 import signal
 import socket
 import subprocess
@@ -280,3 +281,44 @@ def test_the_coming_from_ray_page_shows_the_new_rows() -> None:
            "`P.create_group(aiorl.PerRank(seeds)).launch(cluster, num_workers=len(seeds))`" in page
     assert "`group[3].method(x)`, the same as `group.execute_on(3).method(x)`" in page
     assert "actor handle passed to another actor: `b.use.remote(a)` | `b.use(a)`" in page
+
+
+# ---------------------------------------------------------------------------- status --watch
+def test_status_watch_in_a_terminal_without_rich(cluster: aiorl.Cluster, members: Any,
+                                                 tmp_path: pathlib.Path) -> None:
+    """``rich`` is not a dependency: ``aiorl status --watch`` in a terminal crashed with
+    ModuleNotFoundError after the documented install. It draws a plain table instead."""
+    hidden = tmp_path / "no-rich" / "rich"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'rich'\")\n")
+    key_file = cluster._embedded.key_file if cluster._embedded and cluster.keys else None
+    extra = ["--key-file", key_file] if key_file else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(hidden.parent), os.environ.get("PYTHONPATH")]))}
+    main, terminal = pty.openpty()
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "aiorl.cli.main", "status", "--watch", "--count", "2",
+             "--interval", "0.3", "--registry", cluster.registry_address, *extra],
+            stdout=terminal, stderr=subprocess.PIPE, env=env)
+        os.close(terminal)
+        terminal = -1
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        _, stderr = child.communicate(timeout=60)
+    finally:
+        os.close(main)
+        if terminal >= 0:
+            os.close(terminal)
+    out = b"".join(chunks).decode()
+    assert child.returncode == 0, stderr.decode()[-3000:]
+    assert "ModuleNotFoundError" not in stderr.decode()
+    assert out.count("\x1b[H\x1b[2J") == 2, out  # redrawn in place, once per refresh
+    assert "member:1" in out and "calls/s" in out, out
