@@ -322,3 +322,97 @@ def test_status_watch_in_a_terminal_without_rich(cluster: aiorl.Cluster, members
     assert "ModuleNotFoundError" not in stderr.decode()
     assert out.count("\x1b[H\x1b[2J") == 2, out  # redrawn in place, once per refresh
     assert "member:1" in out and "calls/s" in out, out
+
+
+# ---------------------------------------------------------------------------- noise
+_UNWAITED = textwrap.dedent("""\
+    import time
+    import aiorl
+
+    class Slow(aiorl.Worker):
+        def slow(self):
+            time.sleep(60)
+
+    with aiorl.Cluster(num_nodes=1) as cluster:
+        group = Slow.create_group().launch(cluster, num_workers=1, name="slow")
+        group.wait_ready(60)
+        group.slow()            # nobody waits on it: failed by the close below
+        group.slow()
+    import gc
+    gc.collect()
+    print("done", flush=True)
+""")
+
+
+def test_a_call_nobody_waited_on_is_quiet_when_its_cluster_closes(tmp_path) -> None:
+    """It printed "Future exception was never retrieved ... this Cluster is closed" at exit:
+    the program closed the Cluster itself, so that failure tells it nothing."""
+    script = tmp_path / "unwaited.py"
+    script.write_text(_UNWAITED)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=100)
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr[-3000:]
+    assert "never retrieved" not in out.stderr, out.stderr
+    assert "PeerLostError" not in out.stderr, out.stderr
+
+
+_INTERRUPTED = textwrap.dedent("""\
+    import time
+    import aiorl
+
+    class Idle(aiorl.Worker):
+        def ping(self):
+            return 1
+
+    with aiorl.Cluster(num_nodes=1) as cluster:
+        group = Idle.create_group().launch(cluster, num_workers=1, name="idle")
+        group.ping().wait(60)
+        print("ready", flush=True)
+        try:
+            time.sleep(60)
+        except KeyboardInterrupt:  # stopping takes a moment, as aiorl demo's does
+            print("interrupted", flush=True)
+            time.sleep(1)
+            group.close()
+""")
+
+
+def test_ctrl_c_in_a_terminal_reaches_the_driver_alone(tmp_path) -> None:
+    """A terminal's Ctrl-C signals its whole foreground process group. The embedded registry
+    was in it, exited first, and the driver logged "the embedded registry ... exited with
+    code 0: closing the Cluster" while stopping as asked."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(_INTERRUPTED)
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert driver.stdout is not None
+        assert driver.stdout.readline().strip() == "ready"
+        os.killpg(driver.pid, signal.SIGINT)  # what the terminal does
+        out, err = driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.communicate()
+    assert driver.returncode == 0 and "interrupted" in out, err
+    assert "embedded registry" not in err and "closing the Cluster" not in err, err
+
+
+def test_a_channel_client_leaving_with_nothing_in_flight_is_not_a_warning(caplog) -> None:
+    """Every worker death logged "re-queueing 0 undelivered answer(s)" in the channel's host."""
+    from aiorl.channels._server import ChannelServer
+
+    class Endpoint:
+        loop = asyncio.new_event_loop()
+
+        def handle(self, op: Any, fn: Any) -> None:
+            pass
+
+    endpoint = Endpoint()
+    try:
+        server = ChannelServer(endpoint, "quiet")  # type: ignore[arg-type]
+        with caplog.at_level("DEBUG", logger="aiorl"):
+            server._client_gone(b"gone", [])
+        assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    finally:
+        endpoint.loop.close()

@@ -480,8 +480,11 @@ class ChannelServer:
     def _client_gone(self, identity: bytes, chunks: list[_Chunk]) -> None:
         """A client disconnected: withdraw what it waits for and re-queue what it was sent."""
         handed_out = [h for chunk in chunks for h in chunk.handed_out]
-        log.warning("channel %s: a client went away; re-queueing %d undelivered answer(s)",
-                    self.name, len(handed_out))
+        if handed_out:  # items go back in the queue: worth a line; a bare departure is not
+            log.warning("channel %s: a client went away; re-queueing %d undelivered answer(s)",
+                        self.name, len(handed_out))
+        else:
+            log.debug("channel %s: a client went away with no items in flight", self.name)
         self._flushes.pop(identity, None)
         for key in [k for k in self._credits if k[0] == identity]:
             self._credits_in_queue[key[1]] -= self._credits.pop(key)

@@ -103,6 +103,11 @@ class EmbeddedProcesses:
                 "aiorl.registry.service", "--host", self.ipc_location, "--port", "0",
                 "--print-address", "--log-level", "WARNING", "--exit-on-stdin-close", *key_args),
             stdout=subprocess.PIPE, stdin=subprocess.PIPE, env=env,
+            # Sessions of their own, here and for the agents: a Ctrl-C in the terminal goes
+            # to the driver alone, which stops the groups, then these, in order. In the
+            # terminal's process group they got it too and the registry exited first, so the
+            # driver reported the registry's end as a failure while it was stopping.
+            start_new_session=True,
         )
         self.children.append(registry)
         assert registry.stdout is not None
@@ -119,7 +124,8 @@ class EmbeddedProcesses:
             if accelerators_per_node is not None:
                 cmd += ["--accelerators", str(accelerators_per_node)]
             self.children.append(
-                subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env))
+                subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env,
+                                 start_new_session=True))
         return address
 
     def on_registry_exit(self, runtime: Runtime, callback: Callable[[], None]) -> None:
