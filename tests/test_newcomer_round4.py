@@ -9,13 +9,16 @@ a consumer killed mid-run.
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
 import pathlib
 import pty
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -26,6 +29,7 @@ import pytest
 import aiorl
 from aiorl.cluster.driver import probe_tcp
 from aiorl.util.processes import python_module_command
+from tests._processes import gone_within
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -416,3 +420,59 @@ def test_a_channel_client_leaving_with_nothing_in_flight_is_not_a_warning(caplog
         assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
     finally:
         endpoint.loop.close()
+
+
+# ---------------------------------------------------------------------------- leftovers
+class Pinger(aiorl.Worker):
+    def ping(self) -> int:
+        return os.getpid()
+
+
+def test_a_killed_agents_lanes_are_removed_by_aiorl_status(monkeypatch) -> None:
+    """A SIGKILLed ``aiorl-node`` cannot remove its directory: its lane sockets stayed in the
+    temp directory for ever. ``aiorl status`` (and the next agent) removes them; the worker
+    logs stay for a post-mortem, the newest few only."""
+    base = tempfile.mkdtemp(prefix="r4-", dir="/tmp")  # short: a runtime dir must be <= 70
+    monkeypatch.setenv("XDG_RUNTIME_DIR", base)
+    monkeypatch.setenv("AIORL_INSECURE", "1")
+    env = {**os.environ}
+    registry = subprocess.Popen(
+        [sys.executable, "-m", "aiorl.registry.service", "--host", "127.0.0.1", "--port", "0",
+         "--print-address", "--insecure", "--exit-on-stdin-close"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    agent = None
+    try:
+        assert registry.stdout is not None
+        address = registry.stdout.readline().decode().strip().split("=", 1)[1]
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "aiorl.node.agent", "--registry", address, "--insecure",
+             "--log-level", "WARNING"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        assert agent.stdout is not None
+        assert agent.stdout.readline().decode().startswith("AIORL_NODE_READY=")
+        with aiorl.Cluster(registry=address) as cluster:
+            group = Pinger.create_group().launch(cluster, num_workers=1, name="pinger")
+            worker_pid = group.ping().wait_one(60)
+            (log_dir,) = glob.glob(os.path.join(base, f"aiorl-node-logs-{os.getuid()}",
+                                                f"{agent.pid}-*"))
+            lanes = os.path.join(log_dir, "lanes")
+            assert glob.glob(os.path.join(lanes, "*")), "the worker made no lane"
+            agent.kill()
+            agent.wait(30)
+            assert gone_within([worker_pid], 30)  # its workers die with it
+        out = subprocess.run([sys.executable, "-m", "aiorl.cli.main", "status", "--registry",
+                              address, "--timeout", "5"], capture_output=True, text=True,
+                             timeout=60, env={**os.environ})
+        assert out.returncode == 0, out.stderr
+        assert not os.path.exists(lanes)
+        assert os.path.isdir(log_dir) and glob.glob(os.path.join(log_dir, "*.log")), \
+            "the worker logs are kept for a post-mortem"
+    finally:
+        for process in (agent, registry):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+        for stream in (registry.stdin, registry.stdout, agent and agent.stdout):
+            if stream:
+                stream.close()
+        shutil.rmtree(base, ignore_errors=True)
