@@ -13,6 +13,7 @@ import glob
 import os
 import pathlib
 import pty
+import re
 import shutil
 import signal
 import socket
@@ -476,3 +477,29 @@ def test_a_killed_agents_lanes_are_removed_by_aiorl_status(monkeypatch) -> None:
             if stream:
                 stream.close()
         shutil.rmtree(base, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- the README
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_the_readme_is_what_a_newcomer_needs_and_the_figures_moved_with_their_sources() -> None:
+    readme = (ROOT / "README.md").read_text()
+    venv, demo = readme.index("python3 -m venv .venv"), readme.index("make demo")
+    assert venv < demo, "the fresh venv comes before the commands that install into it"
+    assert "create_group(64)" not in readme  # read as a group size: the argument is named
+    assert "create_group(hidden=64)" in readme
+    assert len(readme.splitlines()) <= 150, "performance history belongs in docs/benchmarks.md"
+    assert "docs/benchmarks.md" in readme
+    assert "benchmarks.md" in (ROOT / "mkdocs.yml").read_text()
+    page = (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+    tables = [i for i, line in enumerate(page)
+              if line.startswith("|---") and not page[i - 2].startswith("|")]
+    assert len(tables) >= 8
+    for i in tables:  # each table's figures say which script printed them
+        before = "\n".join(page[max(0, i - 16):i])
+        scripts = re.findall(r"benchmarks/(\w+\.py)|(bench_\w+\.py)|make (gpu-check)", before)
+        assert scripts, f"docs/benchmarks.md line {i}: a table with no script named above it"
+        for found in scripts:
+            name = next(x for x in found if x)
+            assert name == "gpu-check" or (ROOT / "benchmarks" / name).exists(), name

@@ -86,7 +86,7 @@ class Worker:
             def where(self):                  # in order, on the method thread
                 return f"{self.worker_name} on node {self.worker_info.node_rank}"
 
-        group = Rollout.create_group(16).launch(cluster, num_workers=4, name="rollout")
+        group = Rollout.create_group(hidden=16).launch(cluster, num_workers=4, name="rollout")
         ```
     """
 
