@@ -226,7 +226,10 @@ def _name_process(name: str) -> None:
     """Show the worker's name in ``ps`` and ``top`` (``aiorl::rollout:3``, as Ray shows
     ``ray::Rollout``), followed by how it started (forked by the zygote, or exec'd), which
     the command line said until now. The short name (``comm``, 15 characters) changes too."""
-    started = " ".join(["python", *sys.orig_argv[1:]])
+    argv = sys.orig_argv[1:]
+    if "-m" in argv:  # from the module on: the interpreter's own options (-P, or the -c code
+        argv = argv[argv.index("-m"):]  # that stands for it) say nothing about the worker
+    started = " ".join(["python", *argv])
     # SPT_NOENV: the title stays within the original command line's room instead of taking
     # the environment's: /proc/<pid>/environ stays whole (Slurm's process tracking and tools
     # that find a job's processes by it read it); the title is cut short if it must be.
