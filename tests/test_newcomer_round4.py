@@ -141,6 +141,9 @@ def test_the_probe_tells_refused_from_accepted() -> None:
         listener.listen(8)
         assert asyncio.run(probe(f"tcp://127.0.0.1:{listener.getsockname()[1]}")) == "accepted"
     assert asyncio.run(probe("ipc:///nowhere")) == "silent"
+    # A host that does not answer (TEST-NET-1, RFC 5737: routed nowhere) is waited for,
+    # whether the connect times out or the network says it is unreachable.
+    assert asyncio.run(probe_tcp("tcp://192.0.2.1:6380", within=0.3)) == "silent"
 
 
 # ---------------------------------------------------------------------------- the doctor
