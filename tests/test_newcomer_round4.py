@@ -141,9 +141,21 @@ def test_the_probe_tells_refused_from_accepted() -> None:
         listener.listen(8)
         assert asyncio.run(probe(f"tcp://127.0.0.1:{listener.getsockname()[1]}")) == "accepted"
     assert asyncio.run(probe("ipc:///nowhere")) == "silent"
-    # A host that does not answer (TEST-NET-1, RFC 5737: routed nowhere) is waited for,
-    # whether the connect times out or the network says it is unreachable.
-    assert asyncio.run(probe_tcp("tcp://192.0.2.1:6380", within=0.3)) == "silent"
+    # A host that does not answer: a listener whose accept queue is full drops new SYNs, so
+    # the connect gets no answer at all, as from a host that is down or filtered.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        waiting = [socket.socket() for _ in range(3)]
+        try:
+            for s in waiting:
+                s.setblocking(False)
+                s.connect_ex(("127.0.0.1", port))  # fills the queue; the rest go unanswered
+            assert asyncio.run(probe_tcp(f"tcp://127.0.0.1:{port}", within=0.3)) == "silent"
+        finally:
+            for s in waiting:
+                s.close()
 
 
 # ---------------------------------------------------------------------------- the doctor
