@@ -162,7 +162,7 @@ class _Step:
         # --export=ALL: the helpers need this environment even under sbatch --export=NONE.
         command = ["srun", "--overlap", "--input=all", "--mem=0", "--export=ALL",
                    f"--job-name=aiorl-{name}", *srun_options,
-                   sys.executable, "-m", "aiorl.cli.slurm", *helper_args]
+                   *python_module_command("aiorl.cli.slurm", *helper_args)]
         # A session of its own: a Ctrl-C in an salloc shell reaches the launcher, which stops
         # the step by closing its stdin, not srun (whose SIGINT handling would kill it).
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
