@@ -24,6 +24,7 @@ from aiorl.errors import (
     AuthenticationError,
     ClusterClosedError,
     ConflictError,
+    ConnectionLostError,
     GroupExistsError,
     GroupNotFoundError,
     NodeRankTakenError,
@@ -39,6 +40,7 @@ from aiorl.errors import (
     WaitTimeout,
     WorkerInitError,
     WorkerNotFoundError,
+    WorkingDirError,
 )
 from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.trace import mark, span
@@ -60,6 +62,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from aiorl.cluster import Cluster
     from aiorl.group.per_rank import PerRank
     from aiorl.group.supervision import EventKind, GroupEvent
+    from aiorl.runtime.working_dir import WorkingDir
 
 # The runtime's names are imported on first use (PEP 562), not with the package: the registry
 # and node agent processes import ``aiorl.registry``/``aiorl.node``, which runs this file, and
@@ -81,6 +84,7 @@ _LAZY = {
     "EventKind": ("aiorl.group.supervision", "EventKind"),
     "GroupEvent": ("aiorl.group.supervision", "GroupEvent"),
     "PerRank": ("aiorl.group.per_rank", "PerRank"),
+    "WorkingDir": ("aiorl.runtime.working_dir", "WorkingDir"),
 }
 
 
@@ -111,6 +115,7 @@ __all__ = [
     "Cluster",
     "ClusterClosedError",
     "ConflictError",
+    "ConnectionLostError",
     "EventKind",
     "GroupEvent",
     "GroupExistsError",
@@ -136,6 +141,8 @@ __all__ = [
     "WorkerInfo",
     "WorkerInitError",
     "WorkerNotFoundError",
+    "WorkingDir",
+    "WorkingDirError",
     "mark",
     "span",
 ]

@@ -66,6 +66,7 @@ __all__ = [
     "WaitTimeout",
     "WorkerInitError",
     "WorkerNotFoundError",
+    "WorkingDirError",
     "from_wire",
     "to_wire",
 ]
@@ -305,6 +306,25 @@ class PeerLostError(AiorlError):
     """
 
 
+class ConnectionLostError(PeerLostError):
+    """The connection a request travelled on broke, and neither its answer nor a verdict on
+    the peer came in time (a `PeerLostError`, so one ``except`` clause still covers both).
+
+    The peer may still be alive and may still run the request: aiorl does not send a request
+    twice when it cannot prove that the first one never arrived. Later requests to the same
+    peer take a new connection (docs/reference/contract.md, "Connections").
+
+    Example:
+        ```python
+        try:
+            result = group.execute_on(0).step().wait()
+        except aiorl.ConnectionLostError as exc:
+            print(exc)   # ... the connection to ipc://... broke (the peer closed it) ...
+            result = group.execute_on(0).step().wait()   # only if step() may run twice
+        ```
+    """
+
+
 class ClusterClosedError(AiorlError, RuntimeError):
     """The [`Cluster`][aiorl.Cluster] this operation goes through is closed (also a
     `RuntimeError`): ``close()`` or the end of its ``with`` block stopped it, or its
@@ -350,6 +370,21 @@ class PlacementError(AiorlError, ValueError):
             Trainer.create_group().launch(cluster, "0-9")   # the cluster has 8 GPUs
         except aiorl.PlacementError as exc:
             print(exc)                    # '0-9': resource rank 9 is out of range; ...
+        ```
+    """
+
+
+class WorkingDirError(AiorlError, ValueError):
+    """A working directory that cannot be shipped to the nodes (also a `ValueError`): over
+    its size limit, holding a symbolic link that leaves it, or missing; or an archive a node
+    refuses to unpack. The message names the entry and what to do.
+
+    Example:
+        ```python
+        try:
+            cluster = aiorl.Cluster(working_dir="~/project")
+        except aiorl.WorkingDirError as exc:   # e.g. a checkpoint left in the directory
+            print(exc)     # ... holds 812.0 MiB of files, more than its limit of 100.0 MiB ...
         ```
     """
 

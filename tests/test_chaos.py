@@ -412,3 +412,93 @@ def test_pipeline_reaches_its_steps_while_processes_are_killed(chaos):
         print(report)
         sys.stderr.write(report + "\n")
         assert done >= STEPS and kills >= min(KILLS, 3)
+
+
+class LaneTarget(aiorl.Worker):
+    """A worker whose callers reach it by lane, and that can break its own end of them."""
+
+    async def echo(self, i: int) -> int:
+        await asyncio.sleep(0.001 * (i % 5))
+        return i
+
+    def slow(self, i: int) -> int:  # the method thread answers, from another thread
+        time.sleep(0.002)
+        return i
+
+    async def break_lanes(self) -> int:
+        """Shut every lane of its callers down at its end (a reset from the server)."""
+        from aiorl.runtime.runtime import current_runtime
+
+        runtime = current_runtime()
+        assert runtime is not None
+        return _shut_down([conn.sock for conn in runtime.endpoint._lanes.values()])
+
+
+def _shut_down(socks: list) -> int:
+    """Reset connections as a crashing peer or a kernel would: both ends see them break."""
+    import socket as socket_module
+
+    for sock in socks:
+        sock.shutdown(socket_module.SHUT_RDWR)
+    return len(socks)
+
+
+async def _break_driver_lane(endpoint, address: str) -> int:
+    """The driver's end of its lane to ``address``, reset on the driver's loop."""
+    return _shut_down([endpoint._peers[address].connection.sock])
+
+
+LANE_BREAKS = int(os.environ.get("AIORL_CHAOS_LANE_BREAKS", "6"))
+
+
+def test_calls_end_while_lanes_break_under_load():
+    """Lanes broken from either end while calls are in flight: every call is answered or
+    fails with a typed error (ConnectionLostError when neither its answer nor a verdict
+    came), none waits for ever, and calls after the breaks are answered (by ZMQ)."""
+    with aiorl.Cluster(num_nodes=1, timeout=60, log_to_driver=False) as cluster:
+        group = LaneTarget.create_group().launch(cluster, num_workers=LANE_BREAKS,
+                                                 name="lanechaos")
+        try:
+            group.echo(0).wait(60)
+            endpoint = cluster.runtime.endpoint
+            addresses = [info.endpoint for info in group.worker_info_list]
+            assert all(endpoint.connection_kind(a) == "lane" for a in addresses)
+            rng = random.Random(int(os.environ.get("AIORL_CHAOS_SEED", "16")))
+            outcomes: Counter[str] = Counter()
+            broken = {"driver": 0, "worker": 0}
+            order = list(range(LANE_BREAKS))
+            rng.shuffle(order)
+            t0 = time.monotonic()
+            for n, rank in enumerate(order):
+                view = group.execute_on(rank)
+                works = [view.echo(i) if i % 2 else view.slow(i) for i in range(300)]
+                expected = list(range(300))
+                if n % 2:  # the worker resets its end; its own answer may be lost with it
+                    works.append(view.break_lanes())
+                    expected.append(1)
+                    broken["worker"] += 1
+                else:
+                    broken["driver"] += cluster.runtime.run_sync(
+                        _break_driver_lane(endpoint, addresses[rank]), timeout=30)
+                works += [view.echo(i) for i in range(300, 400)]
+                expected += range(300, 400)
+                for i, work in enumerate(works):
+                    try:
+                        got = work.wait(OPERATION_BOUND_S)
+                        assert got == [expected[i]], (got, expected[i])
+                        outcomes["answered"] += 1
+                    except aiorl.WaitTimeout as exc:
+                        raise AssertionError(f"call {i} to rank {rank} waited for ever") from exc
+                    except aiorl.AiorlError as exc:
+                        outcomes[type(exc).__name__] += 1
+            after = group.echo(7).wait(60)
+            assert after == [7] * LANE_BREAKS
+            assert all(endpoint.connection_kind(a) == "zmq" for a in addresses)
+            report = (f"lane chaos: {sum(broken.values())} lanes broken ({broken}) under "
+                      f"{sum(outcomes.values())} calls in {time.monotonic() - t0:.1f} s: "
+                      f"{dict(outcomes)}; every call ended, later calls answered by ZMQ")
+            print(report)
+            sys.stderr.write(report + "\n")
+            assert set(outcomes) <= {"answered", "ConnectionLostError"}, outcomes
+        finally:
+            group.close()

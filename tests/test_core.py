@@ -296,7 +296,7 @@ def test_a_method_that_shadows_the_worker_api_is_rejected_by_name():
         def group(self) -> str:
             return "mine"
 
-    with pytest.raises(ValueError, match=r"Shadowing defines group, send, which shadow "
+    with pytest.raises(ValueError, match=r"Shadowing defines group and send, which shadow "
                        r"aiorl.Worker's own API of the same name .* rename them"):
         Shadowing.create_group()
 

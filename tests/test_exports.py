@@ -12,12 +12,12 @@ pytestmark = pytest.mark.timeout(60)
 
 TOP_LEVEL = [
     "AddressError", "AiorlError", "AsyncChannelWork", "AsyncCollWork", "AsyncFuncWork",
-    "AsyncWork", "AuthenticationError", "Channel", "Cluster", "ClusterClosedError", "ConflictError", "EventKind", "GroupEvent",
+    "AsyncWork", "AuthenticationError", "Channel", "Cluster", "ClusterClosedError", "ConflictError", "ConnectionLostError", "EventKind", "GroupEvent",
     "GroupExistsError", "GroupNotFoundError", "MappingThread", "NodeRankTakenError", "NotFoundError", "PeerLostError",
     "PerRank", "PlacementError", "PollResult", "PollingWorker", "ProtocolError", "QueueEmpty", "QueueFull",
     "RegistryError", "RegistryUnavailable", "RemoteError", "WaitTimeout", "Worker",
     "WorkerAddress", "WorkerGroup", "WorkerInfo", "WorkerInitError", "WorkerNotFoundError",
-    "mark", "span",
+    "WorkingDir", "WorkingDirError", "mark", "span",
 ]
 
 

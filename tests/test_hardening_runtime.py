@@ -95,13 +95,13 @@ def test_held_requests_that_cannot_leave_are_reported_not_dropped():
     their callers waited until a timeout, if any."""
     import zmq
 
-    from aiorl.transport.endpoint import _Watched
+    from aiorl.transport.connection import ZmqLink
     from aiorl.transport.sockets import make_socket
 
     async def main() -> list[BaseException]:
         sock = make_socket(zmq.DEALER, identity=b"held-test", keys=None)  # never connected
         failures: list[BaseException] = []
-        watched = _Watched(sock, lambda frames: None, asyncio.get_running_loop(),
+        watched = ZmqLink(sock, lambda frames: None, asyncio.get_running_loop(),
                            on_send_failed=failures.append)
         try:
             with pytest.raises(zmq.Again):

@@ -22,9 +22,12 @@ import pytest
 
 import aiorl
 from aiorl.transport import lane as lane_module
+from aiorl.transport import lane_setup
 from aiorl.transport.endpoint import Endpoint, Incoming
-from aiorl.transport.lane import LaneConnection, lane_path
+from aiorl.transport.lane import LaneConnection
+from aiorl.transport.lane_setup import lane_path
 from aiorl.transport.security import ClusterKeys
+from aiorl.util.batching import turn_clock_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,7 +83,7 @@ def test_requests_replies_errors_events_and_order_go_through_the_lane(tmp_path: 
         meta, frames = await client.request(server.address, "echo", {"a": 1},
                                             [b"x", b"y" * 1000])
         assert meta == {"a": 1} and frames == [b"x", b"y" * 1000]
-        assert isinstance(client._peers[server.address].watched, LaneConnection)
+        assert isinstance(client._peers[server.address].connection, LaneConnection)
         assert Path(lane_path(server.address) or "").exists()
         with pytest.raises(aiorl.RemoteError, match="no such thing"):
             await client.request(server.address, "fail")
@@ -133,12 +136,12 @@ def test_calls_to_many_lanes_in_one_turn_keep_each_lanes_order(tmp_path: Path) -
             n = 3 * lane_module._MAX_HELD + 5
             # No await in between: one turn, interleaved across the lanes.
             calls = [client.request(s.address, "note", i) for i in range(n) for s in servers]
-            clock = lane_module._clock_of(asyncio.get_running_loop())
+            clock = turn_clock_of(asyncio.get_running_loop())
             assert clock.scheduled and len(set(clock.holding)) == len(servers)
             replies = await asyncio.gather(*calls)
             assert [m for m, _ in replies] == [i for i in range(n) for _ in servers]
             assert all(order == list(range(n)) for order in seen.values()), seen
-            assert all(isinstance(client._peers[s.address].watched, LaneConnection)
+            assert all(isinstance(client._peers[s.address].connection, LaneConnection)
                        for s in servers)
         finally:
             client.close()
@@ -156,7 +159,7 @@ def test_a_lanes_buffer_grown_for_a_large_message_is_given_back(tmp_path: Path) 
         assert frames == [big, b"tail"]
         (conn,) = server._lanes.values()
         assert len(conn._buf) == lane_module._READ_CHUNK  # given back once it was parsed
-        mine = client._peers[server.address].watched
+        mine = client._peers[server.address].connection
         assert isinstance(mine, LaneConnection) and len(mine._buf) == lane_module._READ_CHUNK
         for size in (0, 1, 100, 20_000):  # what follows is read into the new buffer
             _, frames = await client.request(server.address, "echo", None, [b"s" * size])
@@ -182,13 +185,20 @@ def test_a_client_without_the_key_is_refused_and_others_are_still_served(
     _run(tmp_path, body)
 
 
-def _raw_lane(path: str, keys: ClusterKeys, identity: bytes) -> socket.socket:
-    """A lane client by hand: connected, its hello sent (a valid proof), admitted."""
+def lane_hello(path: str, keys: ClusterKeys, identity: bytes) -> socket.socket:
+    """A lane client by hand: connected, its hello sent (a valid proof); the answer is left
+    to read."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)
     sock.connect(path)
-    sock.sendall(lane_module._proof(keys, path, identity)
+    sock.sendall(lane_setup._proof(keys, path, identity)
                  + struct.pack("<H", len(identity)) + identity)
+    return sock
+
+
+def _raw_lane(path: str, keys: ClusterKeys, identity: bytes) -> socket.socket:
+    """A lane client by hand, admitted."""
+    sock = lane_hello(path, keys, identity)
     assert sock.recv(1) == b"\x01"  # admitted
     return sock
 
@@ -229,7 +239,7 @@ def test_a_tcp_endpoint_has_no_lane_and_its_peers_use_zmq(tmp_path: Path) -> Non
         try:
             server.handle("ping", lambda m: m.reply("pong"))
             assert (await client.request(server.address, "ping"))[0] == "pong"
-            assert not isinstance(client._peers[server.address].watched, LaneConnection)
+            assert not isinstance(client._peers[server.address].connection, LaneConnection)
         finally:
             client.close()
             server.close()
@@ -250,7 +260,7 @@ def test_a_groups_calls_to_its_workers_take_their_lanes() -> None:
             assert len(set(pids)) == 4
             endpoint = cluster.runtime.endpoint
             lanes = [p for p in list(endpoint._peers.values())
-                     if isinstance(p.watched, LaneConnection)]
+                     if isinstance(p.connection, LaneConnection)]
             assert len(lanes) == 4, [p.address for p in endpoint._peers.values()]
         finally:
             group.close()
@@ -266,8 +276,8 @@ class _Pair(aiorl.Worker):
         runtime = current_runtime()
         assert runtime is not None
         peers = runtime.endpoint._peers
-        return (any(isinstance(p.watched, LaneConnection) for p in peers.values()),
-                os.environ.get(lane_module.LANE_DIR_VAR, ""))
+        return (any(isinstance(p.connection, LaneConnection) for p in peers.values()),
+                os.environ.get(lane_setup.LANE_DIR_VAR, ""))
 
     async def pong(self, peer: int) -> Any:
         return await self.recv(self.worker_group_name, peer)
@@ -373,7 +383,7 @@ def test_every_way_a_message_can_arrive_on_the_stream_gives_the_same_messages() 
 
         conn = LaneConnection(ours, loop, on_message)  # a client: the server admits it first
         try:
-            await loop.sock_sendall(theirs, bytes((lane_module._ADMITTED,)))
+            await loop.sock_sendall(theirs, bytes((lane_module.ADMITTED,)))
             for data, read_first in writes:
                 await loop.sock_sendall(theirs, data)
                 if read_first:  # the next part must come in a read of its own

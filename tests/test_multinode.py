@@ -195,3 +195,53 @@ def test_group_p2p_and_channel_across_namespaces_then_cut_link(topology, tmp_pat
         assert cluster.num_nodes == 1
         # Node 0 is unaffected.
         assert group.execute_on(0).echo("still up").wait(10) == ["still up"]
+
+
+def test_a_working_directory_reaches_nodes_that_lack_the_code(topology, tmp_path, monkeypatch):
+    """The worker's module exists only in the driver's directory: each node gets the packed
+    copy once, imports the module from it, and a second job finds it cached; the agents
+    remove their caches when they stop."""
+    from tests.test_working_dir import importable, names, write_project
+
+    key_file = str(tmp_path / "cluster.key")
+    ClusterKeys.generate().save(key_file)
+    registry = f"tcp://{topology.ip('aiorl-reg')}:6390"
+    topology.run("aiorl-reg", "-m", "aiorl.registry.service", "--host", topology.ip("aiorl-reg"),
+                 "--port", "6390", "--key-file", key_file, "--log-level", "WARNING")
+    log_dirs = [tmp_path / "n0-logs", tmp_path / "n1-logs"]
+    agents = [
+        topology.run(ns, "-m", "aiorl.node.agent", "--registry", registry, "--host",
+                     topology.ip(ns), "--node-rank", str(rank), "--key-file", key_file,
+                     "--log-dir", str(log_dirs[rank]), "--log-level", "WARNING")
+        for rank, ns in enumerate(["aiorl-n0", "aiorl-n1"])
+    ]
+    monkeypatch.setenv("AIORL_NODE_IP", f"{SUBNET}.1")
+    module, helper = names()
+    root = write_project(tmp_path / "project", module, helper)
+    shipped = aiorl.WorkingDir(str(root), chdir=True)
+    runs = []
+    with importable(root, module) as mod:
+        for job in ("first", "second"):
+            with aiorl.Cluster(registry=registry, num_nodes=2, key_file=key_file, timeout=60,
+                               working_dir=shipped) as cluster:
+                group = mod.Shipped.create_group().launch(
+                    cluster, aiorl.placement.NodePlacementStrategy([0, 1]), name=job)
+                runs.append(group.where().wait(90))
+                digest = cluster.working_dir.digest
+        with pytest.raises(aiorl.WorkingDirError, match="more than its limit"):
+            aiorl.Cluster(registry=registry, num_nodes=2, key_file=key_file,
+                          working_dir=aiorl.WorkingDir(str(root), max_bytes=100))
+    first, second = runs
+    for rank, r in enumerate(first):
+        copy = str(log_dirs[rank] / "working_dirs" / digest)
+        assert (r["node"], r["working_dir"], r["cwd"]) == (rank, copy, copy)
+        assert r["module"] == os.path.join(copy, f"{module}.py")
+        assert r["greeting"] == "from the shipped helper" and r["data"] == "lr=0.1\n"
+    # The second job sent no archive: the same entry, never unpacked again.
+    assert [(r["working_dir"], r["inode"]) for r in second] == [
+        (r["working_dir"], r["inode"]) for r in first]
+    for agent in agents:
+        agent.terminate()  # a clean stop: the agent removes its cache
+    for agent in agents:
+        agent.wait(timeout=30)
+    assert not any((d / "working_dirs").exists() for d in log_dirs)

@@ -206,7 +206,7 @@ class _CounterSampler:
         if not _trace.ON or self.runtime.endpoint.closed:
             self.running = False
             return
-        requests = sum(len(p.pending) for p in self.runtime.endpoint._peers.values())
+        requests = len(self.runtime.endpoint.pending_requests())
         _trace.counter("pending operations", requests + len(_trace.open_spans))
         engine = self.runtime.services.get(P2PEngine)
         if isinstance(engine, P2PEngine):
@@ -252,19 +252,18 @@ def _pending(runtime: Runtime, calls: Mapping[asyncio.Task[Any], Incoming] | Non
     """Every operation this process waits for, with its peer (by name where known)."""
     out: list[dict[str, Any]] = []
     names = {address: name for name, address in runtime._peer_address.items()}
-    for address, peer in runtime.endpoint._peers.items():
-        for settle in peer.pending.values():
-            # A group call's rank: the endpoint settles it with ``partial(call.settle, i)``.
-            # Other requests (the registry's, this doctor's own) are not waits on a peer.
-            if not isinstance(settle, functools.partial):
-                continue
-            call = getattr(settle.func, "__self__", None)
-            if call is not None and hasattr(call, "remaining") and hasattr(call, "results"):
-                t0 = getattr(call, "t0", None)  # traced calls know when they started
-                out.append({"kind": "call", "peer": names.get(address), "address": address,
-                            "call": id(call), "index": settle.args[0],
-                            "call_size": len(call.results), "call_remaining": call.remaining,
-                            "age_s": None if t0 is None else round((now - t0) / 1e9, 6)})
+    for address, settle in runtime.endpoint.pending_requests():
+        # A group call's rank: the endpoint settles it with ``partial(call.settle, i)``.
+        # Other requests (the registry's, this doctor's own) are not waits on a peer.
+        if not isinstance(settle, functools.partial):
+            continue
+        call = getattr(settle.func, "__self__", None)
+        if call is not None and hasattr(call, "remaining") and hasattr(call, "results"):
+            t0 = getattr(call, "t0", None)  # traced calls know when they started
+            out.append({"kind": "call", "peer": names.get(address), "address": address,
+                        "call": id(call), "index": settle.args[0],
+                        "call_size": len(call.results), "call_remaining": call.remaining,
+                        "age_s": None if t0 is None else round((now - t0) / 1e9, 6)})
     engine = runtime.services.get(P2PEngine)
     if isinstance(engine, P2PEngine):
         for name, inbox in engine._inboxes.items():

@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
+from aiorl.actors.timing import Timing
 from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.p2p import P2PEngine, get_p2p
 
@@ -64,7 +65,7 @@ class _AnyWorker(metaclass=_AnyPublicMethod):
     sent."""
 
 
-class Worker:
+class Worker(Timing):
     """Base class of aiorl workers: subclass it, then ``create_group(...).launch(cluster)``.
 
     In the worker process, ``async def`` methods run concurrently on the worker's event loop;
@@ -169,7 +170,7 @@ class Worker:
         self._log(logging.ERROR, msg, *args)
 
     # ------------------------------------------------------------------ point-to-point
-    # Implemented in aiorl.p2p; see API.md section 4 and docs/ordering.md.
+    # Implemented in aiorl.p2p; see docs/reference/contract.md section 4 and docs/ordering.md.
     # ``async_op`` is RLinf's switch: True (aiorl's default) returns the AsyncWork;
     # False waits for it and returns its result (RLinf's default; not on the event loop).
     # Typed both ways: an AsyncWork by default, the plain result with RLinf's async_op=False.
@@ -217,7 +218,7 @@ class Worker:
         """Fill the preallocated ``tensor`` with the next ``send_tensor`` from the source."""
         return _sync_unless(async_op, self._p2p().recv_tensor(tensor, src_group_name, src_rank))
 
-    # Implemented in aiorl.collective; see API.md section 8 and docs/broadcast.md.
+    # Implemented in aiorl.collective; see docs/reference/contract.md section 8 and docs/broadcast.md.
     def broadcast(self, obj: Any = None, groups: list[tuple[str, Any]] | None = None,
                   src: tuple[str, Any] | None = None, async_op: bool = False) -> Any:
         """Broadcast ``obj`` from ``src`` (default: the first worker ``groups`` names) to every
@@ -236,7 +237,7 @@ class Worker:
         return engine
 
     # ------------------------------------------------------------------ channels
-    # Implemented in aiorl.channels; see API.md section 5.
+    # Implemented in aiorl.channels; see docs/reference/contract.md section 5.
     def create_channel(
         self,
         name: str | None = None,
@@ -272,7 +273,7 @@ class Worker:
         return connect_channel_from_worker(self._runtime, _channel_name(name, channel_name))
 
     # ------------------------------------------------------------------ weights
-    # Implemented in aiorl.weights; see API.md section 8 and docs/weights.md.
+    # Implemented in aiorl.weights; see docs/reference/contract.md section 8 and docs/weights.md.
     def weight_publisher(self, name: str, *, shard: int = 0, num_shards: int = 1,
                          bucket_mb: int = 256) -> WeightPublisher:
         """The publisher of weights ``name`` (shard ``shard`` of ``num_shards``) in this worker.

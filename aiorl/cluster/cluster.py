@@ -32,6 +32,8 @@ from aiorl.errors import AddressError, ClusterClosedError
 from aiorl.placement import ClusterSpec
 from aiorl.protocol.registry import GroupSpec
 from aiorl.runtime import Runtime
+from aiorl.runtime.working_dir import PackedDir, WorkingDir
+from aiorl.runtime.working_dir import pack as pack_working_dir
 from aiorl.trace import recorder as _trace
 from aiorl.transport import security
 from aiorl.transport.address import normalize_address
@@ -104,8 +106,16 @@ class Cluster:
         log_to_driver: print workers' output here, each line prefixed with the worker's name.
         trace: record spans in this driver and every worker it launches (as ``AIORL_TRACE=1``
             does); [`trace_dump`][aiorl.Cluster.trace_dump] writes them as one Perfetto trace
-            (docs/debugging.md).
+            (docs/debugging.md). RLinf's ``cluster.tracer.enable: true`` in ``cluster_cfg``
+            does the same, and ``cluster.tracer.output_file`` has ``close`` write the trace
+            there.
         timeout: seconds to wait for the registry and the agents.
+        working_dir: a directory (or an [`aiorl.WorkingDir`][aiorl.WorkingDir] with
+            ``excludes``, ``max_bytes``, ``chdir``) holding the workers' code, for nodes that
+            do not share this machine's filesystem (Ray's ``runtime_env={"working_dir":
+            ...}``): packed once, here, before anything starts, and shipped to every node
+            that starts a worker of this driver's groups, first on the workers' ``sys.path``
+            (docs/deploy.md). ``launch(working_dir=...)`` overrides it for one group.
 
     Example:
         ```python
@@ -133,8 +143,15 @@ class Cluster:
         log_to_driver: bool = True,
         timeout: float = 60.0,
         trace: bool = False,
+        working_dir: WorkingDir | str | os.PathLike[str] | None = None,
     ) -> None:
+        # Packed first: a directory over its limit or with a link out of it is refused
+        # before any process starts.
+        self._working_dir = pack_working_dir(WorkingDir.of(working_dir)) if (
+            working_dir is not None) else None
         self._cfg = _cluster_section(cluster_cfg)
+        tracer_on, self._trace_output = _tracer_section(self._cfg)
+        trace = trace or tracer_on
         self._closed = False
         self._closed_reason = CLOSED
         self._close_lock = threading.Lock()
@@ -219,6 +236,12 @@ class Cluster:
         return self._session.groups if self._session is not None and not self._closed else {}
 
     @property
+    def working_dir(self) -> PackedDir | None:
+        """The packed ``working_dir`` given to the constructor, shipped with every group this
+        driver launches (unless ``launch(working_dir=...)`` names another); None without."""
+        return self._working_dir
+
+    @property
     def log_to_driver(self) -> bool:
         """Whether workers' output is printed here, each line prefixed with the worker's name."""
         return self.session.log_to_driver
@@ -293,6 +316,17 @@ class Cluster:
                                                          path, timeout))
         return summary
 
+    def _write_trace(self, path: str) -> None:
+        """``cluster.tracer.output_file``: the whole trace, written while the workers still
+        answer; a failure is logged, never raised (closing must go on)."""
+        try:
+            summary = self.trace_dump(path)
+            log.info("trace of %d process(es) written to %s (cluster.tracer.output_file)",
+                     summary.get("processes", 0), path)
+        except Exception as exc:  # noqa: BLE001 - the close goes on whatever the dump did
+            log.warning("could not write the trace to %s (cluster.tracer.output_file): %s",
+                        path, exc)
+
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
         """Stop everything this Cluster started (and, in attach mode, its groups).
@@ -315,6 +349,9 @@ class Cluster:
                     f"the embedded registry of this Cluster {registry_died}, so the Cluster "
                     "closed itself and its node agents stopped its workers; create a new "
                     "aiorl.Cluster()")
+            if self._trace_output is not None and registry_died is None and (
+                    self._session is not None):
+                self._write_trace(self._trace_output)
             self._closed = True
             _live_clusters.discard(self)
             if self._stop_tracing_on_close:
@@ -380,6 +417,39 @@ def _registry_address(registry: str | None, address: str | None,
         if value:
             return normalize_address(value, source)
     return None
+
+
+#: The keys of RLinf's ``cluster.tracer`` section that aiorl maps onto its own tracing.
+_TRACER_KEYS = ("enable", "output_file")
+
+
+def _tracer_section(cfg: dict[str, Any]) -> tuple[bool, str | None]:
+    """RLinf's ``cluster.tracer: {enable, output_file}``: whether to trace this driver and its
+    workers (as ``trace=True``), and where ``close`` writes the Perfetto/Chrome trace.
+
+    Raises:
+        ValueError: the section is not a mapping, has a key aiorl does not know (RLinf's
+            own trace server settings included: aiorl pulls the spans itself), or a value of
+            the wrong type.
+    """
+    section = cfg.get("tracer")
+    if section is None:
+        return False, None
+    if not isinstance(section, dict):
+        raise ValueError(f"cluster.tracer must be a mapping with keys {', '.join(_TRACER_KEYS)}, "
+                         f"got {type(section).__name__}")
+    unknown = sorted(str(k) for k in section if k not in _TRACER_KEYS)
+    if unknown:
+        raise ValueError(f"cluster.tracer: unknown key(s) {', '.join(unknown)}; aiorl reads "
+                         f"{', '.join(_TRACER_KEYS)} (it pulls every process's spans itself, "
+                         "so no trace server is configured)")
+    enable = section.get("enable", False)
+    output = section.get("output_file")
+    if not isinstance(enable, bool):
+        raise ValueError(f"cluster.tracer.enable must be true or false, got {enable!r}")
+    if output is not None and (not isinstance(output, str) or not output):
+        raise ValueError(f"cluster.tracer.output_file must be a file path, got {output!r}")
+    return enable, (os.path.expanduser(output) if enable and output else None)
 
 
 def _cluster_section(cfg: Any) -> dict[str, Any]:

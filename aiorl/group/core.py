@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiorl.errors import ClusterClosedError, PeerLostError, WorkerInitError
 from aiorl.group import relay as _relay
+from aiorl.group.shipping import ship_working_dir
 from aiorl.group.supervision import HISTORY, EventKind, GroupEvent, GroupEvents, Supervision
 from aiorl.group.timeouts import describe_timeout
 from aiorl.names import WorkerAddress
@@ -34,6 +35,7 @@ from aiorl.registry.client import INCARNATION_VARIABLE
 from aiorl.runtime import AsyncWork, Runtime, Session, describe_death
 from aiorl.runtime.descriptors import check_descriptors_for
 from aiorl.runtime.promise import explain_timeouts, is_settled, link_threads, reject, resolve
+from aiorl.runtime.working_dir import PackedDir
 from aiorl.trace import recorder as _trace
 from aiorl.transport import serialization
 from aiorl.transport.code import dumps_with_sources
@@ -255,6 +257,8 @@ class GroupCore:
         self.launched_here = False
         self._payload = b""
         self._extra_env: dict[str, str] = {}
+        #: The driver's packed working directory, shipped to each node before a spawn there.
+        self.working_dir: PackedDir | None = None
         self._master: tuple[str, int] | None = None  # MASTER_ADDR, MASTER_PORT
         self._group_restarts = 0
         self._history: collections.deque[GroupEvent] = collections.deque(maxlen=HISTORY)
@@ -448,12 +452,19 @@ class GroupCore:
             self._launches[p.rank] = (p.node_rank, WorkerLaunch(
                 rank=p.rank, env=env, hardware_ranks=tuple(p.hardware_ranks),
                 visible_accelerators=tuple(p.visible_accelerators),
-                sys_path=tuple(x for x in sys.path if x), log_level=logging.getLevelName(
+                sys_path=self._sys_path(), log_level=logging.getLevelName(
                     logging.getLogger("aiorl").getEffectiveLevel()),
                 launcher=profiler.argv if profiler else (),
                 python_interpreter=p.python_interpreter,
             ))
         self._relay.forget_placement()
+
+    def _sys_path(self) -> tuple[str, ...]:
+        """The driver's ``sys.path`` for the workers, less the entries inside a shipped
+        working directory: the node's copy stands for them (first on the workers' path), and
+        the driver's own path to it means nothing on another machine."""
+        shipped = self.working_dir
+        return tuple(x for x in sys.path if x and not (shipped and shipped.contains(x)))
 
     async def _spawn(self, ranks: Sequence[int]) -> None:
         """Ask the node agents to start ``ranks``, each as its current incarnation."""
@@ -471,11 +482,15 @@ class GroupCore:
         if not by_node.keys() <= nodes.keys():
             await self._wait_for_nodes(set(by_node))
             nodes = self._nodes()
+        shipped = self.working_dir
         for node_rank, launches in by_node.items():
             node = nodes[node_rank]
+            if shipped is not None:
+                await ship_working_dir(self.runtime.endpoint, node, shipped)
             request = SpawnRequest(self.name, self.session.driver_id, self.world_size,
                                    tuple(launches), f"{self.cls.__module__}.{self.cls.__qualname__}",
-                                   output_to)
+                                   output_to, shipped.digest if shipped else None,
+                                   shipped.chdir if shipped else False)
             await self._request_spawn(node, request)
 
     async def _request_spawn(self, node: dict[str, Any], request: SpawnRequest) -> None:
@@ -845,10 +860,12 @@ def _installed(module_file: str | None) -> bool:
     return any(path.startswith(os.path.realpath(r) + os.sep) for r in roots)
 
 
-def ship_class(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+def ship_class(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any],
+               shipped: PackedDir | None = None) -> bytes:
     """Pickle (cls, args, kwargs) for the node agents.
 
-    A class from an installed package travels by reference. A class from a user's
+    A class from an installed package, or from a module inside the ``shipped`` working
+    directory (importable on every node from its copy), travels by reference. A class from a user's
     script or test module travels by value (cloudpickle), so a node that lacks
     the file (or imports it under another name) can still build it. Its code keeps its
     file name and lines, and the files' source travels with it, so a remote traceback shows
@@ -857,8 +874,10 @@ def ship_class(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> byte
     import cloudpickle
 
     module = sys.modules.get(cls.__module__)
+    module_file = getattr(module, "__file__", None)
     by_value = module is not None and cls.__module__ != "__main__" and not _installed(
-        getattr(module, "__file__", None)) and not cls.__module__.startswith("aiorl.")
+        module_file) and not cls.__module__.startswith("aiorl.") and not (
+        shipped is not None and shipped.contains(module_file))
     if by_value:
         cloudpickle.register_pickle_by_value(module)
     try:

@@ -25,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from aiorl.group.core import GroupCore, ship_class
+from aiorl.group.method_names import check_method_names
 from aiorl.group.per_rank import check_per_rank
 from aiorl.group.supervision import GroupEvent, GroupEvents, Supervision
 from aiorl.names import WorkerAddress, WorkerInfo
@@ -46,27 +48,14 @@ from aiorl.placement import (
 from aiorl.protocol.registry import GroupSpec
 from aiorl.runtime import AsyncWork, Session
 from aiorl.runtime.promise import prepare_threads
+from aiorl.runtime.working_dir import WorkingDir
+from aiorl.runtime.working_dir import pack as pack_working_dir
 from aiorl.transport import serialization
 
 __all__ = ["WorkerGroup", "WorkerGroupBuilder"]
 
 log = logging.getLogger("aiorl.group")
 W = TypeVar("W")
-
-
-def _shadowed_api(cls: type, base: type) -> list[str]:
-    """The public names of ``base`` (the framework's worker class) that ``cls`` redefines in a
-    class of its own, not one of aiorl's (an aiorl subclass such as PollingWorker may)."""
-    if base is object:
-        return []
-    shadowed = []
-    for name in dir(base):
-        if name.startswith("_"):
-            continue
-        owner = next((c for c in cls.__mro__ if name in vars(c)), base)
-        if not owner.__module__.startswith("aiorl."):
-            shadowed.append(name)
-    return sorted(shadowed)
 
 
 class WorkerGroupBuilder(Generic[W]):
@@ -85,7 +74,8 @@ class WorkerGroupBuilder(Generic[W]):
 
     Raises:
         ValueError: A public method of ``cls`` would be hidden by a
-            [`WorkerGroup`][aiorl.WorkerGroup] attribute of the same name.
+            [`WorkerGroup`][aiorl.WorkerGroup] attribute of the same name, or re-defines
+            ``base``'s API without ``@typing.override``; one error names them all.
 
     Example:
         ```python
@@ -98,23 +88,7 @@ class WorkerGroupBuilder(Generic[W]):
                  base: type = object) -> None:
         # ``base`` is the framework class the worker derives from (aiorl.Worker): its own
         # attributes may share a name with a group attribute (``world_size``) on purpose.
-        clashes = sorted(
-            n for n in dir(cls)
-            if not n.startswith("_") and callable(getattr(cls, n, None)) and n in _GROUP_ATTRIBUTES
-            and getattr(cls, n) is not getattr(base, n, None)
-        )
-        if clashes:
-            raise ValueError(
-                f"{cls.__name__} defines {', '.join(clashes)}, which clash with WorkerGroup "
-                "attributes of the same name; rename them"
-            )
-        shadowed = _shadowed_api(cls, base)
-        if shadowed:
-            raise ValueError(
-                f"{cls.__name__} defines {', '.join(shadowed)}, which shadow aiorl."
-                f"{base.__qualname__}'s own API of the same name (aiorl itself calls it, e.g. "
-                f"send and recv carry messages between workers); rename them"
-            )
+        check_method_names(cls, base, _GROUP_ATTRIBUTES)
         self.cls = cls
         self.args = args
         self.kwargs = kwargs
@@ -133,6 +107,7 @@ class WorkerGroupBuilder(Generic[W]):
         backoff: float = 0.5,
         fate: str = "rank",
         on_restart: Callable[[WorkerGroup[W], GroupEvent], None] | None = None,
+        working_dir: WorkingDir | str | os.PathLike[str] | None = None,
     ) -> WorkerGroup[W]:
         """Start the group's processes and return at once (calls wait for readiness).
 
@@ -183,6 +158,9 @@ class WorkerGroupBuilder(Generic[W]):
                 stopped when one dies, and with ``restart="on_failure"`` all restarted).
             on_restart: ``on_restart(view, event)``, called on the driver's runtime loop when
                 a restarted rank is ready, before the calls that waited for it.
+            working_dir: A directory (or an [`aiorl.WorkingDir`][aiorl.WorkingDir]) packed
+                now and shipped to the nodes of the ranks, first on their ``sys.path``
+                (docs/deploy.md); the cluster's ``working_dir`` by default.
 
         Returns:
             The [`WorkerGroup`][aiorl.WorkerGroup], at once; its calls wait until the ranks
@@ -194,6 +172,8 @@ class WorkerGroupBuilder(Generic[W]):
             TypeError: ``placement_strategy`` is not a strategy, string or int, both it
                 and ``num_workers`` are given, or ``on_restart`` is not callable.
             ValueError: ``restart``, ``fate``, ``max_restarts`` or ``backoff`` is invalid.
+            WorkingDirError: ``working_dir`` is over its size limit or holds a symbolic
+                link that leaves it (a ``ValueError``); nothing was started.
             ClusterClosedError: ``cluster`` is closed (a ``RuntimeError``).
 
         Example:
@@ -204,7 +184,7 @@ class WorkerGroupBuilder(Generic[W]):
         """
         supervision = Supervision(restart, max_restarts, backoff, fate, on_restart)
         request, start = self._plan(cluster, placement_strategy, name, num_workers, env,
-                                    isolate_gpu, supervision)
+                                    isolate_gpu, supervision, working_dir=working_dir)
         runtime = cluster.runtime
         runtime.run_sync(runtime.registry.create_group(request), timeout=30)
         return start()
@@ -223,6 +203,7 @@ class WorkerGroupBuilder(Generic[W]):
         backoff: float = 0.5,
         fate: str = "rank",
         on_restart: Callable[[WorkerGroup[W], GroupEvent], None] | None = None,
+        working_dir: WorkingDir | str | os.PathLike[str] | None = None,
     ) -> WorkerGroup[W]:
         """[`launch`][aiorl.group.WorkerGroupBuilder.launch] for code on the runtime loop's
         thread (``async def`` worker methods; channels launch their host from there): it
@@ -241,6 +222,7 @@ class WorkerGroupBuilder(Generic[W]):
             backoff: Seconds from a death to the restart, doubled for each further one.
             fate: ``"rank"`` or ``"group"`` (every rank stops when one dies).
             on_restart: ``on_restart(view, event)``, called when a restarted rank is ready.
+            working_dir: A directory shipped to the ranks' nodes (as in `launch`).
 
         Returns:
             The [`WorkerGroup`][aiorl.WorkerGroup], once the registry has accepted it.
@@ -264,13 +246,14 @@ class WorkerGroupBuilder(Generic[W]):
         """
         supervision = Supervision(restart, max_restarts, backoff, fate, on_restart)
         request, start = self._plan(cluster, placement_strategy, name, num_workers, env,
-                                    isolate_gpu, supervision)
+                                    isolate_gpu, supervision, working_dir=working_dir)
         await cluster.runtime.registry.create_group(request)
         return start()
 
     def _plan(self, cluster: Session, placement_strategy: PlacementStrategy | str | int | None,
               name: str | None, num_workers: int | None, env: dict[str, str] | None,
               isolate_gpu: bool, supervision: Supervision,
+              working_dir: WorkingDir | str | os.PathLike[str] | None = None,
               ) -> tuple[GroupSpec, Callable[[], WorkerGroup[W]]]:
         """The registry's create_group request, and what starts the group once it succeeded."""
         group_name = name if name is not None else self.cls.__name__
@@ -282,7 +265,12 @@ class WorkerGroupBuilder(Generic[W]):
                       else strategy.get_placement(spec, isolate_accelerator=False))
         check_per_rank(self.cls.__name__, self.args, self.kwargs, len(placements))
         runtime = cluster.runtime
-        payload = ship_class(self.cls, self.args, self.kwargs)
+        # Packed before anything is registered or started: a directory over its limit, or
+        # with a link out of it, fails the launch here. A class whose module lies inside it
+        # is imported by name on the nodes, from their copy.
+        shipped = (pack_working_dir(WorkingDir.of(working_dir)) if working_dir is not None
+                   else getattr(cluster, "working_dir", None))
+        payload = ship_class(self.cls, self.args, self.kwargs, shipped)
         request = GroupSpec(group_name, len(placements), cluster.driver_id,
                             f"{self.cls.__module__}.{self.cls.__qualname__}")
 
@@ -290,6 +278,7 @@ class WorkerGroupBuilder(Generic[W]):
             cluster.groups[group_name] = request  # restored if the registry restarts
             core = GroupCore(cluster, self.cls, group_name, len(placements), supervision)
             core.launched_here = True
+            core.working_dir = shipped
             group: WorkerGroup[W] = WorkerGroup(core)
             runtime.submit(
                 lambda: runtime.loop.create_task(core.start(placements, payload, env or {})))

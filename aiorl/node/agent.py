@@ -60,6 +60,7 @@ from aiorl.node.logdirs import (  # noqa: F401 - KEPT_ENDED_AGENT_LOGS: read her
 from aiorl.node.p2p_relay import P2PRelay
 from aiorl.node.relay import CallRelay
 from aiorl.node.visible_devices import physical_visible_devices
+from aiorl.node.working_dirs import WorkingDirCache
 from aiorl.node.zygote import encode_message, read_message, write_message
 from aiorl.protocol.fields import Fields
 from aiorl.protocol.ops import AgentOp, DriverOp, WorkerOp, WorkerState
@@ -78,7 +79,7 @@ from aiorl.runtime.descriptors import check_descriptors_for
 from aiorl.transport import security
 from aiorl.transport.address import normalize_address
 from aiorl.transport.endpoint import Endpoint, Incoming
-from aiorl.transport.lane import LANE_DIR_VAR
+from aiorl.transport.lane_setup import LANE_DIR_VAR
 from aiorl.transport.link import LinkWatch
 from aiorl.transport.sockets import local_ip
 from aiorl.util.limits import raise_open_file_limit
@@ -199,6 +200,9 @@ class NodeAgent:
         self.endpoint.handle(AgentOp.RELAY_CALL, self.relay.on_relay_call)
         self.p2p_relay = P2PRelay(self.endpoint, self.node_id, self.registry.nodes)
         self.endpoint.handle(AgentOp.RELAY_P2P, self.p2p_relay.on_relay_p2p)
+        self.working_dirs = WorkingDirCache(os.path.join(self.log_dir, "working_dirs"),
+                                            lambda: {c.group for c in self.children.values()})
+        self.endpoint.handle(AgentOp.WORKING_DIR, self.working_dirs.on_offer)
         self._zygote_ready = loop.create_future()
         self._start_zygote()
         #: Whether the registry's connection is up: tells a slow registry from a dead one.
@@ -439,6 +443,7 @@ class NodeAgent:
     async def _spawn(self, request: SpawnRequest, payload: bytes) -> list[int]:
         assert self._zygote_ready is not None
         await self._zygote_ready
+        request = self.working_dirs.prepare(request)  # a shipped working directory, if any
         os.makedirs(self.log_dir, mode=0o700, exist_ok=True)  # worker output is private
         self.groups[request.group] = request.group_spec()
         node = HostNode(self.node_id, self.node_rank, self.host, socket.gethostname(),
@@ -584,6 +589,7 @@ class NodeAgent:
             self.zygote.kill()
         self.zygote.wait()
         self.endpoint.close()
+        self.working_dirs.close()
         if self.owns_log_dir and os.environ.get("AIORL_KEEP_LOGS") != "1":
             shutil.rmtree(self.log_dir, ignore_errors=True)
 

@@ -182,6 +182,8 @@ def _child(
         by_exec = exec_always or _needs_exec(spec)  # before the worker's env: it compares
         os.environ.update(merge_environment(spec.launch.env, os.environ))
         _extend_sys_path(spec.launch.env.get("PYTHONPATH", ""))
+        if spec.launch.cwd is not None:  # a shipped working directory, when the driver asked
+            os.chdir(spec.launch.cwd)
         if by_exec:
             code = _exec_worker(spec, session)  # returns only if exec failed
             return

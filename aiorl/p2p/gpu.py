@@ -229,9 +229,9 @@ def blocking_event() -> Any:
 
 #: How long a thread may poll a just-recorded event (``query()``, ~0.3 us) before it hands
 #: the event to a waiter thread. A small copy is done within a few microseconds, and a
-#: hand-off to a thread and back to the loop costs far more than the poll: on the H100 of
-#: 2026-11-26 a thread hand-off measured 19 us and every blocking system call ~50 us
-#: (`benchmarks/profile_gpu_messages.py`). The loop polls at most `LOOP_SPIN_S` (it serves
+#: hand-off to a thread and back to the loop costs far more than the poll: on an H100 machine
+#: a thread hand-off measured 19 us and every blocking system call ~50 us
+#: (`benchmarks/profile_gpu_messages.py`, docs/gpu.md). The loop polls at most `LOOP_SPIN_S` (it serves
 #: everyone else meanwhile); a lane thread, which serves only its transfers, `LANE_SPIN_S`.
 LOOP_SPIN_S = float(os.environ.get("AIORL_CUDA_LOOP_SPIN_US", "30")) * 1e-6
 LANE_SPIN_S = float(os.environ.get("AIORL_CUDA_LANE_SPIN_US", "150")) * 1e-6

@@ -64,6 +64,8 @@ class AgentOp(StrEnum):
     RELAY_CALL = "relay_call"
     #: One-way: a p2p message to forward toward a worker of some node (protocol/p2p_relay.py).
     RELAY_P2P = "relay_p2p"
+    #: A driver's packed working directory for this node's cache (protocol/working_dir.py).
+    WORKING_DIR = "working_dir"
 
 
 class WorkerOp(StrEnum):

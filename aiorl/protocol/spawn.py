@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.protocol.fields import Fields
 from aiorl.protocol.registry import GroupSpec
+from aiorl.protocol.working_dir import check_digest
 
 __all__ = ["HostNode", "SpawnReply", "SpawnRequest", "WorkerLaunch", "WorkerSpawn"]
 
@@ -51,6 +52,8 @@ class WorkerLaunch:
     log_level: str = "INFO"
     launcher: tuple[str, ...] = ()
     python_interpreter: str | None = None
+    #: The worker's current directory (set by the agent for a shipped working directory).
+    cwd: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         wire = {"rank": self.rank, "env": dict(self.env),
@@ -60,6 +63,8 @@ class WorkerLaunch:
                 "launcher": list(self.launcher)}
         if self.python_interpreter is not None:
             wire["python_interpreter"] = self.python_interpreter
+        if self.cwd is not None:
+            wire["cwd"] = self.cwd
         return wire
 
     @classmethod
@@ -76,6 +81,7 @@ class WorkerLaunch:
             log_level=f.text("log_level", "INFO", max_len=16),
             launcher=f.text_list("launcher", ()),
             python_interpreter=f.optional_text("python_interpreter"),
+            cwd=f.optional_text("cwd"),
         )
 
 
@@ -89,11 +95,20 @@ class SpawnRequest:
     workers: tuple[WorkerLaunch, ...]
     worker_class: str = ""
     output_to: str | None = None  # the driver endpoint that wants the workers' output
+    #: The digest of the driver's working directory, sent to the agent before
+    #: (protocol/working_dir.py): first on the workers' ``sys.path``.
+    working_dir: str | None = None
+    #: Whether that directory is also the workers' current directory.
+    working_dir_chdir: bool = False
 
     def to_wire(self) -> dict[str, Any]:
-        return {"group": self.group, "owner": self.owner, "world_size": self.world_size,
+        wire = {"group": self.group, "owner": self.owner, "world_size": self.world_size,
                 "worker_class": self.worker_class,
                 "workers": [w.to_wire() for w in self.workers], "output_to": self.output_to}
+        if self.working_dir is not None:
+            wire["working_dir"] = self.working_dir
+            wire["working_dir_chdir"] = self.working_dir_chdir
+        return wire
 
     @classmethod
     def from_wire(cls, meta: Any) -> Self:
@@ -105,6 +120,9 @@ class SpawnRequest:
             workers=tuple(f.each("workers", WorkerLaunch.read)),
             worker_class=f.text("worker_class", ""),
             output_to=f.optional_text("output_to"),
+            working_dir=(f.checked("working_dir", check_digest) if f.has("working_dir")
+                         else None),
+            working_dir_chdir=f.flag("working_dir_chdir", False),
         )
         if any(w.rank >= request.world_size for w in request.workers):
             raise f.error("workers", f"a rank is outside the group of {request.world_size}")

@@ -93,6 +93,7 @@ class RegistryClient:
         self._node_callbacks: list[Callable[[list[dict[str, Any]]], None]] = []
         self.known: dict[str, WorkerRecord] = {}  # worker name -> the last record seen
         self._pulse: Pulse | None = None  # the heartbeat thread, once started
+        self._beat_interval = 0.0
         self._on_unknown: Callable[[], Any] | None = None
         self._reregister_task: asyncio.Task[None] | None = None
         self._reregistering = False
@@ -343,10 +344,18 @@ class RegistryClient:
         runs again after each later beat until it succeeds (the registry may know us by then
         while our watches are still missing)."""
         self._on_unknown = on_unknown
+        self._beat_interval = interval
         self._pulse = Pulse(self.endpoint.name, self.address, self.endpoint.keys,
                             RegistryOp.HEARTBEAT, Heartbeat(my_id).to_wire(), interval,
                             self._beat_answered, self._beat_refused)
         self._pulse.start()
+
+    def unreachable(self) -> bool:
+        """Whether the registry has not answered a heartbeat for two intervals (a second
+        at least): it is down, restarting or cut off, and cannot give verdicts on peers."""
+        if self._pulse is None:
+            return False
+        return time.monotonic() - self.last_answered > max(2 * self._beat_interval, 1.0)
 
     def _beat_answered(self, meta: Any) -> None:
         """A heartbeat's reply (on the pulse thread)."""

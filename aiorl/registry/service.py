@@ -330,7 +330,7 @@ class RegistryService:
             # Time this process did not run (stopped, swapped out, a loop turn that took
             # seconds): the heartbeats sent meanwhile are still unread in its sockets, and
             # this sweep runs before they are read. Not crediting it, a registry that was
-            # itself held up declared every node and driver dead as it resumed (issue 28).
+            # itself held up would declare every node and driver dead as it resumed.
             stalled = now - last - period
             last = now
             if stalled > period:

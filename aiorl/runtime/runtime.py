@@ -63,6 +63,9 @@ class Runtime:
         self.loop = loop_thread.loop
         self.endpoint = endpoint
         self.registry = registry
+        # Verdicts on dead peers come from the registry: while it does not answer, a call on
+        # a broken connection waits for one instead of failing without saying how it died.
+        endpoint.verdict_hold = registry.unreachable
         self.name = name
         self._peer_watch: dict[str, asyncio.Future[dict[str, Any]]] = {}  # name -> info when ready
         self._peer_address: dict[str, str] = {}

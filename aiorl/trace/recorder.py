@@ -344,8 +344,8 @@ def drain_page(first: bool, max_spans: int) -> dict[str, Any]:
     for the next pull) and the answer also carries what `drain` does besides spans (open
     spans, thread names, this process's clock). The answer's ``more`` says whether spans
     remain; the puller asks for the next page until none do. A whole buffer in one answer
-    (200,000 spans) cost the puller hundreds of MB per process, decoded at once (issue 28,
-    item 7); a page costs it a few MB. Spans left by a pull that stopped midway (its puller
+    (200,000 spans) costs the puller hundreds of MB per process, decoded at once; a page costs
+    it a few MB. Spans left by a pull that stopped midway (its puller
     died) come first in the next one."""
     global _buffer, append, _taken
     out: dict[str, Any] = {}

@@ -14,18 +14,22 @@ whose lane exists talks to it through the lane instead of a DEALER, for the life
 peer (one path per peer keeps the order of its messages). The peer's address and identity
 are unchanged: the endpoint above sees the same requests, replies, errors and events.
 
-Authentication, both ways, before a message is read (docs/security.md): the lane is in the
-same private directory as the endpoint's ZMQ socket (only this user can create or connect
-to it), each side checks the other's uid (``SO_PEERCRED``), and a client's first bytes prove
-it holds the cluster's secret (an HMAC over the lane's path and the client's identity; the
-secret itself never crosses). The server reads nothing more from a client before that.
+Authentication, both ways, before a message is read (docs/security.md; how a lane is set
+up: `aiorl.transport.lane_setup`): the lane is in the same private directory as the
+endpoint's ZMQ socket, each side checks the other's uid, and a client's first bytes prove it
+holds the cluster's secret. The server reads nothing more from a client before that, and
+answers one byte: admitted, refused, or taken (another live lane holds that routing id).
 
 On the stream, a message is ``<u32 frame count> <u64 length> ... <frames>``. What one turn
 of the loop sends to one lane leaves in one ``sendmsg`` (the first message of a turn at
 once, as on the ZMQ path). A lane reads at most `_DISPATCH_BATCH` messages per wake-up, so
-answers leave while a burst of calls is still being read. A connection that breaks drops
-nothing the endpoint waits on: as with ZMQ, a request pending on a peer ends when the peer
-is marked lost (its worker's death), not when a socket closes.
+answers leave while a burst of calls is still being read.
+
+A lane is a `aiorl.transport.connection.Connection` and keeps its contract: a send on a
+closed lane raises `ConnectionClosed`; a lane that ends or breaks by itself tells its owner
+once (``on_broken(reason, unsent)``, with the messages this turn held, which never left);
+a reader that raises closes its lane and is never run again; a read buffer grows with what
+has arrived, not with what a head announces, and is given back when the lane closes.
 
 Threads: the loop thread owns a lane; `LaneConnection.send_from_thread` (a method thread's
 answer) writes under the lane's lock.
@@ -35,45 +39,44 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import errno
-import functools
-import hashlib
-import hmac
 import logging
-import os
-import re
 import socket
 import struct
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from aiorl.transport import security
-from aiorl.transport.security import ClusterKeys
+from aiorl.transport.connection import Broken, ConnectionClosed
+from aiorl.util.batching import turn_clock_of
 from aiorl.util.ratelimit import RateLimitedLog
 
-__all__ = ["LANE_SUFFIX", "LaneConnection", "LaneListener", "connect_lane", "lane_path"]
+__all__ = ["ADMITTED", "HELLO_HEAD", "MAX_FRAMES", "MAX_MESSAGE_BYTES", "PROOF_BYTES", "REFUSED",
+           "TAKEN", "LaneConnection"]
 
 log = logging.getLogger("aiorl.transport")
 _refused = RateLimitedLog(log)
 
-LANE_SUFFIX = ".lane"
-_IPC_PREFIX = "ipc://"
 #: What a client proves with (an HMAC-SHA256, 32 bytes), and the identity's length prefix.
-_PROOF_BYTES = 32
-_HELLO = struct.Struct("<H")
-_PROOF_CONTEXT = b"aiorl-lane-1\0"
+PROOF_BYTES = 32
+HELLO_HEAD = struct.Struct("<H")
 #: The server's one-byte answer to a client's hello.
-_ADMITTED, _REFUSED = 1, 0
+ADMITTED, REFUSED, TAKEN = 1, 0, 2
+#: What a client is told by each answer other than ADMITTED.
+_REFUSALS = {
+    REFUSED: "it refused this cluster's key on its lane",
+    TAKEN: "its lane already serves another connection under this process's routing id",
+}
 _COUNT = struct.Struct("<I")
 #: The head of a message of one frame: its count (1) and the frame's length.
 _ONE_FRAME = struct.Struct("<IQ")
 _ONE_FRAME_HEAD = _ONE_FRAME.size
 #: A message with more frames than this, or more bytes, is refused (the connection closes):
-#: far above what the endpoint sends, and a bound on what a broken peer makes us allocate.
+#: far above what the endpoint sends. What a message announces is never allocated up front:
+#: the read buffer grows at most `_GROWTH` times what has arrived, so a peer that announces a
+#: terabyte and sends a kilobyte costs a few kilobytes.
 MAX_FRAMES = 1 << 16
 MAX_MESSAGE_BYTES = 1 << 40
+_GROWTH = 4
 #: Messages dispatched per wake-up before other callbacks run, so answers leave while a
 #: burst is still being read. As many as one BATCH message of the ZMQ path carries: with 4
 #: (the ZMQ path's count of BATCH messages per wake-up) 1,000 calls in flight measured ~30 %
@@ -99,35 +102,6 @@ _KEEP_BUFFER = 4 * _READ_CHUNK
 MAX_QUEUED = 100_000
 
 
-#: A private directory (0700, ours) where endpoints bound on TCP keep their lanes: set by a
-#: node agent that binds its workers on the node's IP, for itself and its workers, so that
-#: a machine's own processes reach its workers by lane there too.
-LANE_DIR_VAR = "AIORL_LANE_DIR"
-
-
-def lane_path(address: str) -> str | None:
-    """Where the lane of the endpoint at ``address`` listens: beside an ``ipc://`` socket,
-    or, for a ``tcp://`` one, in this process's lane directory (`LANE_DIR_VAR`); None when
-    it has no place for one."""
-    if address.startswith(_IPC_PREFIX):
-        return address[len(_IPC_PREFIX):] + LANE_SUFFIX
-    directory = os.environ.get(LANE_DIR_VAR)
-    if not directory or not address.startswith("tcp://"):
-        return None
-    return os.path.join(directory, re.sub(r"[^0-9A-Za-z.]", "_", address[6:]) + LANE_SUFFIX)
-
-
-def _proof(keys: ClusterKeys | None, path: str, identity: bytes) -> bytes:
-    secret = keys.secret if keys is not None else b""
-    return hmac.new(secret, _PROOF_CONTEXT + path.encode() + b"\0" + identity,
-                    hashlib.sha256).digest()
-
-
-def _peer_uid(sock: socket.socket) -> int:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return int(struct.unpack("3i", creds)[1])
-
-
 #: Layouts by frame count, made once for the counts messages have (a large count's is made
 #: per message): a message's head (its count, then each frame's length), and the lengths alone.
 _CACHED_COUNTS = 64
@@ -147,68 +121,97 @@ def _as_bytes_view(part: Any) -> memoryview:
     return view
 
 
-class _TurnClock:
-    """Where one event loop's turn ends, for all of its lanes: a lane's first message of a
-    turn leaves at once, the rest of that turn's messages together at its end (`send`).
+class _PartlySent(OSError):
+    """A write failed after some of its bytes left: what was in it may have reached the peer."""
 
-    One end-of-turn callback per turn for every lane of the loop: a driver calling 256
-    workers of its machine sends the first message of a turn on 256 lanes, and a batcher per
-    lane scheduled (and ran) 256 callbacks per group call for that. Loop thread only."""
-
-    __slots__ = ("turn", "scheduled", "holding", "__weakref__")
-
-    def __init__(self) -> None:
-        self.turn = 1  # a lane's `_turn` starts at 0: its first message leaves at once
-        self.scheduled = False
-        #: Lanes that hold messages until the turn ends.
-        self.holding: list[LaneConnection] = []
-
-    def begin(self, loop: asyncio.AbstractEventLoop) -> int:
-        """A lane sends its first message of this turn: the turn's number (the turn ends
-        with a callback scheduled now if none is)."""
-        if not self.scheduled:
-            self.scheduled = True
-            loop.call_soon(self._end_of_turn)
-        return self.turn
-
-    def _end_of_turn(self) -> None:
-        self.scheduled = False
-        self.turn += 1
-        holding, self.holding = self.holding, []
-        for conn in holding:
-            conn._send_held()
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error.errno, error.strerror)
+        self.error = error
 
 
-_CLOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _TurnClock] = (
-    weakref.WeakKeyDictionary())
+def _framed(messages: list[Sequence[Any]], answer: int | None) -> list[bytes | memoryview]:
+    """``messages`` as the lane's stream: ``<u32 count> <u64 length>... <frames>`` each (after
+    ``answer``'s byte, a server's answer to a hello). A message of small bytes frames (a
+    header, a small pickle: most calls and answers) is one buffer with its head; others are
+    views of their frames, without a copy."""
+    buffers: list[bytes | memoryview] = [] if answer is None else [bytes((answer,))]
+    for parts in messages:
+        count = len(parts)
+        if count == 1:  # a header alone (a call without arguments, an empty answer)
+            only = parts[0]
+            if only.__class__ is bytes and len(only) < _COPY_BELOW:
+                buffers.append(_ONE_FRAME.pack(1, len(only)) + only)
+                continue
+        size = 0
+        for part in parts:
+            if part.__class__ is not bytes:
+                size = _COPY_BELOW
+                break
+            size += len(part)
+        head = _HEADS[count] if count <= _CACHED_COUNTS else _heads(count)
+        if size < _COPY_BELOW:
+            buffers.append(b"".join([head.pack(count, *map(len, parts)), *parts]))
+        else:
+            views = list(map(_as_bytes_view, parts))
+            buffers.append(head.pack(count, *map(len, views)))
+            buffers.extend(views)
+    return buffers
 
 
-def _clock_of(loop: asyncio.AbstractEventLoop) -> _TurnClock:
-    clock = _CLOCKS.get(loop)
-    if clock is None:
-        clock = _CLOCKS[loop] = _TurnClock()
-    return clock
+def _send_buffers(sock: socket.socket,
+                  buffers: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    """Send as much of ``buffers`` as ``sock`` takes now; return the rest. An error before a
+    byte left is raised as it is; one after some left, as `_PartlySent`. (Every view is
+    one-dimensional bytes: its ``len`` is its size.)"""
+    if len(buffers) == 1:  # one message of small frames: most sends
+        only = buffers[0]
+        try:
+            sent = sock.send(only)
+        except (BlockingIOError, InterruptedError):
+            return buffers
+        return [] if sent == len(only) else [memoryview(only)[sent:]]
+    first = True
+    while buffers:
+        chunk = buffers[:_MAX_IOV]
+        try:
+            sent = sock.sendmsg(chunk)
+        except (BlockingIOError, InterruptedError):
+            return buffers
+        except OSError as exc:
+            if first:
+                raise
+            raise _PartlySent(exc) from exc
+        first = False
+        for i, view in enumerate(chunk):
+            if sent < len(view):
+                rest = buffers[i:]
+                rest[0] = memoryview(view)[sent:]
+                return rest
+            sent -= len(view)
+        buffers = buffers[len(chunk):]
+    return buffers
 
 
 class LaneConnection:
     """One end of a lane: frames messages out and in. ``on_message(frames)`` gets each
-    whole message (a list of ``bytes``) on the loop; ``on_closed()`` runs once when the
-    stream ends or breaks (not after `close`)."""
+    whole message (a list of ``bytes``) on the loop; ``on_broken(reason, unsent)`` runs once
+    when the stream ends or breaks (not after `close`); a client's ``on_refused(reason)``
+    runs instead when the server does not admit it."""
 
-    __slots__ = ("sock", "loop", "on_message", "on_closed", "lock", "closed", "_fd", "_out",
+    __slots__ = ("sock", "loop", "on_message", "on_broken", "lock", "closed", "_fd", "_out",
                  "_queued", "_writing", "_clock", "_turn", "_held", "_buf", "_view", "_start",
                  "_end", "_need", "_reading", "_parse_scheduled", "_expect_hello",
                  "peer_identity", "max_queued", "_expect_answer", "_greeting", "on_refused")
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop,
                  on_message: Callable[[list[Any]], None],
-                 on_closed: Callable[[], None] | None = None, *,
-                 expect_hello: Callable[[LaneConnection, bytes, bytes], bool] | None = None,
+                 on_broken: Broken | None = None, *,
+                 expect_hello: Callable[[LaneConnection, bytes, bytes], int] | None = None,
                  ) -> None:
         self.sock = sock
         self.loop = loop
         self.on_message = on_message
-        self.on_closed = on_closed
+        self.on_broken = on_broken
         #: Held by whoever writes the socket or `_out` (the loop thread, a method thread).
         self.lock = threading.RLock()
         self.closed = False
@@ -217,8 +220,8 @@ class LaneConnection:
         self._out: collections.deque[bytes | memoryview] = collections.deque()
         self._queued = 0  # messages in _out, for MAX_QUEUED
         self._writing = False  # a writer callback is registered
-        self._clock = _clock_of(loop)
-        self._turn = 0  # the last turn in which a message left at once (`_TurnClock`)
+        self._clock = turn_clock_of(loop)
+        self._turn = 0  # the last turn in which a message left at once (`aiorl.util.batching.TurnClock`)
         self._held: list[Sequence[Any]] = []  # this turn's later messages, until it ends
         self._buf = bytearray(_READ_CHUNK)
         #: A view of ``_buf`` kept for reads and frame copies (replaced with the buffer).
@@ -228,16 +231,16 @@ class LaneConnection:
         self._need = 0  # bytes the message at _start needs in all (0: not known yet)
         self._reading = False
         self._parse_scheduled = False
-        #: A server's check of a new client: ``(connection, proof, identity) -> admitted``;
-        #: until it passes, nothing else the client sent is read.
+        #: A server's check of a new client: ``(connection, proof, identity) -> answer``
+        #: (ADMITTED, REFUSED or TAKEN); until it passes, nothing else the client sent is read.
         self._expect_hello = expect_hello
         self.peer_identity = b""
         #: A client's first byte from the server answers its hello: admitted, or refused
-        #: (then ``on_refused()`` runs and the lane closes).
+        #: (then ``on_refused(reason)`` runs and the lane closes).
         self._expect_answer = expect_hello is None
         #: Either of the two above is still to come (one check on the hot path).
         self._greeting = True
-        self.on_refused: Callable[[], None] | None = None
+        self.on_refused: Callable[[str], None] | None = None
         #: Messages held for a peer that does not read before more are dropped: a server's
         #: bound (`MAX_QUEUED`); a client's requests are never dropped (as a DEALER's).
         self.max_queued = MAX_QUEUED if expect_hello is not None else 1 << 62
@@ -248,7 +251,7 @@ class LaneConnection:
         """Send one message from the loop thread (the first of a turn at once, the rest of
         the turn together at its end, or once `_MAX_HELD` wait)."""
         if self.closed:
-            return
+            raise ConnectionClosed("the lane is closed")
         clock = self._clock
         held = self._held
         if self._turn != clock.turn:
@@ -270,7 +273,7 @@ class LaneConnection:
     def send_direct(self, parts: Sequence[Any]) -> None:
         """Send now, after anything held this turn (order kept)."""
         if self.closed:
-            return
+            raise ConnectionClosed("the lane is closed")
         held = self._held
         if held:
             self._held = []
@@ -281,8 +284,9 @@ class LaneConnection:
 
     def send_from_thread(self, parts: Sequence[Any]) -> None:
         """Send from a thread other than the loop's (a method thread's answer)."""
-        if not self.closed:
-            self._write([parts], from_thread=True)
+        if self.closed:
+            raise ConnectionClosed("the lane is closed")
+        self._write([parts], from_thread=True)
 
     def send_frame_from_thread(self, frame: bytes) -> None:
         """`send_from_thread` of a message of one small frame (a header alone: the answer of
@@ -294,7 +298,7 @@ class LaneConnection:
         data = _ONE_FRAME.pack(1, len(frame)) + frame
         with self.lock:  # re-entrant: what is left goes through `_emit`, still in order
             if self.closed:
-                return
+                raise ConnectionClosed("the lane is closed")
             sent = 0
             if not self._out:  # nothing waits before it: straight to the socket
                 try:
@@ -305,93 +309,65 @@ class LaneConnection:
                     return
             self._emit([memoryview(data)[sent:] if sent else data], 1, True)
 
-    def _send_held(self) -> None:
-        """The turn ended: what this turn held leaves (`_TurnClock`)."""
+    def send_hello(self, hello: bytes) -> bool:
+        """A client's first bytes (`aiorl.transport.lane_setup.connect_lane`): False when the
+        socket does not take them whole at once (the server is going away)."""
+        try:
+            with self.lock:
+                return not _send_buffers(self.sock, [memoryview(hello)])
+        except OSError:
+            return False
+
+    def send_held(self) -> None:
+        """The turn ended: what this turn held leaves (`aiorl.util.batching.TurnClock`)."""
         held = self._held
-        if held:
+        if held and not self.closed:
             self._held = []
-            if not self.closed:
+            try:
                 self._write(held)
+            except ConnectionClosed:  # closed from another thread meanwhile: never left
+                self._held = held
 
     def _write(self, messages: list[Sequence[Any]], from_thread: bool = False,
                answer: int | None = None) -> None:
-        buffers: list[bytes | memoryview] = [] if answer is None else [bytes((answer,))]
-        for parts in messages:
-            count = len(parts)
-            # A message of small bytes frames (a header, a small pickle: most calls and
-            # answers) leaves as one buffer with its head; others as views, without a copy.
-            if count == 1:  # a header alone (a call without arguments, an empty answer)
-                only = parts[0]
-                if only.__class__ is bytes and len(only) < _COPY_BELOW:
-                    buffers.append(_ONE_FRAME.pack(1, len(only)) + only)
-                    continue
-            size = 0
-            for part in parts:
-                if part.__class__ is not bytes:
-                    size = _COPY_BELOW
-                    break
-                size += len(part)
-            head = _HEADS[count] if count <= _CACHED_COUNTS else _heads(count)
-            if size < _COPY_BELOW:
-                buffers.append(b"".join([head.pack(count, *map(len, parts)), *parts]))
-            else:
-                views = list(map(_as_bytes_view, parts))
-                buffers.append(head.pack(count, *map(len, views)))
-                buffers.extend(views)
-        self._emit(buffers, len(messages), from_thread)
+        self._emit(_framed(messages, answer), len(messages), from_thread, messages)
 
-    def _emit(self, buffers: list[bytes | memoryview], messages: int, from_thread: bool) -> None:
-        """Send ``buffers`` (``messages`` whole messages) now, or queue what the socket does
-        not take yet behind what waits already (any thread: under the lock)."""
-        broke = False
+    def _emit(self, buffers: list[bytes | memoryview], messages: int, from_thread: bool,
+              parts: list[Sequence[Any]] | None = None) -> None:
+        """Send ``buffers`` (``messages`` whole messages, ``parts`` before they were framed)
+        now, or queue what the socket does not take yet behind what waits already (any
+        thread: under the lock)."""
+        broke: OSError | None = None
+        unsent: list[Sequence[Any]] = []
         with self.lock:
             if self.closed:
-                return
+                raise ConnectionClosed("the lane is closed")
             if self._out:  # earlier messages still wait for the socket: keep the order
                 self._queue(buffers, messages)
             else:
                 try:
-                    left = self._sendmsg(buffers)
-                except OSError:
-                    broke = self.closed = True
+                    left = _send_buffers(self.sock, buffers)
+                except _PartlySent as exc:
+                    # Part of it may have reached the peer: the owner's pending requests wait
+                    # for their answers or a verdict (aiorl.transport.peer); none is sent twice.
+                    broke = exc.error
+                    self.closed = True
+                except OSError as exc:  # not a byte of it left: the owner sends it again
+                    broke = exc
+                    unsent = parts or []
+                    self.closed = True
                 else:
                     if not left:  # all sent: most sends end here
                         return
                     self._queue(left, messages)
-        if broke:
-            self._broken(from_thread)
+        if broke is not None:
+            self._broken(from_thread, f"a write failed: {broke.strerror or broke}", unsent)
             return
         if self._out and not self._writing:
             if from_thread:
                 self.loop.call_soon_threadsafe(self._start_writer)
             else:
                 self._start_writer()
-
-    def _sendmsg(self, buffers: list[bytes | memoryview]) -> list[bytes | memoryview]:
-        """Send as much of ``buffers`` as the socket takes now; return the rest. (Every
-        view is one-dimensional bytes: its ``len`` is its size.)"""
-        sock = self.sock
-        if len(buffers) == 1:  # one message of small frames: most sends
-            only = buffers[0]
-            try:
-                sent = sock.send(only)
-            except (BlockingIOError, InterruptedError):
-                return buffers
-            return [] if sent == len(only) else [memoryview(only)[sent:]]
-        while buffers:
-            chunk = buffers[:_MAX_IOV]
-            try:
-                sent = sock.sendmsg(chunk)
-            except (BlockingIOError, InterruptedError):
-                return buffers
-            for i, view in enumerate(chunk):
-                if sent < len(view):
-                    rest = buffers[i:]
-                    rest[0] = memoryview(view)[sent:]
-                    return rest
-                sent -= len(view)
-            buffers = buffers[len(chunk):]
-        return buffers
 
     def _queue(self, buffers: list[bytes | memoryview], messages: int) -> None:
         if self._queued + messages > self.max_queued:
@@ -412,26 +388,24 @@ class LaneConnection:
             self.loop.add_writer(self._fd, self._flush_out)
 
     def _flush_out(self) -> None:
+        failure: OSError | None = None
         with self.lock:
             out = self._out
             try:
-                left = self._sendmsg(list(out)) if out else []
-            except OSError:
-                left = None
-            if left is not None:
+                left = _send_buffers(self.sock, list(out)) if out else []
+            except OSError as exc:
+                failure = exc
+                self.closed = True
+            else:
                 out.clear()
                 out.extend(left)
                 if not left:
                     self._queued = 0
-            done = left is not None and not left
-            broke = left is None
-            if broke:
-                self.closed = True
-        if done or broke:
+        if failure is not None or not out:
             self._writing = False
             self.loop.remove_writer(self._fd)
-        if broke:
-            self._broken(False)
+        if failure is not None:
+            self._broken(False, f"a write failed: {failure.strerror or failure}")
 
     # ------------------------------------------------------------------ receiving
     def _resume_reading(self) -> None:
@@ -445,40 +419,54 @@ class LaneConnection:
             self.loop.remove_reader(self._fd)
 
     def _on_readable(self) -> None:
-        end = self._end
-        if len(self._buf) - end < _MIN_ROOM:
-            self._make_room()
-            end = self._end
+        """Read what the socket has. Whatever goes wrong here (a bug a peer's bytes reach,
+        memory) closes this lane: a reader left registered after raising would be called
+        again at once, for ever."""
         try:
-            n = self.sock.recv_into(self._view[end:])
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            n = 0
-        if n == 0:
-            self._broken(False)
-            return
-        self._end = end = end + n
-        # Most wake-ups read one whole message of one frame (a call without arguments, an
-        # answer) into an empty buffer: it is dispatched here, without `_parse`'s loop.
-        if not self._start and not self._greeting and end >= _ONE_FRAME_HEAD:
-            count, size = _ONE_FRAME.unpack_from(self._buf)
-            if count == 1 and end == _ONE_FRAME_HEAD + size and not self._parse_scheduled:
-                frame = bytes(self._view[_ONE_FRAME_HEAD:end])
-                self._end = self._need = 0
-                if len(self._buf) > _KEEP_BUFFER:
-                    self._shrink()
-                try:
-                    self.on_message([frame])
-                except Exception as exc:
-                    self._dispatch_failed(exc)
+            end = self._end
+            if len(self._buf) - end < _MIN_ROOM:
+                self._make_room()
+                end = self._end
+            try:
+                n = self.sock.recv_into(self._view[end:])
+            except (BlockingIOError, InterruptedError):
                 return
-        self._parse()
+            except OSError:
+                n = 0
+            if n == 0:
+                self._broken(False, "the peer closed it")
+                return
+            self._end = end = end + n
+            # Most wake-ups read one whole message of one frame (a call without arguments,
+            # an answer) into an empty buffer: it is dispatched here, without `_parse`'s loop.
+            if not self._start and not self._greeting and end >= _ONE_FRAME_HEAD:
+                count, size = _ONE_FRAME.unpack_from(self._buf)
+                if count == 1 and end == _ONE_FRAME_HEAD + size and not self._parse_scheduled:
+                    frame = bytes(self._view[_ONE_FRAME_HEAD:end])
+                    self._end = self._need = 0
+                    if len(self._buf) > _KEEP_BUFFER:
+                        self._shrink()
+                    try:
+                        self.on_message([frame])
+                    except Exception as exc:
+                        self._dispatch_failed(exc)
+                    return
+            self._parse()
+        except Exception as exc:
+            self._reader_failed(exc)
+
+    def _reader_failed(self, exc: Exception) -> None:
+        _refused.warning("lane reader failed", "closed a lane whose reader failed: %r", exc,
+                         exc_info=exc)
+        self._broken(False, f"its reader failed: {exc!r}")
 
     def _make_room(self) -> None:
-        """Move what is unparsed to the front, and grow the buffer for a large message."""
+        """Move what is unparsed to the front, and grow the buffer for a large message: to
+        at most `_GROWTH` times what has arrived of it, never to what its head announces (a
+        head is a peer's claim, the bytes that came are a fact)."""
         pending = self._end - self._start
-        size = max(len(self._buf), self._need + _READ_CHUNK, pending + _READ_CHUNK)
+        size = max(len(self._buf), min(self._need, _GROWTH * pending) + _READ_CHUNK,
+                   pending + _READ_CHUNK)
         if size > len(self._buf) or self._start:
             # Same size: moved within the buffer (its view stays valid, no resize).
             buf = bytearray(size) if size > len(self._buf) else self._buf
@@ -510,7 +498,13 @@ class LaneConnection:
         self._pause_reading()
         if not self._parse_scheduled:
             self._parse_scheduled = True
-            self.loop.call_soon(self._parse)
+            self.loop.call_soon(self._parse_later)
+
+    def _parse_later(self) -> None:
+        try:
+            self._parse()
+        except Exception as exc:  # as in `_on_readable`: never left half-read and paused
+            self._reader_failed(exc)
 
     @staticmethod
     def _dispatch_failed(exc: Exception) -> None:
@@ -584,66 +578,89 @@ class LaneConnection:
             return None
         self._expect_answer = self._greeting = False
         self._start = start + 1
-        if buf[start] != _ADMITTED:
-            refused, self.on_refused = self.on_refused, None
-            self.on_closed = None  # refused, not broken: the owner hears it once
-            self.close()
-            if refused is not None:
-                refused()
+        if buf[start] != ADMITTED:
+            self._refused(buf[start])
             return None
         return self._next_message()
 
     def _hello(self, buf: bytearray, start: int, end: int) -> list[Any] | None:
-        head = _PROOF_BYTES + _HELLO.size
+        head = PROOF_BYTES + HELLO_HEAD.size
         if end - start < head:
             return None
-        (n,) = _HELLO.unpack_from(buf, start + _PROOF_BYTES)
+        (n,) = HELLO_HEAD.unpack_from(buf, start + PROOF_BYTES)
         if end - start < head + n:
             return None
-        proof = bytes(buf[start:start + _PROOF_BYTES])
+        proof = bytes(buf[start:start + PROOF_BYTES])
         identity = bytes(buf[start + head:start + head + n])
         check, self._expect_hello = self._expect_hello, None
         self._greeting = False  # a server's client expects no answer from us
         assert check is not None
         self._start = start + head + n
         self.peer_identity = identity
-        if not check(self, proof, identity):
-            _refused.warning("lane refused", "refused a lane client that did not prove it "
-                             "holds this cluster's key")
+        answer = check(self, proof, identity)
+        if answer != ADMITTED:
             self.peer_identity = b""
-            self._write([], answer=_REFUSED)
+            self.on_broken = None  # refused, not broken: its listener already let go of it
+            try:
+                self._write([], answer=answer)
+            except ConnectionClosed:
+                pass
             self.close()
             return None
-        self._write([], answer=_ADMITTED)
+        self._write([], answer=ADMITTED)
         return self._next_message()
 
     def _malformed(self, what: str) -> None:
         _refused.warning("lane malformed", "closed a lane that sent %s (refused: at most "
                          "%d frames and %d bytes)", what, MAX_FRAMES, MAX_MESSAGE_BYTES)
-        self._broken(False)
+        self._broken(False, f"it sent {what}")
 
     # ------------------------------------------------------------------ ending
-    def _broken(self, from_thread: bool) -> None:
-        """The stream ended or broke: close it, and tell the owner once."""
+    def _refused(self, answer: int) -> None:
+        """The server did not admit this client: close, and tell the owner once."""
+        refused, self.on_refused = self.on_refused, None
+        self.on_broken = None  # refused, not broken: the owner hears it once
+        self.close()
+        if refused is not None:
+            refused(_REFUSALS.get(answer, f"it answered our hello with {answer}"))
+
+    def _broken(self, from_thread: bool, reason: str,
+                unsent: list[Sequence[Any]] | None = None) -> None:
+        """The stream ended or broke: close it, and tell the owner once, with ``unsent`` and
+        what this turn held (none of it left)."""
         if from_thread:
-            self.loop.call_soon_threadsafe(self._broken, False)
+            self.loop.call_soon_threadsafe(self._broken, False, reason, unsent)
             return
-        callback, self.on_closed = self.on_closed, None
+        if self._expect_answer and self._fd >= 0:
+            # A client's write can fail (EPIPE) before its loop read the server's answer to
+            # its hello; a refusal is then still waiting to be read, and says more.
+            try:
+                answer = self.sock.recv(1)
+            except OSError:
+                answer = b""
+            if answer and answer[0] != ADMITTED:
+                self._refused(answer[0])
+                return
+        callback, self.on_broken = self.on_broken, None
+        held, self._held = self._held, []
         self.close()
         if callback is not None:
-            callback()
+            callback(reason, [*(unsent or ()), *held])
 
     def close(self) -> None:
-        """Close the stream; what was sent this turn leaves first (as far as it can now).
-        ``on_closed`` is not called."""
+        """Close the stream; what was sent this turn leaves first (as far as it can now),
+        and the read buffer is given back. ``on_broken`` is not called."""
         if self._fd < 0:
             return
-        self.on_closed = None
+        self.on_broken = None
         if not self.closed:
             held = self._held
             if held:
                 self._held = []
-                self._write(held)
+                try:
+                    self._write(held)
+                except ConnectionClosed:
+                    pass
         with self.lock:
             self.closed = True
         self._pause_reading()
@@ -652,138 +669,8 @@ class LaneConnection:
             self.loop.remove_writer(self._fd)
         self._fd = -1
         self.sock.close()
+        self._buf = bytearray()
+        self._view = memoryview(self._buf)
+        self._start = self._end = self._need = 0
 
 
-def connect_lane(address: str, identity: bytes, keys: ClusterKeys | None,
-                 loop: asyncio.AbstractEventLoop,
-                 on_message: Callable[[list[Any]], None]) -> LaneConnection | None:
-    """A lane to the endpoint at ``address``, or None when it has none (not ``ipc://``,
-    no lane there, or it cannot take a connection now): the caller then uses ZMQ."""
-    path = lane_path(address)
-    if path is None:
-        return None
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.setblocking(False)
-        sock.connect(path)  # a Unix socket connects at once, or not at all
-        if _peer_uid(sock) != os.getuid():  # not ours: speak ZMQ, which authenticates
-            raise PermissionError(f"{path} is served by another user")
-    except OSError:
-        sock.close()
-        return None
-    conn = LaneConnection(sock, loop, on_message)
-    hello = _proof(keys, path, identity) + _HELLO.pack(len(identity)) + identity
-    try:
-        with conn.lock:
-            left = conn._sendmsg([memoryview(hello)])  # the first bytes: fit in any buffer
-    except OSError:  # the worker closed its lane just now (EPIPE): it is going away
-        left = [memoryview(hello)]
-    if left:
-        conn.close()
-        return None
-    return conn
-
-
-class LaneListener:
-    """A server's lane: accepts this user's clients that prove the cluster key, and hands
-    each ``on_client(connection)`` once its hello passed; the connection's messages then go
-    to ``on_message(connection, frames)``."""
-
-    def __init__(self, address: str, keys: ClusterKeys | None,
-                 loop: asyncio.AbstractEventLoop,
-                 on_client: Callable[[LaneConnection], None],
-                 on_message: Callable[[LaneConnection, list[Any]], None],
-                 on_gone: Callable[[LaneConnection], None]) -> None:
-        path = lane_path(address)
-        if path is None:
-            raise ValueError(f"no place for a lane for {address!r} (not ipc://, and no "
-                             f"{LANE_DIR_VAR} for a tcp:// one)")
-        if not address.startswith(_IPC_PREFIX):  # an ipc:// one's was checked at its bind
-            security.check_private_directory(os.path.dirname(path))
-        self.path = path
-        self.keys = keys
-        self.loop = loop
-        self._on_client = on_client
-        self._on_message = on_message
-        self._on_gone = on_gone
-        self._clients: set[LaneConnection] = set()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            _bind_fresh(sock, path)  # in a private directory (checked above, or at the bind)
-            sock.listen(1024)
-            sock.setblocking(False)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
-        loop.add_reader(sock.fileno(), self._accept)
-
-    def _accept(self) -> None:
-        for _ in range(64):
-            try:
-                sock, _ = self.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                _refused.warning("lane accept", "lane %s: accept failed: %s", self.path, exc)
-                return
-            sock.setblocking(False)
-            if _peer_uid(sock) != os.getuid():
-                _refused.warning("lane uid", "refused a lane client of another user")
-                sock.close()
-                continue
-            conn = LaneConnection(sock, self.loop, _nothing, expect_hello=self._check)
-            conn.on_message = functools.partial(self._on_message, conn)
-            conn.on_closed = functools.partial(self._gone, conn)
-            self._clients.add(conn)
-
-    def _check(self, conn: LaneConnection, proof: bytes, identity: bytes) -> bool:
-        """A new client's hello: admitted when it proves the cluster key."""
-        if not hmac.compare_digest(proof, _proof(self.keys, self.path, identity)):
-            self._clients.discard(conn)  # it closes now, without telling `_gone`
-            return False
-        self._on_client(conn)
-        return True
-
-    def _gone(self, conn: LaneConnection) -> None:
-        self._clients.discard(conn)
-        if conn.peer_identity:
-            self._on_gone(conn)
-
-    def close(self) -> None:
-        """Stop listening, close every client's lane and remove the socket file."""
-        if self.sock.fileno() >= 0:
-            self.loop.remove_reader(self.sock.fileno())
-            self.sock.close()
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
-        clients, self._clients = self._clients, set()
-        for conn in clients:
-            conn.close()
-
-
-def _bind_fresh(sock: socket.socket, path: str) -> None:
-    """Bind ``path``, first removing a lane file left by a process that died there (a TCP
-    port, unlike an ipc:// name, is used again); a lane someone still serves is kept."""
-    try:
-        sock.bind(path)
-        return
-    except OSError as exc:
-        if exc.errno != errno.EADDRINUSE:
-            raise
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        os.unlink(path)  # nobody listens: a dead process's lane
-    else:
-        raise OSError(errno.EADDRINUSE, f"a live lane is at {path}")
-    finally:
-        probe.close()
-    sock.bind(path)
-
-
-def _nothing(frames: list[Any]) -> None:
-    """What a server's connection does with a message before it is set up (never runs)."""

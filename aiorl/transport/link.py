@@ -3,7 +3,7 @@
 A node agent fences its workers when the registry stops answering (docs/failures.md,
 invariant 28). Unanswered heartbeats alone cannot tell a dead registry from a slow one:
 a registry held up for seconds (stopped, swapping, a long loop turn) answered nothing
-for two expiries and both agents of a cluster SIGKILLed every worker (issue 28, item 2).
+for two expiries and both agents of a cluster SIGKILLed every worker.
 A `LinkWatch` keeps one idle, authenticated connection to the peer from a thread of its
 own and reports whether it is established:
 

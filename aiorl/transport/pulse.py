@@ -3,7 +3,7 @@
 A process's `Endpoint` lives on its event loop, and so did its
 heartbeats. A driver decodes results on that loop: a result whose class takes seconds to import,
 the first tensor (``import torch``), or a 2 GiB tensor held it for seconds, the registry heard no
-heartbeat for its expiry and tore down every group of a driver that was alive (issue 28). Liveness
+heartbeat for its expiry and tore down every group of a driver that was alive. Liveness
 must not depend on user code, so a `Pulse` sends its requests from a thread of its own,
 over a DEALER socket of its own (same keys, its own routing id), and hands each answer to a
 callback on that thread. The thread waits in `zmq.Socket.poll`, which releases the GIL, and

@@ -27,7 +27,7 @@ __all__ = [
     "get_context",
     "local_ip",
     "make_socket",
-    "monitor_handshakes",
+    "monitor_connection",
 ]
 
 IPC_PREFIX = "ipc://"
@@ -127,16 +127,19 @@ def bind_endpoint(sock: zmq.Socket[Any], location: str, port: int = 0) -> str:
     return f"tcp://{location}:{chosen}"
 
 
-def monitor_handshakes(sock: zmq.Socket[Any]) -> zmq.Socket[Any]:
-    """A PAIR socket that receives ``sock``'s handshake events (succeeded / failed).
+def monitor_connection(sock: zmq.Socket[Any]) -> zmq.Socket[Any]:
+    """A PAIR socket that receives ``sock``'s handshake events (succeeded / failed) and its
+    disconnections.
 
     libzmq gives up on a connection for good after a failed handshake (a mechanism
-    mismatch, refused credentials, a server without the expected key); these events
-    are how the endpoint learns it must rebuild the socket. Read them with
+    mismatch, refused credentials, a server without the expected key): that is how the
+    endpoint learns it must rebuild the socket. A connection that drops is reconnected by
+    libzmq, but what it had written may be lost: that is how the endpoint learns its pending
+    requests may never be answered (aiorl.transport.peer). Read them with
     `zmq.utils.monitor.parse_monitor_message`.
     """
     address = f"inproc://aiorl-monitor-{next(_monitor_ids)}"
-    sock.monitor(address, HANDSHAKE_EVENTS)
+    sock.monitor(address, HANDSHAKE_EVENTS | zmq.EVENT_DISCONNECTED)
     pair = get_context().socket(zmq.PAIR)
     pair.setsockopt(zmq.LINGER, 0)
     pair.connect(address)

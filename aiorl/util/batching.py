@@ -9,15 +9,20 @@ something out of band first takes the key's held items (`take`) and sends them a
 
 Each protocol keeps its own packing: ``flush(key, items)`` builds its batch message.
 Loop thread only.
+
+``TurnClock`` does the same for many senders of one loop at once (each lane of a process
+holds its own messages and sends them when the turn ends), with one end-of-turn callback per
+turn for all of them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
-__all__ = ["TurnBatcher"]
+__all__ = ["TurnBatcher", "TurnClock", "turn_clock_of"]
 
 K = TypeVar("K", bound=Hashable)
 I = TypeVar("I")  # noqa: E741 - the item type
@@ -91,3 +96,52 @@ class TurnBatcher(Generic[K, I]):
         self._scheduled = False
         self._turn = False
         self.flush_all()
+
+
+class _Holder(Protocol):
+    def send_held(self) -> None:
+        """Send what this sender held during the turn that just ended."""
+
+
+class TurnClock:
+    """Where one event loop's turn ends, for all of its senders: a sender's first message of
+    a turn leaves at once, the rest of that turn's messages together at its end.
+
+    One end-of-turn callback per turn for every sender of the loop: a driver calling 256
+    workers of its machine sends the first message of a turn on 256 lanes, and a batcher per
+    lane would schedule (and run) 256 callbacks per group call for that. Loop thread only."""
+
+    __slots__ = ("turn", "scheduled", "holding", "__weakref__")
+
+    def __init__(self) -> None:
+        self.turn = 1  # a sender's own turn number starts at 0: its first message leaves at once
+        self.scheduled = False
+        #: Senders that hold messages until the turn ends.
+        self.holding: list[_Holder] = []
+
+    def begin(self, loop: asyncio.AbstractEventLoop) -> int:
+        """A sender sends its first message of this turn: the turn's number (the turn ends
+        with a callback scheduled now if none is)."""
+        if not self.scheduled:
+            self.scheduled = True
+            loop.call_soon(self._end_of_turn)
+        return self.turn
+
+    def _end_of_turn(self) -> None:
+        self.scheduled = False
+        self.turn += 1
+        holding, self.holding = self.holding, []
+        for sender in holding:
+            sender.send_held()
+
+
+_CLOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, TurnClock] = (
+    weakref.WeakKeyDictionary())
+
+
+def turn_clock_of(loop: asyncio.AbstractEventLoop) -> TurnClock:
+    """The loop's one `TurnClock`."""
+    clock = _CLOCKS.get(loop)
+    if clock is None:
+        clock = _CLOCKS[loop] = TurnClock()
+    return clock

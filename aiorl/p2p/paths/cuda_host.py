@@ -139,7 +139,7 @@ def stage(msg: OutMessage, limit: int | None = None) -> bool:
     offset = 0
     # One stream context per tensor and nothing more: it selects the stream's device too, and
     # each context or device guard costs tens of microseconds of driver calls on a
-    # sandboxed machine (the H100 profile of 2026-11-26), more than the copy itself.
+    # sandboxed machine (docs/gpu.md, the H100 profile), more than the copy itself.
     last = len(live) - 1
     for i, t in enumerate(live):
         device = t.device.index
