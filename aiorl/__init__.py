@@ -60,6 +60,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from aiorl.actors.polling import PollingWorker, PollResult
     from aiorl.channels import Channel
     from aiorl.cluster import Cluster
+    from aiorl.group.per_rank import PerRank
     from aiorl.group.supervision import EventKind, GroupEvent
     from aiorl.runtime.working_dir import WorkingDir
 
@@ -82,6 +83,7 @@ _LAZY = {
     "Cluster": ("aiorl.cluster", "Cluster"),
     "EventKind": ("aiorl.group.supervision", "EventKind"),
     "GroupEvent": ("aiorl.group.supervision", "GroupEvent"),
+    "PerRank": ("aiorl.group.per_rank", "PerRank"),
     "WorkingDir": ("aiorl.runtime.working_dir", "WorkingDir"),
 }
 
@@ -122,6 +124,7 @@ __all__ = [
     "NodeRankTakenError",
     "NotFoundError",
     "PeerLostError",
+    "PerRank",
     "PlacementError",
     "PollResult",
     "PollingWorker",

@@ -14,7 +14,7 @@ TOP_LEVEL = [
     "AddressError", "AiorlError", "AsyncChannelWork", "AsyncCollWork", "AsyncFuncWork",
     "AsyncWork", "AuthenticationError", "Channel", "Cluster", "ClusterClosedError", "ConflictError", "ConnectionLostError", "EventKind", "GroupEvent",
     "GroupExistsError", "GroupNotFoundError", "MappingThread", "NodeRankTakenError", "NotFoundError", "PeerLostError",
-    "PlacementError", "PollResult", "PollingWorker", "ProtocolError", "QueueEmpty", "QueueFull",
+    "PerRank", "PlacementError", "PollResult", "PollingWorker", "ProtocolError", "QueueEmpty", "QueueFull",
     "RegistryError", "RegistryUnavailable", "RemoteError", "WaitTimeout", "Worker",
     "WorkerAddress", "WorkerGroup", "WorkerInfo", "WorkerInitError", "WorkerNotFoundError",
     "WorkingDir", "WorkingDirError", "mark", "span",

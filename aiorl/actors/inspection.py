@@ -5,11 +5,11 @@ Every worker process (and every driver's ``Cluster``) serves ``WorkerOp.INSPECT`
 
 * ``snapshot``: this process's pending operations, thread stacks, asyncio tasks and what
   each awaits (at most `MAX_TASKS` described, the rest counted by coroutine), the
-  channels it hosts (sizes, waiting getters and putters, producers), and CPU/RSS. Pending
-  operations are read from the services' own tables (the endpoint's unanswered requests,
-  the P2P inboxes' posted receives and senders' unacknowledged sends, the channel client's
-  parked operations), so they cost nothing while nobody asks; with tracing on, the open
-  spans add each operation's age.
+  channels it hosts (sizes, waiting getters and putters, producers, consumers), and
+  CPU/RSS. Pending operations are read from the services' own tables (the endpoint's
+  unanswered requests, the P2P inboxes' posted receives and senders' unacknowledged sends,
+  the channel client's parked operations), so they cost nothing while nobody asks; with
+  tracing on, the open spans add each operation's age.
 * ``trace_page``: the trace ring buffer, drained a page at a time
   (`aiorl.trace.recorder.drain_page`: ``first`` starts a pull, ``max_spans`` bounds a page);
   ``trace_pull``: all of it in one answer (`aiorl.trace.recorder.drain`).
@@ -372,7 +372,7 @@ def _describe_task(task: asyncio.Task[Any]) -> dict[str, Any]:
 
 
 def _hosted_channels(instance: Any) -> list[dict[str, Any]]:
-    """The queues of a channel this process hosts: sizes, waiters, producers."""
+    """The queues of a channel this process hosts: sizes, waiters, producers, consumers."""
     server = instance.server if isinstance(instance, ChannelHost) else None
     if server is None:
         return []
@@ -383,11 +383,13 @@ def _hosted_channels(instance: Any) -> list[dict[str, Any]]:
                           if qn == queue and w not in server._credited})
         producers = sorted({caller_name(key[0]) for key in (*server._credits, *server._admitted)
                             if key[1] == queue})
+        consumers = sorted({caller_name(identity)
+                            for identity in server.consumers.get(queue, ())})
         out.append({"channel": server.name, "queue": queue if isinstance(queue, str) else
                     repr(queue), "size": stats.qsize, "weight": stats.weight,
                     "maxsize": stats.maxsize, "waiting_getters": stats.waiting_getters,
                     "waiting_putters": stats.waiting_putters, "parked_clients": getters,
-                    "producers": producers})
+                    "producers": producers, "consumers": consumers})
     return out
 
 

@@ -87,7 +87,7 @@ class Worker(Timing):
             def where(self):                  # in order, on the method thread
                 return f"{self.worker_name} on node {self.worker_info.node_rank}"
 
-        group = Rollout.create_group(16).launch(cluster, num_workers=4, name="rollout")
+        group = Rollout.create_group(hidden=16).launch(cluster, num_workers=4, name="rollout")
         ```
     """
 
@@ -350,6 +350,27 @@ class Worker(Timing):
         from aiorl.group import WorkerGroupBuilder
 
         return WorkerGroupBuilder(cls, args, kwargs, base=Worker)
+
+    @classmethod
+    def remote(cls, *args: Any, **kwargs: Any) -> Any:
+        """Ray's ``Actor.remote(...)``: refused with aiorl's spelling.
+
+        A worker starts as a group, on the cluster the launch names; no cluster is implied.
+
+        Raises:
+            TypeError: always, saying ``create_group(...).launch(cluster, ...)``.
+
+        Example:
+            ```python
+            rollout = Rollout.create_group(0).launch(cluster, num_workers=1, name="rollout")
+            ```
+        """
+        shown = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+        raise TypeError(
+            f"{cls.__name__}.remote({shown}) is Ray's spelling: in aiorl, "
+            f"{cls.__name__}.create_group({shown}).launch(cluster, num_workers=1, "
+            f"name=...) starts it (a group of one; num_workers=N for N actors, and "
+            f"aiorl.PerRank([...]) for an argument per rank)")
 
     def group(self, name: str, worker_cls: type | None = None) -> WorkerGroup[Any]:
         """A handle on another running group, to call its workers from this one.

@@ -31,6 +31,7 @@ from aiorl.actors import worker as worker_mod
 from aiorl.actors.inspection import serve_inspection, traced_execution
 from aiorl.collective import get_broadcaster
 from aiorl.errors import RegistryUnavailable, to_wire
+from aiorl.group.per_rank import resolve_per_rank
 from aiorl.names import WorkerInfo
 from aiorl.p2p import get_p2p
 from aiorl.protocol.ops import AgentOp, WorkerOp, WorkerState
@@ -211,7 +212,7 @@ def _load_class(spec: WorkerSpawn) -> tuple[type, tuple[Any, ...], dict[str, Any
 
     The driver's ``sys.path`` entries go *after* the worker's own (its interpreter's:
     ``PYTHONPATH``, the standard library, site-packages, then the directory it started in,
-    moved last by `aiorl.node.zygote.demote_working_directory`): a module beside the
+    put last by `aiorl.node.zygote.working_directory_last`): a module beside the
     driver's script or in its working directory is found when nothing installed has its
     name, and never shadows an installed one."""
     for p in spec.launch.sys_path:
@@ -225,7 +226,10 @@ def _name_process(name: str) -> None:
     """Show the worker's name in ``ps`` and ``top`` (``aiorl::rollout:3``, as Ray shows
     ``ray::Rollout``), followed by how it started (forked by the zygote, or exec'd), which
     the command line said until now. The short name (``comm``, 15 characters) changes too."""
-    started = " ".join(["python", *sys.orig_argv[1:]])
+    argv = sys.orig_argv[1:]
+    if "-m" in argv:  # from the module on: the interpreter's own options (-P, or the -c code
+        argv = argv[argv.index("-m"):]  # that stands for it) say nothing about the worker
+    started = " ".join(["python", *argv])
     # SPT_NOENV: the title stays within the original command line's room instead of taking
     # the environment's: /proc/<pid>/environ stays whole (Slurm's process tracking and tools
     # that find a job's processes by it read it); the title is cut short if it must be.
@@ -259,6 +263,7 @@ async def _main(spec: WorkerSpawn, listen: str) -> int:
 
     def construct() -> Any:
         cls, args, kwargs = _load_class(spec)
+        args, kwargs = resolve_per_rank(args, kwargs, rank)  # PerRank: this rank's value
         instance = cls(*args, **kwargs)
         note_thread_device()  # a torch.cuda.set_device in __init__ holds for every thread
         return instance

@@ -144,6 +144,10 @@ class ChannelServer:
         self._grant_due: set[CreditKey] = set()  # (client, queue) whose credits to top up
         self._flushes: dict[bytes, list[int]] = {}  # FLUSH tokens waiting for credited puts
         self._takers: dict[QueueKey, _Takers] = {}  # per queue: prefetch and held gets
+        #: Per queue, every process that took (or asked to take) from it, gone ones included:
+        #: ``aiorl doctor`` names a full queue whose consumers are all dead, which no put can
+        #: ever leave.
+        self.consumers: dict[QueueKey, set[bytes]] = {}
         endpoint.handle(P.OPS, self._on_ops)
 
     # ------------------------------------------------------------------ requests
@@ -175,8 +179,13 @@ class ChannelServer:
     def _dispatch(self, identity: bytes, kind: int, token: int, qname: QueueKey, number: Any,
                   item: Item) -> None:
         waiter = (identity, token)
-        if kind in _TAKING and self._hold(identity, kind, token, qname, number):
-            return
+        if kind in _TAKING:
+            seen = self.consumers.get(qname)
+            if seen is None:
+                seen = self.consumers[qname] = set()
+            seen.add(identity)
+            if self._hold(identity, kind, token, qname, number):
+                return
         if kind == P.PUT_CREDITED:
             self._put_credited(identity, waiter, qname, float(number), item)
         elif kind == P.PUT:
@@ -471,8 +480,11 @@ class ChannelServer:
     def _client_gone(self, identity: bytes, chunks: list[_Chunk]) -> None:
         """A client disconnected: withdraw what it waits for and re-queue what it was sent."""
         handed_out = [h for chunk in chunks for h in chunk.handed_out]
-        log.warning("channel %s: a client went away; re-queueing %d undelivered answer(s)",
-                    self.name, len(handed_out))
+        if handed_out:  # items go back in the queue: worth a line; a bare departure is not
+            log.warning("channel %s: a client went away; re-queueing %d undelivered answer(s)",
+                        self.name, len(handed_out))
+        else:
+            log.debug("channel %s: a client went away with no items in flight", self.name)
         self._flushes.pop(identity, None)
         for key in [k for k in self._credits if k[0] == identity]:
             self._credits_in_queue[key[1]] -= self._credits.pop(key)

@@ -19,6 +19,7 @@ def _status(args: argparse.Namespace) -> int:
     from aiorl.registry.client import RegistryClient
     from aiorl.transport.endpoint import Endpoint
 
+    _remove_leftovers()
     if args.watch:
         from aiorl.cli import observe
 
@@ -63,6 +64,22 @@ def _status(args: argparse.Namespace) -> int:
         [[w["name"], w["state"], w["info"].get("node_rank", "-"), w["info"].get("pid", "-"),
           w["info"].get("endpoint", "-")] for w in status["workers"]]))
     return 0
+
+
+def _remove_leftovers() -> None:
+    """Clean what killed aiorl processes of this user left on this machine: the directories
+    of embedded clusters whose driver is gone, and ended node agents' lanes and old logs. A
+    killed process cannot clean up after itself; ``aiorl status`` is what a user runs to
+    look at the machine, so it tidies it too. A failure here never stops the status."""
+    from aiorl.cluster.embedded import remove_abandoned_sessions
+    from aiorl.node.logdirs import remove_ended_agent_files
+
+    for clean in (remove_abandoned_sessions, remove_ended_agent_files):
+        try:
+            clean()
+        except Exception as exc:  # noqa: BLE001 - tidying is best effort
+            print(f"aiorl status: could not remove leftovers ({clean.__name__}): {exc}",
+                  file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -161,7 +161,7 @@ def watch(args: argparse.Namespace) -> int:
                                                       args.timeout)
                 rows = _watch_rows(probes, status, previous)
                 if live is not None:
-                    live.update(_rich_table(rows), refresh=True)
+                    live.update(rows)
                 else:
                     _print_plain(rows)
                 done += 1
@@ -220,23 +220,47 @@ def _human(nbytes: float) -> str:
     return f"{nbytes:.0f} TB"
 
 
-def _live_display() -> Any:
-    from rich.live import Live
+class _RichDisplay:
+    """The table redrawn in place by ``rich``, where it is installed."""
 
-    live = Live(auto_refresh=False)
-    live.start()
-    return live
+    def __init__(self) -> None:
+        from rich.live import Live
+
+        self._live = Live(auto_refresh=False)
+        self._live.start()
+
+    def update(self, rows: list[list[str]]) -> None:
+        from rich.table import Table
+
+        table = Table(title=f"aiorl  {time.strftime('%H:%M:%S')}")
+        for h in HEADERS:
+            table.add_column(h, justify="right" if h in _NUMERIC else "left")
+        for row in rows:
+            table.add_row(*row)
+        self._live.update(table, refresh=True)
+
+    def stop(self) -> None:
+        self._live.stop()
 
 
-def _rich_table(rows: list[list[str]]) -> Any:
-    from rich.table import Table
+class _PlainDisplay:
+    """The same table in plain text, the screen cleared before each refresh: ``rich`` is
+    not one of aiorl's dependencies, and a terminal without it must still watch."""
 
-    table = Table(title=f"aiorl  {time.strftime('%H:%M:%S')}")
-    for h in HEADERS:
-        table.add_column(h, justify="right" if h in _NUMERIC else "left")
-    for row in rows:
-        table.add_row(*row)
-    return table
+    def update(self, rows: list[list[str]]) -> None:
+        sys.stdout.write("\x1b[H\x1b[2J")  # cursor home, clear the screen
+        _print_plain(rows)
+        sys.stdout.flush()
+
+    def stop(self) -> None:
+        pass
+
+
+def _live_display() -> _RichDisplay | _PlainDisplay:
+    try:
+        return _RichDisplay()
+    except ImportError:
+        return _PlainDisplay()
 
 
 def _print_plain(rows: list[list[str]]) -> None:

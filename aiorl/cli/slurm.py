@@ -63,6 +63,7 @@ from typing import Any, BinaryIO
 from aiorl.errors import AuthenticationError
 from aiorl.node.agent import detect_accelerators
 from aiorl.transport import security
+from aiorl.util.processes import python_module_command
 
 __all__ = ["accelerator_options", "add_parser", "node_address", "node_main", "run"]
 
@@ -161,7 +162,7 @@ class _Step:
         # --export=ALL: the helpers need this environment even under sbatch --export=NONE.
         command = ["srun", "--overlap", "--input=all", "--mem=0", "--export=ALL",
                    f"--job-name=aiorl-{name}", *srun_options,
-                   sys.executable, "-m", "aiorl.cli.slurm", *helper_args]
+                   *python_module_command("aiorl.cli.slurm", *helper_args)]
         # A session of its own: a Ctrl-C in an salloc shell reaches the launcher, which stops
         # the step by closing its stdin, not srun (whose SIGINT handling would kill it).
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -452,8 +453,8 @@ def _child_command(args: argparse.Namespace, key_file: str, directory: str
     env = _clean_environment()
     if args.role == "registry":
         # Port 0: any free port, so two jobs sharing a node never collide.
-        return [sys.executable, "-m", "aiorl.registry.service", "--host", host, "--port", "0",
-                "--print-address", *common], env
+        return python_module_command("aiorl.registry.service", "--host", host, "--port", "0",
+                                     "--print-address", *common), env
     if args.num_nodes > 1 and host.startswith("127."):
         raise RuntimeError(f"{socket.gethostname()} has no address but loopback ({host}): "
                            "the job's other nodes cannot reach it")
@@ -461,7 +462,7 @@ def _child_command(args: argparse.Namespace, key_file: str, directory: str
     if note:
         print(f"aiorl slurm: {socket.gethostname()}: {note}", file=sys.stderr, flush=True)
     rank = os.environ.get("SLURM_NODEID", "0")
-    return [sys.executable, "-m", "aiorl.node.agent", "--registry", args.registry,
+    return [*python_module_command("aiorl.node.agent"), "--registry", args.registry,
             "--host", host, "--node-rank", rank, "--log-dir", os.path.join(directory, "logs"),
             *options, *common], env
 

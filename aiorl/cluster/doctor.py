@@ -13,8 +13,9 @@ whose nodes are processes and channels:
 * ``channel 'c' -> P`` for each process P that put into ``c`` while ``c`` is empty and
   has getters waiting (only a producer can end that wait).
 
-A cycle is a deadlock; an edge to a dead process, or to an empty channel none of whose
-producers is alive, is a wait that can never end; a group call that some ranks answered
+A cycle is a deadlock; an edge to a dead process, to an empty channel none of whose
+producers is alive, or to a full channel none of whose consumers is alive, is a wait that can
+never end; a group call that some ranks answered
 and others not names its stragglers. Findings come first in plain words, then the oldest
 waits (ages need tracing on: spans carry their start), then every process's summary.
 """
@@ -261,17 +262,34 @@ def _edges(process: str, pending: list[dict[str, Any]], names: dict[str, str]) -
     return list(counted.values())
 
 
+def _gone(names: list[str], states: dict[str, str]) -> str:
+    # "ready" in the registry but no answer to the snapshot: killed a moment ago, its death
+    # not reported yet.
+    return ", ".join(f"{p} does not answer" if states.get(p, "gone") == "ready"
+                     else f"{p} is {states.get(p, 'gone')}" for p in names)
+
+
 def _channel_edges(snapshots: dict[str, dict[str, Any]], states: dict[str, str]
-                   ) -> tuple[list[Wait], dict[str, str], dict[str, dict[str, Any]]]:
-    """Edges from empty channels to their producers; why a channel with no producer alive
-    never fills (by channel node); every hosted queue."""
+                   ) -> tuple[list[Wait], dict[tuple[str, str], str], dict[str, dict[str, Any]]]:
+    """Edges from empty channels to their producers; why a channel never fills (no producer
+    alive) or never drains (no consumer alive), by (channel node, "get" or "put"); every
+    hosted queue."""
     edges: list[Wait] = []
-    dead_ends: dict[str, str] = {}
+    dead_ends: dict[tuple[str, str], str] = {}
     queues: dict[str, dict[str, Any]] = {}
     for snap in snapshots.values():
         for q in snap.get("channels") or ():
             node = _channel_node(q["channel"])
             queues[f"{node} queue {q['queue']!r}"] = q
+            if q["size"] and q["waiting_putters"] and not q["waiting_getters"]:
+                # Only a consumer can make room. One that never came may still come (the
+                # pipeline is starting); consumers that came and all died never will.
+                consumers = q.get("consumers") or []
+                if consumers and not any(states.get(c, "ready") == "ready" and c in snapshots
+                                         for c in consumers):
+                    dead_ends[node, "put"] = ("which is full and has no consumer alive "
+                                              f"({_gone(consumers, states)})")
+                continue
             if q["size"] or not q["waiting_getters"]:
                 continue
             alive = [p for p in q["producers"] if states.get(p, "ready") == "ready"
@@ -279,12 +297,9 @@ def _channel_edges(snapshots: dict[str, dict[str, Any]], states: dict[str, str]
             for p in alive:
                 edges.append(Wait(node, p, "a put from"))
             if not alive:
-                # "ready" in the registry but no answer to the snapshot: killed a moment ago,
-                # its death not reported yet.
-                gone = ", ".join(f"{p} does not answer" if states.get(p, "gone") == "ready"
-                                 else f"{p} is {states.get(p, 'gone')}" for p in q["producers"])
-                dead_ends[node] = ("which is empty and has no producer alive"
-                                   + (f" ({gone})" if gone else " (nobody has put into it)"))
+                gone = _gone(q["producers"], states)
+                dead_ends[node, "get"] = ("which is empty and has no producer alive"
+                                          + (f" ({gone})" if gone else " (nobody has put into it)"))
     return edges, dead_ends, queues
 
 
@@ -378,8 +393,9 @@ def diagnose(probes: list[Probe], status: StatusReport,
             report.dead_peer_waits.append(text)
             report.findings.append("WAITING ON A DEAD PEER: " + text)
     for e in edges:
-        if e.target in dead_ends:
-            text = f"{e.words()}, {dead_ends[e.target]}"
+        dead_end = dead_ends.get((e.target, "put" if e.what.startswith("put") else "get"))
+        if dead_end is not None:
+            text = f"{e.words()}, {dead_end}"
             report.dead_peer_waits.append(text)
             report.findings.append("WAITING ON A DEAD PEER: " + text)
     for s in _stragglers(snapshots, names):
@@ -471,7 +487,8 @@ def format_report(report: DoctorReport, verbose: bool = False) -> str:
             lines.append(f"      hosts channel '{q['channel']}' queue {q['queue']!r}: "
                          f"{q['size']} items, {q['waiting_getters']} getters and "
                          f"{q['waiting_putters']} putters waiting, producers: "
-                         f"{', '.join(q['producers']) or 'none'}")
+                         f"{', '.join(q['producers']) or 'none'}, consumers: "
+                         f"{', '.join(q.get('consumers') or ()) or 'none'}")
         if verbose:
             for t in p["tasks"]:
                 lines.append(f"      task {t['name']} ({t['coro']}) at {t['where']}")

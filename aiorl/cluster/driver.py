@@ -10,6 +10,7 @@ groups and channels see of the cluster.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -28,7 +29,7 @@ from aiorl.runtime import Runtime, set_current_runtime, spec_from_nodes
 from aiorl.transport import security
 from aiorl.util.collector import tune_collector
 
-__all__ = ["DriverSession", "tune_driver_collector"]
+__all__ = ["DriverSession", "probe_tcp", "tune_driver_collector"]
 
 log = logging.getLogger("aiorl.cluster")
 
@@ -38,8 +39,46 @@ REGISTER_ATTEMPT_S = 10.0
 #: Handshakes in a row that break off before registering gives up on a key mismatch (libzmq
 #: retries every 0.1 s: about a second; a registry restarting mid-handshake breaks one or two).
 KEY_MISMATCH_HANDSHAKES = 5
+#: While the registry does not answer, its TCP port is probed every half second; refused for
+#: this long in a row, nothing listens there: a registry still starting binds its port within
+#: this (and is then waited for), a wrong port fails here instead of after the Cluster's
+#: ``timeout``.
+REFUSED_GIVE_UP_S = 3.0
+#: How long one probe waits for its connection: a host that does not answer (a slow or lossy
+#: network) is waited for, as an accepted connection is.
+PROBE_CONNECT_S = 0.5
 
 _collector_tuned = False
+
+
+async def probe_tcp(address: str, within: float = PROBE_CONNECT_S) -> str:
+    """What a plain TCP connect to ``address`` (``tcp://HOST:PORT``) meets: ``"refused"``
+    (the host answered that nothing listens on that port), ``"accepted"``, or ``"silent"``
+    (no answer within ``within`` seconds, a host unreachable or a name that does not resolve
+    yet: each may still come right). Any other address (``ipc://``) is ``"silent"``.
+
+    The registry speaks ZMQ, whose connects retry in silence: without this a wrong port looked
+    exactly like a registry still starting, and a driver waited its whole timeout.
+
+    Example:
+        ```python
+        await probe_tcp("tcp://127.0.0.1:1")   # 'refused'
+        ```
+    """
+    if not address.startswith("tcp://"):
+        return "silent"
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    try:
+        _reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host.strip("[]"), int(port)), within)
+    except ConnectionRefusedError:
+        return "refused"
+    except (OSError, TimeoutError, asyncio.TimeoutError, ValueError):
+        return "silent"
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return "accepted"
 
 
 def tune_driver_collector() -> bool:
@@ -96,19 +135,34 @@ class DriverSession:
         reg = self.runtime.registry
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        refused_since: float | None = None  # since when every probe of the port was refused
         while True:
             attempt = min(REGISTER_ATTEMPT_S, max(deadline - loop.time(), 0.1))
             request = asyncio.ensure_future(
                 reg.register_driver(self._driver_info(), timeout=attempt))
             while not request.done():  # a key mismatch shows within a second: say it then
                 await asyncio.wait({request}, timeout=0.5)
-                if not request.done() and self.runtime.endpoint.handshakes_breaking(
+                if request.done():
+                    break
+                if self.runtime.endpoint.handshakes_breaking(
                         reg.address) >= KEY_MISMATCH_HANDSHAKES:
                     request.cancel()
+                elif await probe_tcp(reg.address) == "refused":
+                    refused_since = loop.time() if refused_since is None else refused_since
+                    if loop.time() - refused_since >= REFUSED_GIVE_UP_S:
+                        request.cancel()
+                else:
+                    refused_since = None
             try:
                 lease = await request
                 break
             except (RegistryUnavailable, asyncio.CancelledError) as exc:
+                if refused_since is not None and loop.time() - refused_since >= REFUSED_GIVE_UP_S:
+                    raise RegistryUnavailable(
+                        f"nothing listens at {reg.address}: every connection was refused for "
+                        f"{REFUSED_GIVE_UP_S:g} s, so no registry runs on that port. Check the "
+                        "host and port (aiorl-registry prints its address when it starts), or "
+                        "omit registry= for an embedded cluster") from exc
                 broken = self.runtime.endpoint.handshakes_breaking(reg.address)
                 if broken:  # something answers there, and drops us at the handshake
                     raise RegistryUnavailable(

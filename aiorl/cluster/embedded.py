@@ -39,7 +39,6 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ from typing import Any
 from aiorl.errors import AuthenticationError, RegistryUnavailable
 from aiorl.runtime import Runtime
 from aiorl.transport import security
-from aiorl.util.processes import pid_alive, process_start_time
+from aiorl.util.processes import pid_alive, process_start_time, python_module_command
 
 __all__ = [
     "OWNER_FILE", "EmbeddedClusterFile", "EmbeddedProcesses", "remove_abandoned_sessions",
@@ -100,10 +99,15 @@ class EmbeddedProcesses:
             self.keys.save(self.key_file)
             key_args = ["--key-file", self.key_file]
         registry = subprocess.Popen(
-            [sys.executable, "-m", "aiorl.registry.service", "--host", self.ipc_location,
-             "--port", "0", "--print-address", "--log-level", "WARNING", "--exit-on-stdin-close",
-             *key_args],
+            python_module_command(
+                "aiorl.registry.service", "--host", self.ipc_location, "--port", "0",
+                "--print-address", "--log-level", "WARNING", "--exit-on-stdin-close", *key_args),
             stdout=subprocess.PIPE, stdin=subprocess.PIPE, env=env,
+            # Sessions of their own, here and for the agents: a Ctrl-C in the terminal goes
+            # to the driver alone, which stops the groups, then these, in order. In the
+            # terminal's process group they got it too and the registry exited first, so the
+            # driver reported the registry's end as a failure while it was stopping.
+            start_new_session=True,
         )
         self.children.append(registry)
         assert registry.stdout is not None
@@ -112,7 +116,7 @@ class EmbeddedProcesses:
             raise RegistryUnavailable(f"the embedded registry did not start (said {line!r})")
         address = line.split("=", 1)[1]
         for rank in range(num_nodes):
-            cmd = [sys.executable, "-m", "aiorl.node.agent", "--registry", address,
+            cmd = [*python_module_command("aiorl.node.agent"), "--registry", address,
                    "--host", "127.0.0.1", "--ipc-dir", self.session_dir, *key_args,
                    "--node-rank", str(rank), "--exit-on-stdin-close",
                    "--log-level", "WARNING",
@@ -120,7 +124,8 @@ class EmbeddedProcesses:
             if accelerators_per_node is not None:
                 cmd += ["--accelerators", str(accelerators_per_node)]
             self.children.append(
-                subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env))
+                subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env,
+                                 start_new_session=True))
         return address
 
     def on_registry_exit(self, runtime: Runtime, callback: Callable[[], None]) -> None:

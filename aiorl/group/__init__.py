@@ -4,5 +4,6 @@ Layer: above ``runtime``; beside ``p2p``; below ``channels`` and ``actors``.
 """
 
 from aiorl.group.group import WorkerGroup, WorkerGroupBuilder
+from aiorl.group.per_rank import PerRank
 
-__all__ = ["WorkerGroup", "WorkerGroupBuilder"]
+__all__ = ["PerRank", "WorkerGroup", "WorkerGroupBuilder"]

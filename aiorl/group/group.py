@@ -26,11 +26,13 @@ import asyncio
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from aiorl.group.core import GroupCore, ship_class
 from aiorl.group.method_names import check_method_names
+from aiorl.group.per_rank import check_per_rank
 from aiorl.group.supervision import GroupEvent, GroupEvents, Supervision
 from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.placement import (
@@ -261,6 +263,7 @@ class WorkerGroupBuilder(Generic[W]):
         # Custom strategies written for get_placement(spec) keep working when isolating.
         placements = (strategy.get_placement(spec) if isolate_gpu
                       else strategy.get_placement(spec, isolate_accelerator=False))
+        check_per_rank(self.cls.__name__, self.args, self.kwargs, len(placements))
         runtime = cluster.runtime
         # Packed before anything is registered or started: a directory over its limit, or
         # with a link out of it, fails the launch here. A class whose module lies inside it
@@ -446,17 +449,46 @@ class WorkerGroup(Generic[W]):
         ```
     """
 
+    def __getitem__(self, rank: int) -> WorkerGroup[W]:
+        """``group[i]`` is ``group.execute_on(i)``: a view of rank ``i`` (Ray users index a
+        list of actor handles so). A slice or anything but an int is refused: say the ranks
+        to ``execute_on``."""
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(
+                f"group[{rank!r}]: index a WorkerGroup with one rank (group[3] is "
+                "group.execute_on(3)); for several, group.execute_on(0, 3) or "
+                "group.execute_on(list_of_ranks)")
+        return self.on_ranks(rank)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Sent as an argument (or result), a handle arrives as the receiving worker's own
+        handle on the same group, as an actor handle does in Ray: by name, through the
+        registry, with the class when that process has imported it. Its locks and its
+        runtime stay here."""
+        core = self._core
+        ranks = None if self._view_ranks == self._members else self._view_ranks
+        return (_group_arriving, (core.name, core.cls.__module__, core.cls.__qualname__,
+                                  core.world_size, ranks))
+
     def __getattr__(self, method: str) -> Callable[..., AsyncWork[list[Any]]]:
         if method.startswith("_"):
             raise AttributeError(f"{method!r} is private: only public worker methods can be called")
         cls = self._core.cls
         fn = getattr(cls, method, None)
-        if fn is None or not callable(fn):
+        ray_remote = method == "remote" and getattr(fn, "__self__", None) is cls
+        if fn is None or not callable(fn) or ray_remote:
+            if method == "remote":  # Worker.remote is a classmethod that refuses Ray's call
+                raise AttributeError(
+                    f"a WorkerGroup has no .remote (Ray's spelling): call a method directly, "
+                    f"group.step(x), which calls every rank and returns an AsyncWork; "
+                    f"Actor.remote(...) is {cls.__name__}.create_group(...).launch(cluster)")
             raise AttributeError(f"{cls.__name__} has no method {method!r}")
         core = self._core
         dispatch = core.dispatch_remembered if method in core.replayed else core.dispatch
         call = functools.partial(self._call, dispatch, method)
         functools.update_wrapper(call, fn)
+        # Ray's group.step.remote(x): the same call, answered with its spelling here.
+        call.remote = functools.partial(_ray_remote, cls.__name__, method)  # type: ignore[attr-defined]
         # Cached on the view: later look-ups skip __getattr__ (a hot path).
         self.__dict__[method] = call
         return call
@@ -645,3 +677,77 @@ _GROUP_ATTRIBUTES = frozenset(
     n for n in dir(WorkerGroup) if not n.startswith("__")
 ) | {"execute_on", "on_ranks", "close", "aclose", "wait_ready", "from_group_name", "ranks",
    "events", "add_ranks", "remove_ranks", "epoch", "members", "incarnation", "refreshed"}
+
+
+def _ray_remote(cls_name: str, method: str, *args: Any, **kwargs: Any) -> Any:
+    raise TypeError(
+        f"group.{method}.remote(...) is Ray's spelling: in aiorl call group.{method}(...) "
+        f"directly. It calls every rank of the group and returns an AsyncWork of their results "
+        f"(.wait(), or await it); group.execute_on(i).{method}(...) calls rank i only")
+
+
+class _AnyMethod(type):
+    """Metaclass of `_ClassNotHere`: every public attribute is a method."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def remote_method(*args: Any, **kwargs: Any) -> Any:
+            raise TypeError(f"{name} runs in the worker; call it through a WorkerGroup")
+
+        remote_method.__name__ = remote_method.__qualname__ = name
+        return remote_method
+
+
+class _ClassNotHere(metaclass=_AnyMethod):
+    """Stands for the worker class of a group handle received by a process that has not
+    imported it: any public method name is sent, and the worker answers a misspelt one."""
+
+
+#: Handles that arrived in this process, by (runtime, group name): one watch per group.
+_arrived: dict[tuple[int, str], GroupCore] = {}
+
+
+def _group_arriving(name: str, module: str, qualname: str, world_size: int,
+                    ranks: tuple[int, ...] | None) -> WorkerGroup[Any]:
+    """Rebuild a `WorkerGroup` handle sent from another process (its ``__reduce__``).
+
+    Unpickling may run on the event loop, so nothing here waits: the handle starts watching
+    the group through the registry, and calls made through it before the registry's answer
+    are queued, as calls to ranks not ready yet are."""
+    from aiorl.runtime.session import WorkerSession
+
+    try:
+        session = WorkerSession.current()
+    except RuntimeError:
+        raise RuntimeError(
+            f"a handle on worker group {name!r} arrived in a process that is not an aiorl "
+            f"worker: in a driver, attach by name with WorkerGroup.from_group_name(cluster, "
+            f"Cls, {name!r})") from None
+    runtime = session.runtime
+    key = (id(runtime), name)
+    core = _arrived.get(key)
+    if core is None or core.closed or core.runtime is not runtime:
+        cls: Any = sys.modules.get(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part, None)
+        if not isinstance(cls, type):
+            cls = _ClassNotHere
+        core = _arrived[key] = GroupCore(session, cls, name, world_size)
+        runtime.loop.call_soon_threadsafe(_start_watch, core)
+    group: WorkerGroup[Any] = WorkerGroup(core)
+    return group if ranks is None else group.on_ranks(ranks)
+
+
+def _start_watch(core: GroupCore) -> None:
+    task = core.runtime.loop.create_task(core.watch())
+    core._tasks.add(task)
+    task.add_done_callback(functools.partial(_watch_started, core))
+
+
+def _watch_started(core: GroupCore, task: asyncio.Task[None]) -> None:
+    core._tasks.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("a handle on group %s received from another process cannot watch it: %s",
+                    core.name, task.exception())

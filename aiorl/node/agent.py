@@ -51,6 +51,12 @@ from typing import Any
 
 from aiorl.errors import AddressError, AiorlError, ProtocolError, RegistryUnavailable
 from aiorl.names import WorkerInfo
+from aiorl.node.logdirs import (  # noqa: F401 - KEPT_ENDED_AGENT_LOGS: read here too
+    KEPT_ENDED_AGENT_LOGS,
+    LANES,
+    agent_logs_parent,
+    remove_ended_agent_files,
+)
 from aiorl.node.p2p_relay import P2PRelay
 from aiorl.node.relay import CallRelay
 from aiorl.node.visible_devices import physical_visible_devices
@@ -77,7 +83,7 @@ from aiorl.transport.lane_setup import LANE_DIR_VAR
 from aiorl.transport.link import LinkWatch
 from aiorl.transport.sockets import local_ip
 from aiorl.util.limits import raise_open_file_limit
-from aiorl.util.processes import pid_alive
+from aiorl.util.processes import python_module_command
 from aiorl.util.ratelimit import RateLimitedLog
 
 __all__ = ["NodeAgent", "detect_accelerators", "main"]
@@ -363,7 +369,7 @@ class NodeAgent:
         ours, theirs = socket.socketpair()
         self._zygote_channel = ours
         self.zygote = subprocess.Popen(
-            [sys.executable, "-m", "aiorl.node.zygote", str(theirs.fileno()), str(os.getpid())],
+            python_module_command("aiorl.node.zygote", str(theirs.fileno()), str(os.getpid())),
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
         )
@@ -623,33 +629,20 @@ def _parse_kv(items: list[str], what: str, cast: Any = str) -> dict[str, Any]:
     return out
 
 
-#: Log directories of ended agents kept for a post-mortem (a killed agent cannot remove its own).
-KEPT_ENDED_AGENT_LOGS = 4
-
-
 def default_log_dir() -> str:
     """This agent's worker-log directory when ``--log-dir`` is not given: a fresh private
     ``<pid>-<random>`` directory under the one per-user ``<runtime dir>/aiorl-node-logs-<uid>``
-    (docs/deploy.md). Directories of ended agents beyond the newest
-    `KEPT_ENDED_AGENT_LOGS` are removed first, so the total stays bounded."""
-    parent = os.path.join(security.runtime_base(), f"aiorl-node-logs-{os.getuid()}")
+    (docs/deploy.md). What ended agents left there is cleaned first
+    (`aiorl.node.logdirs.remove_ended_agent_files`: their lanes, and their logs beyond the
+    newest `KEPT_ENDED_AGENT_LOGS`), so the total stays bounded."""
+    parent = agent_logs_parent()
     try:
         os.makedirs(parent, mode=0o700, exist_ok=True)
         security.check_private_directory(parent)
     except (OSError, AiorlError) as exc:  # someone else's directory: do not use it
         log.warning("not keeping worker logs under %s: %s", parent, exc)
         return security.make_private_directory("aiorl-node-logs-")
-    ended = []
-    for name in os.listdir(parent):
-        pid = name.split("-", 1)[0]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            path = os.path.join(parent, name)
-            try:
-                ended.append((os.path.getmtime(path), path))
-            except FileNotFoundError:  # another agent starting now removed it first
-                pass
-    for _, path in sorted(ended, reverse=True)[KEPT_ENDED_AGENT_LOGS:]:
-        shutil.rmtree(path, ignore_errors=True)
+    remove_ended_agent_files(parent)
     return tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=parent)
 
 
@@ -718,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
         # whoever removes that (this agent, the Slurm launcher, a later agent's pruning)
         # removes the lanes of an agent that was killed too.
         os.makedirs(log_dir, mode=0o700, exist_ok=True)
-        lane_dir = os.path.join(log_dir, "lanes")
+        lane_dir = os.path.join(log_dir, LANES)
         os.makedirs(lane_dir, mode=0o700, exist_ok=True)
         os.environ[LANE_DIR_VAR] = lane_dir
     agent = NodeAgent(

@@ -17,7 +17,7 @@ import pickle
 import signal
 import sys
 
-from aiorl.node.zygote import demote_working_directory, set_parent_death_signal
+from aiorl.node.zygote import set_parent_death_signal, working_directory_last
 
 __all__ = ["main"]
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # python -m put the working directory first: installed modules must win over what
-    # lies there (before any user code is imported: the preload, the worker class).
-    demote_working_directory()
+    # Installed modules win over what lies in the working directory, which stays importable
+    # (before any user code is imported: the preload, the worker class).
+    working_directory_last()
     sys.exit(main())

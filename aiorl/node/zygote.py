@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from aiorl.node.environment import merge_environment
 from aiorl.protocol.spawn import WorkerSpawn
+from aiorl.util.processes import python_module_command
 
 if TYPE_CHECKING:
     from aiorl.transport.security import ClusterKeys
@@ -52,7 +53,7 @@ class _Session(NamedTuple):
     keys: ClusterKeys | None
     listen: str
 
-__all__ = ["demote_working_directory", "read_message", "set_parent_death_signal",
+__all__ = ["working_directory_last", "read_message", "set_parent_death_signal",
            "write_message"]
 
 _LEN = struct.Struct("!I")
@@ -209,28 +210,30 @@ def _extend_sys_path(pythonpath: str) -> None:
     starts: without this, ``env_configs: [{PYTHONPATH: /opt/ext}]`` would show in
     ``os.environ`` and import nothing. New entries go where the interpreter puts them:
     first, before the standard library (the zygote has no script-directory entry ahead of
-    them, `demote_working_directory`)."""
+    them, `working_directory_last`)."""
     new = [e for e in dict.fromkeys(pythonpath.split(os.pathsep)) if e and e not in sys.path]
     sys.path[0:0] = new
 
 
-def demote_working_directory() -> None:
-    """Move the entry ``python -m`` put first on ``sys.path`` to the end.
+def working_directory_last() -> None:
+    """Put the directory this process started in last on ``sys.path``.
 
-    That entry is the directory the process started in: the node agent's, which for an
-    embedded cluster is the driver's working directory. First, a ``json.py`` or a package
-    named like an installed one lying there shadowed the installed module in every worker,
-    for ``AIORL_EXT_MODULE`` imports and the worker's own alike. Last, modules that exist
-    only there still import (a driver started from a REPL ships no entry for it), and
-    installed ones win. The driver's own entries are appended after it when a worker loads
-    its class (`aiorl.actors.worker_process`). Call before importing user code."""
-    if getattr(sys.flags, "safe_path", False) or not sys.path:
-        return  # python -P / PYTHONSAFEPATH=1 (3.11+): nothing was put first
-    first = sys.path[0]
-    if first and os.path.abspath(first) == os.getcwd():
-        del sys.path[0]
-        if first not in sys.path:
-            sys.path.append(first)
+    The node agent starts the zygote (and an exec'd worker) in its own working directory,
+    which for an embedded cluster is the driver's, without that directory on ``sys.path``
+    (`aiorl.util.processes.python_module_command`): first, a ``json.py``, a package named
+    like an installed one, or any folder named ``aiorl`` lying there shadowed the installed
+    module in every worker. Last, modules that exist only there still import (a driver
+    started from a REPL ships no entry for it), and installed ones win. The driver's own
+    entries are appended after it when a worker loads its class
+    (`aiorl.actors.worker_process`). Call before importing user code."""
+    here = os.getcwd()
+    entries = [e for e in sys.path if e and os.path.abspath(e) == here]
+    if not entries:
+        sys.path.append(here)
+    elif sys.path[-1] not in entries:
+        for e in entries:
+            sys.path.remove(e)
+        sys.path.append(entries[0])
 
 
 #: Settings torch reads once, when it is imported: a worker that gives one a value other
@@ -271,8 +274,8 @@ def _exec_worker(spec: WorkerSpawn, session: _Session) -> int:
     output_dir = os.environ.get("AIORL_PROFILE_OUTPUT_DIR")
     if launch.launcher and output_dir:
         os.makedirs(output_dir, exist_ok=True)  # nsys does not create it
-    interpreter = launch.python_interpreter or sys.executable
-    argv = [*launch.launcher, interpreter, "-m", "aiorl.node.exec_worker", str(fd)]
+    argv = [*launch.launcher, *python_module_command(
+        "aiorl.node.exec_worker", str(fd), interpreter=launch.python_interpreter)]
     try:
         os.execvp(argv[0], argv)
     except OSError as exc:
@@ -357,7 +360,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # python -m put the working directory first: installed modules must win over what
-    # lies there (before any user code is imported: the preload, the worker class).
-    demote_working_directory()
+    # Installed modules win over what lies in the working directory, which stays importable
+    # (before any user code is imported: the preload, the worker class).
+    working_directory_last()
     main()

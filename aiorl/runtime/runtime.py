@@ -268,6 +268,7 @@ class Runtime:
         self.loop_thread.refuse(lambda: ClusterClosedError(why))
 
         def close_all() -> None:
+            _quiet_closed_work(self.loop, why)
             for closer in list(reversed(self._closers)):  # a closer may discard itself
                 try:
                     closer()
@@ -279,6 +280,26 @@ class Runtime:
             self.endpoint.close()
 
         self.loop_thread.stop(close_all)
+
+
+def _quiet_closed_work(loop: asyncio.AbstractEventLoop, reason: str) -> None:
+    """Keep asyncio from printing "Future exception was never retrieved" for work that failed
+    because this runtime stopped (a call nobody waited on, still pending at ``close()``): the
+    program closed its Cluster itself, so the failure tells it nothing. Any other unread
+    failure still reaches the loop's previous handler."""
+    previous = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if (context.get("message") == "Future exception was never retrieved"
+                and isinstance(exc, (PeerLostError, ClusterClosedError)) and reason in str(exc)):
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
 
 
 def describe_death(name: str, detail: dict[str, Any]) -> str:

@@ -171,6 +171,16 @@ class AsyncWork(Generic[T]):
             lock.release()
 
     # ---------------------------------------------------------------- consuming
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the class lacks. Ray's ray.get(ref), concurrent.futures'
+        # result(): answered with this class's spelling, not a bare AttributeError.
+        if name in ("get", "result"):
+            raise AttributeError(
+                f"an AsyncWork has no .{name}(): work.wait(timeout) blocks for the result "
+                "(Ray's ray.get(ref)); in a coroutine, await work; a call on one rank gives "
+                "its value with .wait_one()")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def done(self) -> bool:
         """Whether the work has completed (with a result, an error, or cancelled)."""
         return self._fut.done() or self._cancelling
