@@ -39,10 +39,7 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from aiorl.channels._core import _cores
-from aiorl.channels._ops import _USER_GET
-from aiorl.channels._protocol import GET, GET_BATCH, PUT, PUT_CREDITED
-from aiorl.channels._server import ChannelHost
+from aiorl.channels import ChannelHost, channel_waits
 from aiorl.names import WorkerInfo
 from aiorl.p2p import P2PEngine
 from aiorl.protocol.inspect import encode_answer
@@ -53,8 +50,6 @@ from aiorl.transport.endpoint import Incoming
 
 __all__ = ["serve_inspection", "snapshot", "traced_execution"]
 
-_CHANNEL_KINDS = {PUT: "put", PUT_CREDITED: "put", GET: "get", GET_BATCH: "get_batch",
-                  _USER_GET: "get"}
 #: Frames of a stack kept per thread or task (the innermost ones).
 STACK_LIMIT = 40
 #: Asyncio tasks a snapshot describes; the rest are counted, by coroutine (see ``_tasks``).
@@ -273,21 +268,12 @@ def _pending(runtime: Runtime, calls: Mapping[asyncio.Task[Any], Incoming] | Non
             waiting = len(sender.backlog) + len(sender.pending)
             for _ in range(waiting):
                 out.append({"kind": "send", "peer": name, "resolved": sender.ready})
-    core = _cores.get(runtime)
-    if core is not None:
-        for (channel, _rank), state in list(core._states.items()):
-            for queue, stream in state.streams.items():
-                for _ in stream.waiting:
-                    out.append({"kind": "channel.get", "channel": channel, "queue": queue,
-                                "peer": state.worker})
-            for op in list(core._pending._pending.values()):
-                if op.state is state and op.kind in (PUT, PUT_CREDITED, GET_BATCH) and not op.done():
-                    out.append({"kind": f"channel.{_CHANNEL_KINDS[op.kind]}",
-                                "channel": channel, "queue": op.queue, "peer": state.worker})
-            for op in state.backlog:
-                out.append({"kind": f"channel.{_CHANNEL_KINDS.get(op.kind, 'op')}",
-                            "channel": channel, "queue": op.queue, "peer": state.worker,
-                            "unresolved": True})
+    for wait in channel_waits(runtime):
+        entry = {"kind": f"channel.{wait['kind']}", "channel": wait["channel"],
+                 "queue": wait["queue"], "peer": wait["peer"]}
+        if wait["unresolved"]:
+            entry["unresolved"] = True
+        out.append(entry)
     for task, msg in (calls or {}).items():
         out.append({"kind": "executing", "method": msg.meta, "peer": caller_name(msg.identity),
                     "task": task.get_name()})
@@ -377,19 +363,15 @@ def _hosted_channels(instance: Any) -> list[dict[str, Any]]:
     if server is None:
         return []
     out = []
-    for queue, q in server.queues.items():
-        stats = q.stats()
-        getters = sorted({caller_name(w[0]) for w, qn in server._parked.items()
-                          if qn == queue and w not in server._credited})
-        producers = sorted({caller_name(key[0]) for key in (*server._credits, *server._admitted)
-                            if key[1] == queue})
-        consumers = sorted({caller_name(identity)
-                            for identity in server.consumers.get(queue, ())})
+    for q in server.snapshot():
+        queue = q["queue"]
         out.append({"channel": server.name, "queue": queue if isinstance(queue, str) else
-                    repr(queue), "size": stats.qsize, "weight": stats.weight,
-                    "maxsize": stats.maxsize, "waiting_getters": stats.waiting_getters,
-                    "waiting_putters": stats.waiting_putters, "parked_clients": getters,
-                    "producers": producers, "consumers": consumers})
+                    repr(queue), "size": q["size"], "weight": q["weight"],
+                    "maxsize": q["maxsize"], "waiting_getters": q["waiting_getters"],
+                    "waiting_putters": q["waiting_putters"],
+                    "parked_clients": sorted({caller_name(i) for i in q["getters"]}),
+                    "producers": sorted({caller_name(i) for i in q["producers"]}),
+                    "consumers": sorted({caller_name(i) for i in q["consumers"]})})
     return out
 
 

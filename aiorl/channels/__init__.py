@@ -22,13 +22,17 @@ from aiorl.channels._client import (
     connect_channel_from_worker,
     create_channel_from_worker,
 )
+from aiorl.channels._core import channel_waits
 from aiorl.channels._queue import QueuedItem, QueueStats
+from aiorl.channels._server import ChannelHost
 
 __all__ = [
     "Channel",
+    "ChannelHost",
     "QueueStats",
     "QueuedItem",
     "ReplicaStatistics",
+    "channel_waits",
     "connect_channel_from_worker",
     "create_channel_from_worker",
 ]

@@ -156,6 +156,26 @@ class _ClientCore:
         self.endpoint.on_event(P.DONE, self._on_done)
         self.endpoint.on_peer_lost(self._on_lost)
 
+    def waits(self) -> list[dict[str, Any]]:
+        """Every channel operation of this process still waiting, as ``aiorl doctor`` lists
+        it: ``kind`` (``put``, ``get`` or ``get_batch``), ``channel``, ``queue``, ``peer`` (the
+        channel's worker) and ``unresolved`` (not sent yet: the channel is not reachable)."""
+        out: list[dict[str, Any]] = []
+        pending = self._pending.values()
+        for (channel, _rank), state in list(self._states.items()):
+            for queue, stream in state.streams.items():
+                for _ in stream.waiting:
+                    out.append({"kind": "get", "channel": channel, "queue": queue,
+                                "peer": state.worker, "unresolved": False})
+            for op in pending:
+                if op.state is state and op.kind in _WAITING_KINDS and not op.done():
+                    out.append({"kind": _WAITING_KINDS[op.kind], "channel": channel,
+                                "queue": op.queue, "peer": state.worker, "unresolved": False})
+            for op in state.backlog:
+                out.append({"kind": _KIND_NAMES.get(op.kind, "op"), "channel": channel,
+                            "queue": op.queue, "peer": state.worker, "unresolved": True})
+        return out
+
     def state(self, name: str, rank: int = 0) -> _ChannelState:
         """This process's state of replica ``rank`` of channel ``name`` (0: the channel)."""
         with self._states_lock:
@@ -712,8 +732,19 @@ def _warn_exists(name: str) -> None:
                 "as they are)", name)
 
 
+#: The operations `_ClientCore.waits` lists while pending, and every kind's name.
+_WAITING_KINDS = {P.PUT: "put", P.PUT_CREDITED: "put", P.GET_BATCH: "get_batch"}
+_KIND_NAMES = {**_WAITING_KINDS, P.GET: "get", _USER_GET: "get"}
+
 _cores: weakref.WeakKeyDictionary[Runtime, _ClientCore] = weakref.WeakKeyDictionary()
 _cores_lock = threading.Lock()
+
+
+def channel_waits(runtime: Runtime) -> list[dict[str, Any]]:
+    """The channel operations of ``runtime``'s process still waiting (`_ClientCore.waits`;
+    none where it never used a channel)."""
+    core = _cores.get(runtime)
+    return [] if core is None else core.waits()
 
 
 def _core_for(runtime: Runtime) -> _ClientCore:

@@ -150,6 +150,25 @@ class ChannelServer:
         self.consumers: dict[QueueKey, set[bytes]] = {}
         endpoint.handle(P.OPS, self._on_ops)
 
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Each queue as ``aiorl doctor`` shows it: its sizes and waiters, and the routing ids
+        of the clients that wait to get (``getters``), put into it (``producers``) and ever
+        took from it (``consumers``)."""
+        out = []
+        for queue, q in self.queues.items():
+            stats = q.stats()
+            out.append({
+                "queue": queue, "size": stats.qsize, "weight": stats.weight,
+                "maxsize": stats.maxsize, "waiting_getters": stats.waiting_getters,
+                "waiting_putters": stats.waiting_putters,
+                "getters": {w[0] for w, qn in self._parked.items()
+                            if qn == queue and w not in self._credited},
+                "producers": {key[0] for key in (*self._credits, *self._admitted)
+                              if key[1] == queue},
+                "consumers": set(self.consumers.get(queue, ())),
+            })
+        return out
+
     # ------------------------------------------------------------------ requests
     def _queue(self, name: QueueKey) -> WeightedQueue[Item]:
         q = self.queues.get(name)
