@@ -25,7 +25,14 @@ from aiorl.p2p.proto import OP_BATCH, OP_DATA, OP_VIA
 from aiorl.p2p.relay import DEFAULT_DIRECT_PEERS, direct_peers
 from aiorl.placement import NodePlacementStrategy
 from aiorl.protocol.ops import AgentOp
-from aiorl.protocol.p2p_relay import RELAYED_P2P_OPS, RelayedP2P, ViaP2P
+from aiorl.protocol.p2p_relay import (
+    ENVELOPE_COST,
+    P2P_CREDIT,
+    RELAYED_P2P_OPS,
+    RelayedP2P,
+    ViaP2P,
+    envelope_bytes,
+)
 from aiorl.protocol.registry import NodeInfo
 from tests.test_p2p import P
 
@@ -215,30 +222,44 @@ def test_direct_peer_budget_parses_strictly() -> None:
 
 @pytest.mark.timeout(10)
 def test_envelopes_round_trip_and_refuse_what_may_not_be_relayed() -> None:
-    assert {OP_DATA, OP_BATCH} == RELAYED_P2P_OPS
+    assert {OP_DATA, OP_BATCH, P2P_CREDIT} == RELAYED_P2P_OPS
     assert OP_VIA == "p2p.via"
     inner = ["g:0", 0, None, None, None]
-    r = RelayedP2P.from_wire(["node-b", "ipc:///x/w", b"g:0/42/abcd", OP_DATA, inner])
-    assert r.to_wire() == ["node-b", "ipc:///x/w", b"g:0/42/abcd", OP_DATA, inner]
-    assert ViaP2P.from_wire(r.via().to_wire()) == ViaP2P(b"g:0/42/abcd", OP_DATA, inner)
+    src = ["node-a", "ipc:///x/s"]
+    r = RelayedP2P.from_wire(["node-b", "ipc:///x/w", b"g:0/42/abcd", OP_DATA, inner, *src])
+    assert r.to_wire() == ["node-b", "ipc:///x/w", b"g:0/42/abcd", OP_DATA, inner, *src]
+    assert ViaP2P.from_wire(r.via().to_wire()) == ViaP2P(b"g:0/42/abcd", OP_DATA, inner, *src)
+    credit = ["node-a", "ipc:///x/s", b"g:1/7/ef", P2P_CREDIT, ["g:1", 4096], "node-b", "ipc:///x/w"]
+    assert RelayedP2P.from_wire(credit).meta == ["g:1", 4096]
     bad = [
         None,
         {"dst_node": "n"},
-        ["node-b", "ipc:///x/w", b"id", OP_DATA],  # a field missing
-        ["", "ipc:///x/w", b"id", OP_DATA, inner],  # no node
-        ["node-b", 5, b"id", OP_DATA, inner],
-        ["node-b", "ipc:///x/w", "id", OP_DATA, inner],  # identity not bytes
-        ["node-b", "ipc:///x/w", b"", OP_DATA, inner],
-        ["node-b", "ipc:///x/w", b"id", "p2p.hello", inner],  # needs an answer: never relayed
-        ["node-b", "ipc:///x/w", b"id", OP_BATCH, {"src": "g:0"}],
-        ["n" * 5000, "ipc:///x/w", b"id", OP_DATA, inner],
+        ["node-b", "ipc:///x/w", b"id", OP_DATA, inner, "node-a"],  # a field missing
+        ["", "ipc:///x/w", b"id", OP_DATA, inner, *src],  # no node
+        ["node-b", 5, b"id", OP_DATA, inner, *src],
+        ["node-b", "ipc:///x/w", "id", OP_DATA, inner, *src],  # identity not bytes
+        ["node-b", "ipc:///x/w", b"", OP_DATA, inner, *src],
+        ["node-b", "ipc:///x/w", b"id", "p2p.hello", inner, *src],  # needs an answer: never relayed
+        ["node-b", "ipc:///x/w", b"id", OP_BATCH, {"src": "g:0"}, *src],
+        ["n" * 5000, "ipc:///x/w", b"id", OP_DATA, inner, *src],
+        ["node-b", "ipc:///x/w", b"id", OP_DATA, inner, "", "ipc:///x/s"],  # no source node
+        ["node-b", "ipc:///x/w", b"id", OP_DATA, inner, "node-a", None],  # no source address
+        [*credit[:4], ["g:1", 0], *credit[5:]],  # a credit of nothing
+        [*credit[:4], ["g:1", -5], *credit[5:]],
+        [*credit[:4], ["g:1", True], *credit[5:]],
+        [*credit[:4], ["", 5], *credit[5:]],
+        [*credit[:4], ["g:1"], *credit[5:]],
     ]
     for meta in bad:
         with pytest.raises(ProtocolError):
             RelayedP2P.from_wire(meta)
-    for meta in ([b"id", OP_DATA], [b"id", "p2p.ack", inner], ["id", OP_DATA, inner]):
+    for meta in ([b"id", OP_DATA], [b"id", "p2p.ack", inner, *src], ["id", OP_DATA, inner, *src],
+                 [b"id", OP_DATA, inner]):
         with pytest.raises(ProtocolError):
             ViaP2P.from_wire(meta)
+    assert envelope_bytes([]) == ENVELOPE_COST
+    t = torch.zeros(10, dtype=torch.float32)
+    assert envelope_bytes([b"abc", memoryview(t.numpy()), bytearray(5)]) == ENVELOPE_COST + 48
 
 
 class _FakeEndpoint:
@@ -270,14 +291,21 @@ def test_agent_forwards_in_order_and_drops_what_it_cannot() -> None:
             return [NodeInfo("a", "tcp://agent-a"), NodeInfo("b", "tcp://agent-b")]
 
         ep = _FakeEndpoint(gone=frozenset({"ipc:///dead"}))
-        relay = P2PRelay(ep, "a", nodes)  # type: ignore[arg-type]
+        local = {"ipc:///w", "ipc:///dead"}
+        relay = P2PRelay(ep, "a", nodes, local.__contains__)  # type: ignore[arg-type]
 
         def msg(node: str, addr: str, i: int) -> Any:
-            return _incoming([node, addr, b"g:0/1/x", OP_DATA, ["g:0", i]], [b"f%d" % i])
+            return _incoming([node, addr, b"g:0/1/x", OP_DATA, ["g:0", i], "a", "ipc:///s"],
+                             [b"f%d" % i])
 
         # This node: handed to the worker as p2p.via, frames unchanged.
         relay.on_relay_p2p(msg("a", "ipc:///w", 0))
-        assert ep.sent == [("ipc:///w", OP_VIA, [b"g:0/1/x", OP_DATA, ["g:0", 0]], [b"f0"])]
+        assert ep.sent == [("ipc:///w", OP_VIA, [b"g:0/1/x", OP_DATA, ["g:0", 0], "a", "ipc:///s"],
+                            [b"f0"])]
+        assert relay.held == {"ipc:///w": ["a", ENVELOPE_COST + 2]}
+        # A worker of this node nobody serves: dropped, nothing sent (no connection).
+        relay.on_relay_p2p(msg("a", "ipc:///nobody", 0))
+        assert len(ep.sent) == 1
         # Another node, its agent not known yet: held, in order, behind the look-up.
         for i in range(1, 4):
             relay.on_relay_p2p(msg("b", "ipc:///v", i))
@@ -292,7 +320,7 @@ def test_agent_forwards_in_order_and_drops_what_it_cannot() -> None:
         ]
         # Malformed, to a dead worker, to an unknown node: dropped, the agent goes on.
         relay.on_relay_p2p(_incoming(["b", "ipc:///v"], []))
-        relay.on_relay_p2p(_incoming(["a", "ipc:///v", b"id", "p2p.hello", {}], []))
+        relay.on_relay_p2p(_incoming(["a", "ipc:///v", b"id", "p2p.hello", {}, "a", "s"], []))
         relay.on_relay_p2p(msg("a", "ipc:///dead", 5))
         relay.on_relay_p2p(msg("zz", "ipc:///v", 6))
         while relay._tasks:

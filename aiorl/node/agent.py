@@ -175,6 +175,10 @@ class NodeAgent:
         #: pieces as the zygote reads, and two must not interleave.
         self._zygote_write = asyncio.Lock()
         self._stopped = asyncio.Event()
+        #: Endpoints of this node's workers that said they are ready and have not exited:
+        #: the only local addresses relayed messages and calls are sent to (an address
+        #: nobody serves would open a connection that is never closed).
+        self.worker_endpoints: set[str] = set()
         #: Seconds without an answered heartbeat after which the registry declares us dead.
         self._expiry = 3.0
 
@@ -189,9 +193,10 @@ class NodeAgent:
         self.endpoint.handle(AgentOp.FREE_PORT, lambda m: m.reply({"port": _free_port(self.host)}))
         self.endpoint.handle(AgentOp.PING, lambda m: m.reply({"node_id": self.node_id}))
         self.endpoint.handle(AgentOp.WORKER_READY, self._on_worker_ready)
-        self.relay = CallRelay(self.endpoint)
+        self.relay = CallRelay(self.endpoint, self._serves)
         self.endpoint.handle(AgentOp.RELAY_CALL, self.relay.on_relay_call)
-        self.p2p_relay = P2PRelay(self.endpoint, self.node_id, self.registry.nodes)
+        self.p2p_relay = P2PRelay(self.endpoint, self.node_id, self.registry.nodes,
+                                  self.worker_endpoints.__contains__)
         self.endpoint.handle(AgentOp.RELAY_P2P, self.p2p_relay.on_relay_p2p)
         self._zygote_ready = loop.create_future()
         self._start_zygote()
@@ -199,6 +204,9 @@ class NodeAgent:
         self._link = LinkWatch(f"node-{self.node_id}", self.registry_address, self.keys)
         self._link.start()
         await self._register()
+        # Relayed p2p forwards to the listed nodes' agents, and closes the connection to
+        # a node declared dead (what was queued toward it is freed at once).
+        await self.registry.watch_nodes(self.p2p_relay.on_nodes)
         self.registry.start_heartbeats(self.node_id, self._heartbeat_interval, self._rejoin)
         self._output_task = loop.create_task(self._forward_output_forever())
         self._fence_task = loop.create_task(self._fence_forever())
@@ -352,7 +360,18 @@ class NodeAgent:
             # the one the zygote forked, but its name is unique among ours.
             child = next((c for c in self.children.values() if c.name == info.name), None)
         if child is not None:
+            if child.info is not None:
+                self.worker_endpoints.discard(child.info.endpoint)
             child.info = info
+            self.worker_endpoints.add(info.endpoint)
+
+    def _serves(self, name: str, endpoint: str) -> bool | None:
+        """Whether worker ``name`` of this node serves ``endpoint``: True, False (no such
+        worker here, or another endpoint), None (started, not ready yet: cannot tell)."""
+        for child in self.children.values():
+            if child.name == name:
+                return None if child.info is None else child.info.endpoint == endpoint
+        return False
 
     def _start_zygote(self) -> None:
         ours, theirs = socket.socketpair()
@@ -507,6 +526,9 @@ class NodeAgent:
         log.info("worker %s (pid %d) %s", child.name, pid, how)
         self.relay.worker_exited(child.name, child.info.endpoint if child.info else None,
                                  f"worker {child.name} (pid {pid}) {how}")
+        if child.info is not None:
+            self.worker_endpoints.discard(child.info.endpoint)
+            self.p2p_relay.forget([child.info.endpoint])
         report = WorkerExit(child.name, pid, exit_code, sig, tail,
                             f"worker {child.name} (pid {pid}) {how}", child.incarnation)
         asyncio.get_running_loop().create_task(self._report_exit(report))
