@@ -528,7 +528,7 @@ class NodeAgent:
                                  f"worker {child.name} (pid {pid}) {how}")
         if child.info is not None:
             self.worker_endpoints.discard(child.info.endpoint)
-            self.p2p_relay.forget([child.info.endpoint])
+            self.p2p_relay.worker_exited(child.info.endpoint)
         report = WorkerExit(child.name, pid, exit_code, sig, tail,
                             f"worker {child.name} (pid {pid}) {how}", child.incarnation)
         asyncio.get_running_loop().create_task(self._report_exit(report))

@@ -474,9 +474,9 @@ class P2PEngine:
             _warn.warning("p2p.via", "%s: dropped a malformed relayed p2p message: %s", self.name, exc)
             return
         if via.op == P2P_CREDIT:
-            s = self._senders.get(via.meta[0])
-            if s is not None and s.relay is not None and s.address == via.src_address:
-                s.relay.credit(via.meta[1])
+            s = self._sender_by_address.get(via.src_address)
+            if s is not None and s.relay is not None:
+                s.relay.credit(via.meta[0])
             return  # else: a Sender that is gone, or a direct one: nothing to grant
         inner = Incoming(self.endpoint, via.src_identity, msg.kind, 0, via.op, via.meta, msg.frames)
         try:
@@ -513,8 +513,7 @@ class P2PEngine:
         assert self.node_id is not None  # a worker's engine: relayed messages reach workers
         me, identity, node = self.endpoint.address, self.endpoint.identity, self.node_id
         for (src_node, src_address), nbytes in grants.items():
-            credit = RelayedP2P(src_node, src_address, identity, P2P_CREDIT, [self.name, nbytes],
-                                node, me)
+            credit = RelayedP2P(src_node, src_address, identity, P2P_CREDIT, [nbytes], node, me)
             try:
                 self.endpoint.send_oneway(agent, _RELAY_P2P, credit.to_wire())
             except Exception as exc:  # noqa: BLE001 - our agent is gone: so is this node

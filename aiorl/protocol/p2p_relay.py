@@ -10,8 +10,8 @@ original endpoint (``src_identity``: the routing id the receiver would have seen
 
 Flow control: a relayed pair is credit-based, end to end. Each envelope names its source
 (``src_node``, ``src_address``); the receiving worker, as it reads relayed messages, sends
-the bytes it consumed back to their sender as ``p2p.credit`` (meta ``[receiver name,
-bytes]``), relayed the same way in the other direction. The sender keeps at most its window
+the bytes it consumed back to their sender as ``p2p.credit`` (meta ``[bytes]``), relayed
+the same way in the other direction. The sender keeps at most its window
 (`aiorl.p2p.relay.relay_window`) unconsumed, and both agents count what crosses them toward
 each receiver from the envelopes and the credits (`aiorl.node.p2p_relay`). `envelope_bytes`
 is what both ends count for an envelope: its frames plus a fixed cost, so that a flood of
@@ -38,7 +38,7 @@ __all__ = ["ENVELOPE_COST", "P2P_CREDIT", "P2P_VIA", "RELAYED_P2P_OPS", "Relayed
 
 #: The worker op that delivers a relayed message (the p2p engine serves it).
 P2P_VIA: Final = "p2p.via"
-#: Receiver -> sender, relayed: ``[receiver name, bytes]`` the receiver consumed (its grant).
+#: Receiver -> sender, relayed: ``[bytes]`` the receiver (``src_address``) consumed: its grant.
 P2P_CREDIT: Final = "p2p.credit"
 #: The p2p ops that may be relayed: those that need no answer and no set-up (the wire
 #: names of ``aiorl.p2p.proto.OP_DATA`` and ``OP_BATCH``; a test checks they agree), and
@@ -83,10 +83,9 @@ def _inner(op: object, meta: object, message: str) -> str:
     if not isinstance(meta, list):
         raise ProtocolError(f"{message}.meta: expected a list, got {type(meta).__name__}")
     if op == P2P_CREDIT and not (
-        len(meta) == 2 and isinstance(meta[0], str) and 0 < len(meta[0]) <= MAX_SHORT
-        and type(meta[1]) is int and 0 < meta[1] <= _MAX_CREDIT
+        len(meta) == 1 and type(meta[0]) is int and 0 < meta[0] <= _MAX_CREDIT
     ):
-        raise ProtocolError(f"{message}.meta: a {P2P_CREDIT} is [receiver name, bytes > 0]")
+        raise ProtocolError(f"{message}.meta: a {P2P_CREDIT} is [bytes > 0]")
     assert isinstance(op, str)
     return op
 
