@@ -76,6 +76,7 @@ from aiorl.transport.lane import LANE_DIR_VAR
 from aiorl.transport.link import LinkWatch
 from aiorl.transport.sockets import local_ip
 from aiorl.util.limits import raise_open_file_limit
+from aiorl.util.memory import return_large_buffers_to_os
 from aiorl.util.processes import pid_alive
 from aiorl.util.ratelimit import RateLimitedLog
 
@@ -721,6 +722,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s [node {host}] %(levelname)s %(message)s")
+    # The agent forwards other processes' frames (relayed p2p, relayed calls): what it has
+    # forwarded must leave its resident memory when freed (aiorl.util.memory).
+    return_large_buffers_to_os()
     soft, hard = raise_open_file_limit()
     log.info("open file limit: %d (hard limit %d)", soft, hard)
     log_dir = args.log_dir or default_log_dir()
