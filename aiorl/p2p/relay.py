@@ -22,9 +22,9 @@ Flow control: a relayed pair is credit-based, end to end. The Sender may have at
 receiver grants them back as its loop reads them (``p2p.credit``, relayed the other way).
 A send that finds the window full waits in the Sender's backlog, in order, and completes
 later, as a direct pair's does when its socket is full. The window is checked before each
-message, so one message larger than the window still goes (alone): a pair has at most the
-window plus one message in flight. What the agents hold for a pair is therefore bounded
-by the sender, not by how fast the receiver or the agents drain it.
+message, whatever its size, so a message larger than the window still goes: a pair has at
+most the window plus one message in flight. What the agents hold for a pair is therefore
+bounded by the sender, not by how fast the receiver or the agents drain it.
 """
 
 from __future__ import annotations
