@@ -76,7 +76,7 @@ from aiorl.transport.lane import LANE_DIR_VAR
 from aiorl.transport.link import LinkWatch
 from aiorl.transport.sockets import local_ip
 from aiorl.util.limits import raise_open_file_limit
-from aiorl.util.memory import return_large_buffers_to_os
+from aiorl.util.memory import trim_memory
 from aiorl.util.processes import pid_alive
 from aiorl.util.ratelimit import RateLimitedLog
 
@@ -89,6 +89,9 @@ _warn = RateLimitedLog(log)
 STDERR_TAIL_LINES = 20
 OUTPUT_INTERVAL_S = 0.2
 OUTPUT_CHUNK_BYTES = 1 << 20
+#: How often the agent hands its allocator's free pages back (`aiorl.util.memory`): what it
+#: forwarded for others (relayed p2p, relayed calls) leaves its memory within this once freed.
+TRIM_INTERVAL_S = 0.25
 KILL_GRACE_S = 1.0
 FENCE_CHECK_S = 0.1
 #: A registry that answers no heartbeat but whose connection stays up (stopped, swapping, a
@@ -211,6 +214,13 @@ class NodeAgent:
         self.registry.start_heartbeats(self.node_id, self._heartbeat_interval, self._rejoin)
         self._output_task = loop.create_task(self._forward_output_forever())
         self._fence_task = loop.create_task(self._fence_forever())
+        self._trim_task = loop.create_task(self._trim_forever())
+
+    async def _trim_forever(self) -> None:
+        """Give the system back the memory of frames forwarded and freed (about 2 µs a call)."""
+        while True:
+            await asyncio.sleep(TRIM_INTERVAL_S)
+            trim_memory()
 
     # ------------------------------------------------------------------ fencing
     async def _fence_forever(self) -> None:
@@ -367,12 +377,17 @@ class NodeAgent:
             self.worker_endpoints.add(info.endpoint)
 
     def _serves(self, name: str, endpoint: str) -> bool | None:
-        """Whether worker ``name`` of this node serves ``endpoint``: True, False (no such
-        worker here, or another endpoint), None (started, not ready yet: cannot tell)."""
+        """Whether worker ``name`` of this node serves ``endpoint``: True, False (no process
+        of that name here, or none at that endpoint), None (one started and has not said
+        where yet: cannot tell). A restart may briefly leave two processes of one name."""
+        answer: bool | None = False
         for child in self.children.values():
             if child.name == name:
-                return None if child.info is None else child.info.endpoint == endpoint
-        return False
+                if child.info is None:
+                    answer = None
+                elif child.info.endpoint == endpoint:
+                    return True
+        return answer
 
     def _start_zygote(self) -> None:
         ours, theirs = socket.socketpair()
@@ -722,9 +737,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s [node {host}] %(levelname)s %(message)s")
-    # The agent forwards other processes' frames (relayed p2p, relayed calls): what it has
-    # forwarded must leave its resident memory when freed (aiorl.util.memory).
-    return_large_buffers_to_os()
     soft, hard = raise_open_file_limit()
     log.info("open file limit: %d (hard limit %d)", soft, hard)
     log_dir = args.log_dir or default_log_dir()

@@ -246,9 +246,8 @@ class P2PRelay:
                                   credit.dst_address, exc)
             return
         agent = self._agents.get(node)
-        if agent is None:
-            _warn.warning("relay_p2p_node", "dropped a p2p credit for node %s: not among the "
-                          "registry's nodes", node)
+        if agent is None:  # a node that joined a moment ago: the look-up finds it, or drops it
+            self._hold_unlisted(node, credit.to_wire(), [])
             return
         self._forward(agent, credit, credit.to_wire(), [])
 
