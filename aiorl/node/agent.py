@@ -89,9 +89,11 @@ _warn = RateLimitedLog(log)
 STDERR_TAIL_LINES = 20
 OUTPUT_INTERVAL_S = 0.2
 OUTPUT_CHUNK_BYTES = 1 << 20
-#: How often the agent hands its allocator's free pages back (`aiorl.util.memory`): what it
-#: forwarded for others (relayed p2p, relayed calls) leaves its memory within this once freed.
-TRIM_INTERVAL_S = 0.25
+#: Once the agent has forwarded nothing for others (relayed p2p, relayed calls) for this long,
+#: it hands its allocator's free pages back (`aiorl.util.memory`), once. Not while traffic
+#: flows: the pages of one relayed 64 MB message serve the next, and trimming between them
+#: made each fault its pages in again (relayed 64 MB one way measured 1.3-1.8x slower).
+TRIM_QUIET_S = 0.5
 KILL_GRACE_S = 1.0
 FENCE_CHECK_S = 0.1
 #: A registry that answers no heartbeat but whose connection stays up (stopped, swapping, a
@@ -217,10 +219,17 @@ class NodeAgent:
         self._trim_task = loop.create_task(self._trim_forever())
 
     async def _trim_forever(self) -> None:
-        """Give the system back the memory of frames forwarded and freed (about 2 µs a call)."""
+        """Give the system back the memory of frames forwarded and freed, once the relays
+        have been quiet for ``TRIM_QUIET_S`` (a trim costs about 2 µs)."""
+        last, trimmed = -1, True
         while True:
-            await asyncio.sleep(TRIM_INTERVAL_S)
-            trim_memory()
+            await asyncio.sleep(TRIM_QUIET_S / 2)
+            moved = self.p2p_relay.moved + self.relay.moved
+            if moved != last:
+                last, trimmed, quiet_since = moved, False, time.monotonic()
+            elif not trimmed and time.monotonic() - quiet_since >= TRIM_QUIET_S:
+                trim_memory()
+                trimmed = True
 
     # ------------------------------------------------------------------ fencing
     async def _fence_forever(self) -> None:

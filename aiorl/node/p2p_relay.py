@@ -144,12 +144,15 @@ class P2PRelay:
         self.held: dict[str, _Receiver] = {}
         #: The sum over `held`.
         self.held_total = 0
+        #: Envelopes handled so far (the agent trims its memory once this stops moving).
+        self.moved = 0
         #: Credits kept back while over a bound, oldest first: (receiver address, sender
         #: node, sender address) -> [the credit's envelope, bytes]; one entry per pair.
         self.kept: dict[tuple[str, str, str], list[Any]] = {}
 
     # ------------------------------------------------------------------ forwarding
     def on_relay_p2p(self, msg: Incoming) -> None:
+        self.moved += 1
         try:
             relayed = RelayedP2P.from_wire(msg.meta)
         except ProtocolError as exc:

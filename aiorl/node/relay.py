@@ -73,6 +73,8 @@ class CallRelay:
         self.endpoint = endpoint
         #: serves(name, endpoint): True / False / None (cannot tell yet), from the agent.
         self._serves = serves
+        #: Relayed calls served so far (the agent trims its memory once this stops moving).
+        self.moved = 0
         #: The endpoint each worker name was last called at: where an exit fails its calls.
         self._endpoints: dict[str, str] = {}
 
@@ -83,6 +85,7 @@ class CallRelay:
             _warn.warning("relay_call", "refused a malformed relay_call: %s", exc)
             msg.reply_error(exc)
             return
+        self.moved += 1
         gathered = _Gathered(msg, len(call.ranks))
         request = self.endpoint.request_then
         frames = msg.frames

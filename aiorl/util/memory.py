@@ -6,9 +6,10 @@ threshold to the size of every such block freed (up to 32 MiB): after the first 
 message, an agent's 1 MiB buffers come from its heaps, and freed ones stay resident while
 anything live sits above them. A burst the agent has long forwarded would look (and be, to
 the machine) like a leak. ``malloc_trim`` returns the free pages of every heap (from their
-middle too); it costs about 2 µs on an agent's heap, so the agent calls it a few times a
-second. Fixing the threshold instead (``mallopt``) measured slower: every relayed 1 MiB frame
-then costs a fresh mapping and its page faults. Imports nothing from aiorl.
+middle too) in about 2 µs on an agent's heap. The agent calls it once its relays have been
+quiet for a moment: trimming between messages made each one fault its pages in again, and
+fixing the threshold (``mallopt``) made every relayed 1 MiB frame a fresh mapping with its
+page faults; both measured slower. Imports nothing from aiorl.
 """
 
 from __future__ import annotations
