@@ -12,8 +12,9 @@ so the driver's answer comes without waiting for the registry's news.
 A rank that no worker of this node serves (no such worker here, it exited, or the endpoint
 is not the one it reported) fails at once with `PeerLostError`: no connection is opened to
 an address nobody serves (it would never answer, and never close), and the call's frames
-are not kept for it. A worker that started and has not reported its endpoint yet is
-called: the driver learned the endpoint from the registry, which hears before the agent.
+are not kept for it. A worker that started and whose report of its endpoint has not reached
+the agent yet is called anyway (a worker tells its agent before the registry, but on another
+connection): the agent cannot tell yet, and the call fails if that worker exits.
 """
 
 from __future__ import annotations
