@@ -502,3 +502,50 @@ def test_calls_end_while_lanes_break_under_load():
             assert set(outcomes) <= {"answered", "ConnectionLostError"}, outcomes
         finally:
             group.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("victim", ["node agent", "receiving worker"])
+def test_relayed_stream_when_the_receivers_side_is_killed_mid_stream(chaos, victim):
+    """A pair relayed through both node agents (``AIORL_P2P_DIRECT_PEERS=0``) streams
+    stamped 1 MiB messages; the receiver's node agent (its zygote and workers die with it)
+    or the receiving worker is SIGKILLed mid-stream. The sender fails with PeerLostError
+    (no hang), the receiver got a prefix of the stream in order, the sending agent never
+    held more than the per-receiver bound, and nothing outlives its agent (the fixture)."""
+    from aiorl.node.p2p_relay import DEFAULT_DEST_BYTES
+    from tests.test_relay_flow import RELAY_ENV, SLACK, F, Sampler, until
+
+    with aiorl.Cluster(registry=chaos.address, num_nodes=2, key_file=chaos.key_file,
+                       log_to_driver=False, timeout=60) as cluster:
+        g = F.create_group().launch(cluster, aiorl.placement.NodePlacementStrategy([0, 1]),
+                                    name="relaychaos", env=RELAY_ENV)
+        assert len(set(g.node().wait(60))) == 2
+        receiver_pid = g.execute_on(1).pid().wait(30)[0]
+        recv = g.execute_on(1).drain(0, 10)
+        assert g.execute_on(0).stream(1, 10).wait(60) == [[10, ""]]
+        assert recv.wait(60) == [[10, True, ""]]
+        with chaos._lock:  # the supervisor restarts a killed agent: not while we look
+            sender_agent, receiver_agent = chaos.agents[0].pid, chaos.agents[1].pid
+        sampler = Sampler(sender_agent)
+        drain = g.execute_on(1).drain(0, 0)
+        stream = g.execute_on(0).stream(1, 0)
+        assert until(lambda: g.execute_on(1).received().wait(10)[0] >= 30, 60)
+        os.kill(receiver_agent if victim == "node agent" else receiver_pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        sent, error = _bounded("the relayed stream", stream, g)[0]
+        took = time.monotonic() - t_kill
+        assert error == "PeerLostError", (sent, error)
+        try:
+            got, ordered, _ = drain.wait(30)[0]
+            assert ordered and got <= sent, (got, sent)
+        except aiorl.AiorlError:
+            pass  # the receiver died before it could answer: its prefix is unknown
+        back = until(lambda: sampler.now()[0] <= sampler.before[0] + SLACK, 2.0)
+        sampler.stop()
+        line = sampler.report(f"relayed chaos, {victim} killed: {sent} MiB sent, the sender "
+                              f"failed {took:.1f} s after the kill; sending agent",
+                              sampler.now())
+        sys.stderr.write(line + "\n")
+        assert sampler.peak_rss <= sampler.before[0] + DEFAULT_DEST_BYTES, line
+        assert back, line
+        g.close()

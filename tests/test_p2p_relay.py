@@ -20,12 +20,19 @@ import torch
 
 import aiorl
 from aiorl.errors import ProtocolError
-from aiorl.node.p2p_relay import P2PRelay
+from aiorl.node.p2p_relay import P2PRelay, RelayBounds
 from aiorl.p2p.proto import OP_BATCH, OP_DATA, OP_VIA
-from aiorl.p2p.relay import DEFAULT_DIRECT_PEERS, direct_peers
+from aiorl.p2p.relay import DEFAULT_DIRECT_PEERS, DEFAULT_RELAY_WINDOW, direct_peers, relay_window
 from aiorl.placement import NodePlacementStrategy
 from aiorl.protocol.ops import AgentOp
-from aiorl.protocol.p2p_relay import RELAYED_P2P_OPS, RelayedP2P, ViaP2P
+from aiorl.protocol.p2p_relay import (
+    ENVELOPE_COST,
+    P2P_CREDIT,
+    RELAYED_P2P_OPS,
+    RelayedP2P,
+    ViaP2P,
+    envelope_bytes,
+)
 from aiorl.protocol.registry import NodeInfo
 from tests.test_p2p import P
 
@@ -215,33 +222,52 @@ def test_direct_peer_budget_parses_strictly() -> None:
 
 @pytest.mark.timeout(10)
 def test_envelopes_round_trip_and_refuse_what_may_not_be_relayed() -> None:
-    assert {OP_DATA, OP_BATCH} == RELAYED_P2P_OPS
+    assert {OP_DATA, OP_BATCH, P2P_CREDIT} == RELAYED_P2P_OPS
     assert OP_VIA == "p2p.via"
     inner = ["g:0", 0, None, None, None]
-    r = RelayedP2P.from_wire(["node-b", "ipc:///x/w", b"g:0/42/abcd", OP_DATA, inner])
-    assert r.to_wire() == ["node-b", "ipc:///x/w", b"g:0/42/abcd", OP_DATA, inner]
-    assert ViaP2P.from_wire(r.via().to_wire()) == ViaP2P(b"g:0/42/abcd", OP_DATA, inner)
+    src = ["node-a", "ipc:///x/s"]
+    r = RelayedP2P.from_wire(["node-b", "ipc:///x/w", b"g:0/42/abcd", OP_DATA, inner, *src])
+    assert r.to_wire() == ["node-b", "ipc:///x/w", b"g:0/42/abcd", OP_DATA, inner, *src]
+    assert ViaP2P.from_wire(r.via().to_wire()) == ViaP2P(b"g:0/42/abcd", OP_DATA, inner, *src)
+    credit = ["node-a", "ipc:///x/s", b"g:1/7/ef", P2P_CREDIT, [4096], "node-b", "ipc:///x/w"]
+    assert RelayedP2P.from_wire(credit).meta == [4096]
     bad = [
         None,
         {"dst_node": "n"},
-        ["node-b", "ipc:///x/w", b"id", OP_DATA],  # a field missing
-        ["", "ipc:///x/w", b"id", OP_DATA, inner],  # no node
-        ["node-b", 5, b"id", OP_DATA, inner],
-        ["node-b", "ipc:///x/w", "id", OP_DATA, inner],  # identity not bytes
-        ["node-b", "ipc:///x/w", b"", OP_DATA, inner],
-        ["node-b", "ipc:///x/w", b"id", "p2p.hello", inner],  # needs an answer: never relayed
-        ["node-b", "ipc:///x/w", b"id", OP_BATCH, {"src": "g:0"}],
-        ["n" * 5000, "ipc:///x/w", b"id", OP_DATA, inner],
+        ["node-b", "ipc:///x/w", b"id", OP_DATA, inner, "node-a"],  # a field missing
+        ["", "ipc:///x/w", b"id", OP_DATA, inner, *src],  # no node
+        ["node-b", 5, b"id", OP_DATA, inner, *src],
+        ["node-b", "ipc:///x/w", "id", OP_DATA, inner, *src],  # identity not bytes
+        ["node-b", "ipc:///x/w", b"", OP_DATA, inner, *src],
+        ["node-b", "ipc:///x/w", b"id", "p2p.hello", inner, *src],  # needs an answer: never relayed
+        ["node-b", "ipc:///x/w", b"id", OP_BATCH, {"src": "g:0"}, *src],
+        ["n" * 5000, "ipc:///x/w", b"id", OP_DATA, inner, *src],
+        ["node-b", "ipc:///x/w", b"id", OP_DATA, inner, "", "ipc:///x/s"],  # no source node
+        ["node-b", "ipc:///x/w", b"id", OP_DATA, inner, "node-a", None],  # no source address
+        [*credit[:4], [0], *credit[5:]],  # a credit of nothing
+        [*credit[:4], [-5], *credit[5:]],
+        [*credit[:4], [True], *credit[5:]],
+        [*credit[:4], ["5"], *credit[5:]],
+        [*credit[:4], [5, 5], *credit[5:]],
     ]
     for meta in bad:
         with pytest.raises(ProtocolError):
             RelayedP2P.from_wire(meta)
-    for meta in ([b"id", OP_DATA], [b"id", "p2p.ack", inner], ["id", OP_DATA, inner]):
+    for meta in ([b"id", OP_DATA], [b"id", "p2p.ack", inner, *src], ["id", OP_DATA, inner, *src],
+                 [b"id", OP_DATA, inner]):
         with pytest.raises(ProtocolError):
             ViaP2P.from_wire(meta)
+    assert envelope_bytes([]) == ENVELOPE_COST
+    t = torch.zeros(10, dtype=torch.float32)
+    assert envelope_bytes([b"abc", memoryview(t.numpy()), bytearray(5)]) == ENVELOPE_COST + 48
 
 
 class _FakeEndpoint:
+    """What `P2PRelay` uses of an endpoint, recording what it sends (the units below check
+    its bookkeeping; the tests above and test_relay_flow.py run real agents)."""
+
+    identity = b"node-b/1/agent"
+
     def __init__(self, gone: frozenset[str] = frozenset()) -> None:
         self.sent: list[tuple[str, str, Any, list[Any]]] = []
         self.gone = gone
@@ -270,14 +296,21 @@ def test_agent_forwards_in_order_and_drops_what_it_cannot() -> None:
             return [NodeInfo("a", "tcp://agent-a"), NodeInfo("b", "tcp://agent-b")]
 
         ep = _FakeEndpoint(gone=frozenset({"ipc:///dead"}))
-        relay = P2PRelay(ep, "a", nodes)  # type: ignore[arg-type]
+        local = {"ipc:///w", "ipc:///dead"}
+        relay = P2PRelay(ep, "a", nodes, local.__contains__)  # type: ignore[arg-type]
 
         def msg(node: str, addr: str, i: int) -> Any:
-            return _incoming([node, addr, b"g:0/1/x", OP_DATA, ["g:0", i]], [b"f%d" % i])
+            return _incoming([node, addr, b"g:0/1/x", OP_DATA, ["g:0", i], "a", "ipc:///s"],
+                             [b"f%d" % i])
 
         # This node: handed to the worker as p2p.via, frames unchanged.
         relay.on_relay_p2p(msg("a", "ipc:///w", 0))
-        assert ep.sent == [("ipc:///w", OP_VIA, [b"g:0/1/x", OP_DATA, ["g:0", 0]], [b"f0"])]
+        assert ep.sent == [("ipc:///w", OP_VIA, [b"g:0/1/x", OP_DATA, ["g:0", 0], "a", "ipc:///s"],
+                            [b"f0"])]
+        assert relay.held["ipc:///w"].pairs == {("a", "ipc:///s"): ENVELOPE_COST + 2}
+        # A worker of this node nobody serves: dropped, nothing sent (no connection).
+        relay.on_relay_p2p(msg("a", "ipc:///nobody", 0))
+        assert len(ep.sent) == 1
         # Another node, its agent not known yet: held, in order, behind the look-up.
         for i in range(1, 4):
             relay.on_relay_p2p(msg("b", "ipc:///v", i))
@@ -292,7 +325,7 @@ def test_agent_forwards_in_order_and_drops_what_it_cannot() -> None:
         ]
         # Malformed, to a dead worker, to an unknown node: dropped, the agent goes on.
         relay.on_relay_p2p(_incoming(["b", "ipc:///v"], []))
-        relay.on_relay_p2p(_incoming(["a", "ipc:///v", b"id", "p2p.hello", {}], []))
+        relay.on_relay_p2p(_incoming(["a", "ipc:///v", b"id", "p2p.hello", {}, "a", "s"], []))
         relay.on_relay_p2p(msg("a", "ipc:///dead", 5))
         relay.on_relay_p2p(msg("zz", "ipc:///v", 6))
         while relay._tasks:
@@ -301,3 +334,74 @@ def test_agent_forwards_in_order_and_drops_what_it_cannot() -> None:
         relay.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.timeout(10)
+def test_agent_counts_each_pair_and_keeps_credit_back_past_its_bounds() -> None:
+    """Node "b"'s agent: receiver R (local) gets data from senders S1, S2 on node "a". Over
+    the per-receiver bound, R's credits stay in the agent (one entry per pair) and go on,
+    oldest first, once R's count falls below; R's exit grants back what it never consumed."""
+    R = "ipc:///r"
+
+    async def run() -> None:
+        async def nodes() -> list[NodeInfo]:
+            return [NodeInfo("a", "tcp://agent-a"), NodeInfo("b", "tcp://agent-b")]
+
+        ep = _FakeEndpoint()
+        local = {R}
+        relay = P2PRelay(ep, "b", nodes, local.__contains__,  # type: ignore[arg-type]
+                         RelayBounds(dest_bytes=3000, total_bytes=10_000))
+        relay.on_nodes([{"node_id": "a", "endpoint": "tcp://agent-a"},
+                        {"node_id": "b", "endpoint": "tcp://agent-b"}])
+
+        def data(sender: str, n: int) -> Any:
+            return _incoming(["b", R, b"g:0/1/x", OP_DATA, ["g:0"], "a", sender], [b"x" * n])
+
+        def credit(sender: str, n: int) -> Any:
+            return _incoming(["a", sender, b"g:1/2/y", P2P_CREDIT, [n], "b", R], [])
+
+        size = 1000 - ENVELOPE_COST  # each envelope counts 1000
+        for sender in ("ipc:///s1", "ipc:///s2", "ipc:///s1", "ipc:///s2"):
+            relay.on_relay_p2p(data(sender, size))
+        assert relay.held_total == 4000 and relay.held[R].pairs == {
+            ("a", "ipc:///s1"): 2000, ("a", "ipc:///s2"): 2000}
+        ep.sent.clear()
+        # R consumed one of S1's: 3000 left, at the bound: the credit stays here.
+        relay.on_relay_p2p(credit("ipc:///s1", 1000))
+        assert ep.sent == [] and list(relay.kept.values())[0][1] == 1000
+        relay.on_relay_p2p(credit("ipc:///s1", 1000))  # same pair: one entry, summed
+        assert ep.sent == [] or [m[2][4] for m in ep.sent] == [[2000]]
+        assert relay.held_total == 2000 and not relay.kept  # below the bound: released
+        relay.on_relay_p2p(credit("ipc:///s2", 500))
+        assert [(m[0], m[2][1], m[2][4]) for m in ep.sent] == [
+            ("tcp://agent-a", "ipc:///s1", [2000]), ("tcp://agent-a", "ipc:///s2", [500])]
+        # R exits with 1500 of S2's unconsumed: granted back, nothing counted any more.
+        ep.sent.clear()
+        local.clear()
+        relay.worker_exited(R)
+        assert [(m[2][1], m[2][4]) for m in ep.sent] == [("ipc:///s2", [1500])]
+        assert relay.held == {} and relay.held_total == 0 and relay.kept == {}
+        # A message for R now: dropped (unknown), its bytes granted back at once.
+        ep.sent.clear()
+        relay.on_relay_p2p(data("ipc:///s1", size))
+        assert [(m[2][1], m[2][4]) for m in ep.sent] == [("ipc:///s1", [1000])]
+        assert relay.held == {}
+        relay.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.timeout(10)
+def test_agent_bounds_parse_strictly() -> None:
+    assert RelayBounds.from_environment({}) == RelayBounds(64 << 20, 256 << 20)
+    assert RelayBounds.from_environment({"AIORL_NODE_RELAY_DEST_BYTES": " 4096 ",
+                                         "AIORL_NODE_RELAY_BYTES": "8192"}) == RelayBounds(4096, 8192)
+    for name in ("AIORL_NODE_RELAY_DEST_BYTES", "AIORL_NODE_RELAY_BYTES"):
+        for junk in ("0", "x", "1.5", "-1", "64M"):
+            with pytest.raises(ValueError, match=name):
+                RelayBounds.from_environment({name: junk})
+    assert relay_window({}) == DEFAULT_RELAY_WINDOW == 8 << 20
+    assert relay_window({"AIORL_P2P_RELAY_WINDOW": "65536"}) == 65536
+    for junk in ("0", "x", "-3", "8MiB"):
+        with pytest.raises(ValueError, match="AIORL_P2P_RELAY_WINDOW"):
+            relay_window({"AIORL_P2P_RELAY_WINDOW": junk})

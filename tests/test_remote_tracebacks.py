@@ -22,6 +22,8 @@ SCRIPT = textwrap.dedent('''\
 
     import aiorl
 
+    API_TOKEN = "tok-0123456789abcdef"  # the class never uses it: it must not travel
+
 
     class Scorer(aiorl.Worker):
         def score(self, x):
@@ -30,11 +32,20 @@ SCRIPT = textwrap.dedent('''\
         def check(self, x):
             raise ValueError(f"no score for {x}")  # the failing line
 
+        def driver_text_here(self):
+            """Whether this worker's linecache holds the script's unused constant (looked up
+            without loading: a script on this machine's disk is read only for a traceback)."""
+            import linecache
+            entry = linecache.cache.get(self.check.__code__.co_filename)
+            token = "tok-" + "0123456789abcdef"  # this line's text is not the token's
+            return token in "".join(entry[2] if entry else [])
+
 
     if __name__ == "__main__":
         print("cloudpickle", cloudpickle.__version__, flush=True)
         with aiorl.Cluster(num_nodes=1) as cluster:
             group = Scorer.create_group().launch(cluster, num_workers=1, name="scorer")
+            print("driver text in the worker", group.driver_text_here().wait(60)[0], flush=True)
             try:
                 group.score(7).wait(60)
             except aiorl.RemoteError as exc:
@@ -59,6 +70,8 @@ def _assert_names_the_users_code(output: str, filename: str) -> None:
     assert 'raise ValueError(f"no score for {x}")  # the failing line' in output, output
     assert f'File "{filename}", line {failing - 3}, in score' in output, output
     assert "ValueError: no score for 7" in output, output
+    # Only the lines of the class's code travel: not the script's constant the class never uses.
+    assert "driver text in the worker False" in output, output
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +120,44 @@ def test_code_from_a_file_no_worker_can_read_shows_its_source_line() -> None:
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     _assert_names_the_users_code(out.stdout, cell)
+
+
+def test_only_the_lines_of_the_shipped_code_travel() -> None:
+    """What `dumps_with_sources` carries of a script: the lines of the pickled code (from each
+    function's decorators to its end, nested functions included), every other line blank."""
+    import linecache
+    import pickle
+
+    from aiorl.transport.code import dumps_with_sources, loads_with_sources
+
+    source = SCRIPT + textwrap.dedent('''\
+
+        def deco(f):
+            return f
+
+
+        class Other:
+            @deco
+            def outer(self):
+                def inner():
+                    return 1
+                return inner()
+        ''')
+    filename = "/nonexistent/driver_script.py"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    try:
+        namespace = {"__name__": "__main__"}
+        exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - the test's own text
+        data = dumps_with_sources(namespace["Other"])
+    finally:
+        del linecache.cache[filename]
+    _inner, sources = pickle.loads(data)
+    lines = source.splitlines(True)
+    first = lines.index("    @deco\n") + 1
+    carried = sources[filename].splitlines(True)
+    assert carried[first - 1:] == lines[first - 1:first + 5]  # @deco .. return inner()
+    assert all(line == "\n" for line in carried[:first - 1])
+    assert b"tok-0123456789abcdef" not in data and b"API_TOKEN" not in data
+    assert loads_with_sources(data)().outer() == 1
+    assert linecache.getlines(filename)[first] == "    def outer(self):\n"
+    del linecache.cache[filename]

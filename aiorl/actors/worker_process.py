@@ -250,7 +250,8 @@ async def _main(spec: WorkerSpawn, listen: str) -> int:
     endpoint = Endpoint(name, host=listen, lane=True)
     registry = RegistryClient(endpoint, spec.registry)
     runtime = Runtime(LoopThread.adopt_running(), endpoint, registry, name)
-    get_p2p(runtime, spec.node.node_id)  # p2p handlers exist before any peer can send to us
+    # p2p handlers exist before any peer can send to us; relayed ones go through our agent
+    get_p2p(runtime, spec.node.node_id, spec.node.endpoint)
     get_broadcaster(runtime, spec.node.node_id)  # and broadcast handlers
     set_current_runtime(runtime)
     info = spec.worker_info(endpoint.address)
@@ -275,9 +276,11 @@ async def _main(spec: WorkerSpawn, listen: str) -> int:
         await registry.report_state(info, WorkerState.FAILED, to_wire(exc, worker=name, rank=rank))
         runtime.stop()  # P2P engine, channel clients: released at this exit too
         return 1
-    await _report_ready(registry, info)
-    # The agent keeps our info so it can report us again if the registry restarts.
+    # The agent keeps our info so it can report us again if the registry restarts, and
+    # forwards relayed messages and calls only to the endpoints its workers reported: it
+    # hears first, so a peer that learned our endpoint from the registry finds it known.
     endpoint.send_oneway(spec.node.endpoint, AgentOp.WORKER_READY, {"info": info.to_wire()})
+    await _report_ready(registry, info)
     def on_registry_restarted(_msg: Incoming) -> None:
         loop.create_task(registry.resubscribe_patiently())
 

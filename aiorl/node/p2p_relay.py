@@ -4,121 +4,381 @@ A worker beyond its direct-connection budget (`aiorl.p2p.relay`) sends its p2p c
 messages to its own agent as ``relay_p2p``. The agent forwards each, frames unchanged (no
 copy: ZMQ sends the received frames on), either to the destination as ``p2p.via`` (the
 destination is on this node) or, as the same ``relay_p2p``, to the agent of the
-destination's node, found in the registry's node list (cached; looked up again on a
-miss). Forwarding is synchronous and in arrival order, and messages for a node whose
-agent is being looked up wait, in order, behind that look-up: one pair's messages keep
-their order (docs/ordering.md).
+destination's node, from the registry's node list (watched: pushed on every change).
+Forwarding is synchronous and in arrival order, and messages for a node the list does
+not show yet wait, in order, behind one look-up: one pair's messages keep their order
+(docs/ordering.md). Credits (``p2p.credit``: bytes a receiver consumed) take the same way
+back to the sender.
 
-Nothing here answers: a message that cannot be forwarded (a malformed one, a node or
-worker that is gone) is dropped and logged at a bounded rate. The sender learns of a dead
-destination from the registry, as for a direct connection; the agent of a worker that
-exited has marked its endpoint lost (`aiorl.node.relay.CallRelay.worker_exited`), so
-nothing queues toward it.
+**Bounds.** Every relayed pair is credit-based (`aiorl.p2p.relay`): its sender has at most
+its window unconsumed. The agent counts, from the envelopes and credits that cross it,
+what it forwarded toward each receiver that the receiver has not consumed (`held`, per
+pair): an upper bound on what it holds for that receiver. While that count is over
+``AIORL_NODE_RELAY_DEST_BYTES`` for a receiver, or over ``AIORL_NODE_RELAY_BYTES`` in all
+(`RelayBounds`), the credits that cross the agent toward the senders are kept back
+(one count per pair) and passed on, oldest first, as the receivers consume: the senders
+wait, and the agent never adds to what it holds past its bounds beyond the credit the
+senders already had (one window per pair, at most).
+
+**Rules for what cannot be forwarded** (nothing here answers, and nothing is opened):
+
+* a malformed envelope is dropped (logged at a bounded rate);
+* an envelope for a worker of this node that the agent does not know (never started here,
+  or exited) is dropped, and its bytes are granted back to its sender (the agents between
+  count them no longer): no connection is made to an address nobody serves;
+* an envelope for a node the registry does not list is held (bounded in bytes, one
+  look-up at a time for all such nodes) until the list is refreshed, then forwarded or
+  dropped;
+* a worker of this node that exits: what was counted toward it is granted back to its
+  senders, and credits kept back for it go on, so the agents between stop counting it;
+* a node the registry declares dead (it leaves the watched list, and its agent does not
+  answer a ping) has its agent's connection closed at once (`Endpoint.mark_peer_lost`):
+  what was queued toward it is freed, and what was counted or kept back for its workers
+  is forgotten. The senders learn of the death from the registry, as for a direct pair.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+import os
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aiorl.errors import ProtocolError
 from aiorl.protocol.ops import AgentOp
-from aiorl.protocol.p2p_relay import P2P_VIA, RelayedP2P
+from aiorl.protocol.p2p_relay import P2P_CREDIT, P2P_VIA, RelayedP2P, envelope_bytes
 from aiorl.protocol.registry import NodeInfo
 from aiorl.transport.endpoint import Endpoint, Incoming
+from aiorl.util.environment import count_setting
 from aiorl.util.ratelimit import RateLimitedLog
 
-__all__ = ["P2PRelay"]
+__all__ = ["DEFAULT_DEST_BYTES", "DEFAULT_TOTAL_BYTES", "P2PRelay", "RelayBounds"]
 
 log = logging.getLogger("aiorl.node")
 _warn = RateLimitedLog(log)
 
 #: The agent op as a plain str (an enum member costs msgpack a slow path per message).
 _RELAY_P2P: str = AgentOp.RELAY_P2P.value
-#: Messages held for one node while its agent is looked up; beyond, they are dropped (a
-#: registry that does not answer must not grow the agent without bound).
-MAX_HELD_PER_NODE = 100_000
+#: Per receiver: 64 MiB, eight relayed windows (8 MiB each) in flight toward one worker.
+#: One sender streams at full speed within its own window; eight senders toward a worker
+#: that does not read leave at most this in the agent.
+DEFAULT_DEST_BYTES = 64 << 20
+#: In all: 256 MiB, so that an agent next to its workers stays far below a node's memory
+#: while four receivers' worth of relayed traffic is in flight through it.
+DEFAULT_TOTAL_BYTES = 256 << 20
+#: Bytes held, over all nodes, while the node list is looked up for nodes it does not show;
+#: beyond, messages are dropped: a registry that does not answer, or envelopes naming
+#: nodes that do not exist, must not grow the agent.
+MAX_UNLISTED_BYTES = 32 << 20
+#: A node that left the registry's list is pinged before its connection is closed: a
+#: registry that restarted lists a live node again only once it re-registered. Its agent
+#: answers within this, or it is dead (the close frees what was queued toward it).
+GONE_PING_S = 0.5
+
+
+@dataclass(frozen=True)
+class RelayBounds:
+    """What an agent lets itself hold for relayed pairs (see the module docstring)."""
+
+    dest_bytes: int = DEFAULT_DEST_BYTES
+    total_bytes: int = DEFAULT_TOTAL_BYTES
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> RelayBounds:
+        """``AIORL_NODE_RELAY_DEST_BYTES`` and ``AIORL_NODE_RELAY_BYTES``, else the defaults.
+
+        Raises ValueError naming the variable for a value that is not a positive integer:
+        a typo must not lift the bound an agent relies on (or stop every relayed pair).
+        """
+        values = []
+        for name, default in (("AIORL_NODE_RELAY_DEST_BYTES", DEFAULT_DEST_BYTES),
+                              ("AIORL_NODE_RELAY_BYTES", DEFAULT_TOTAL_BYTES)):
+            value = count_setting(environ, name, default, "a byte count")
+            if value == 0:
+                raise ValueError(f"{name} must be > 0 bytes (0 would stop every relayed pair)")
+            values.append(value)
+        return cls(values[0], values[1])
+
+
+class _Receiver:
+    """What one receiver has crossing this agent: per sender (node, address), bytes
+    forwarded toward it and not yet consumed."""
+
+    __slots__ = ("node", "total", "pairs")
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self.total = 0
+        self.pairs: dict[tuple[str, str], int] = {}
 
 
 class P2PRelay:
-    """Serves ``relay_p2p`` on a node agent's endpoint."""
+    """Serves ``relay_p2p`` on a node agent's endpoint.
+
+    ``is_local(address)``: whether a worker of this node serves ``address`` now.
+    """
 
     def __init__(
         self,
         endpoint: Endpoint,
         node_id: str,
         list_nodes: Callable[[], Awaitable[Sequence[NodeInfo]]],
+        is_local: Callable[[str], bool] = lambda _address: True,
+        bounds: RelayBounds | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.node_id = node_id
         self._list_nodes = list_nodes
+        self._is_local = is_local
+        self.bounds = bounds or RelayBounds.from_environment()
         #: Node id -> its agent's endpoint, from the registry's node list.
         self._agents: dict[str, str] = {}
-        #: Messages for a node whose agent is being looked up, in arrival order.
-        self._held: dict[str, list[tuple[Any, list[Any]]]] = {}
+        #: Messages for nodes not (yet) in the list, in arrival order, and their bytes.
+        self._unlisted: list[tuple[str, Any, list[Any], int]] = []
+        self._unlisted_bytes = 0
+        self._look_up_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Receiver address -> what crosses this agent toward it, not consumed yet.
+        self.held: dict[str, _Receiver] = {}
+        #: The sum over `held`.
+        self.held_total = 0
+        #: Envelopes handled so far (the agent trims its memory once this stops moving).
+        self.moved = 0
+        #: Credits kept back while over a bound, oldest first: (receiver address, sender
+        #: node, sender address) -> [the credit's envelope, bytes]; one entry per pair.
+        self.kept: dict[tuple[str, str, str], list[Any]] = {}
 
+    # ------------------------------------------------------------------ forwarding
     def on_relay_p2p(self, msg: Incoming) -> None:
+        self.moved += 1
         try:
             relayed = RelayedP2P.from_wire(msg.meta)
         except ProtocolError as exc:
             _warn.warning("relay_p2p", "dropped a malformed relay_p2p: %s", exc)
             return
+        if relayed.op == P2P_CREDIT:
+            self._on_credit(relayed)
+            return
         node = relayed.dst_node
         if node == self.node_id:
             self._deliver(relayed, msg.frames)
             return
-        held = self._held.get(node)
-        if held is not None:  # behind the look-up of that node's agent: keep the order
-            if len(held) < MAX_HELD_PER_NODE:
-                held.append((msg.meta, msg.frames))
-            else:
-                _warn.warning("relay_p2p_held", "dropped a p2p message for node %s: "
-                              "%d wait for its agent's look-up", node, len(held))
-            return
         agent = self._agents.get(node)
-        if agent is None:
-            self._held[node] = [(msg.meta, msg.frames)]
-            task = asyncio.get_running_loop().create_task(self._look_up(node))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        if agent is None or self._unlisted:  # not listed, or others wait: keep the order
+            self._hold_unlisted(node, msg.meta, msg.frames)
             return
-        self._forward(agent, node, msg.meta, msg.frames)
+        self._forward(agent, relayed, msg.meta, msg.frames)
 
     def _deliver(self, relayed: RelayedP2P, frames: list[Any]) -> None:
         """To the destination worker on this node, as if its sender had sent it."""
+        address = relayed.dst_address
+        nbytes = envelope_bytes(frames)
+        if not self._is_local(address):
+            _warn.warning("relay_p2p_unknown", "dropped a relayed p2p message for %s: no worker "
+                          "of this node serves that address", address)
+            self._bounce(relayed, nbytes)
+            return
         try:
-            self.endpoint.send_oneway(relayed.dst_address, P2P_VIA, relayed.via().to_wire(), frames)
+            self.endpoint.send_oneway(address, P2P_VIA, relayed.via().to_wire(), frames)
         except Exception as exc:  # noqa: BLE001 - a worker that is gone: its senders hear from the registry
-            _warn.warning("relay_p2p_deliver", "dropped a p2p message for %s: %s",
-                          relayed.dst_address, exc)
+            _warn.warning("relay_p2p_deliver", "dropped a p2p message for %s: %s", address, exc)
+            self._bounce(relayed, nbytes)
+            return
+        self._count(relayed, nbytes)
 
-    def _forward(self, agent: str, node: str, meta: Any, frames: list[Any]) -> None:
-        """To the agent of ``node``, unchanged."""
+    def _forward(self, agent: str, relayed: RelayedP2P, meta: Any, frames: list[Any]) -> None:
+        """To the agent of the destination's node, unchanged."""
         try:
             self.endpoint.send_oneway(agent, _RELAY_P2P, meta, frames)
         except Exception as exc:  # noqa: BLE001 - a node that is gone: so are its workers
-            _warn.warning("relay_p2p_forward", "dropped a p2p message for node %s: %s", node, exc)
+            _warn.warning("relay_p2p_forward", "dropped a p2p message for node %s: %s",
+                          relayed.dst_node, exc)
+            return
+        if relayed.op != P2P_CREDIT:
+            self._count(relayed, envelope_bytes(frames))
 
-    async def _look_up(self, node: str) -> None:
-        """Refresh the node list, then forward what waited for ``node``'s agent, in order."""
+    # ------------------------------------------------------------------ credit
+    def _on_credit(self, credit: RelayedP2P) -> None:
+        """A receiver (``src_*``) consumed bytes its sender (``dst_*``) sent: they no longer
+        cross this agent. The credit goes on toward the sender unless this agent is over a
+        bound, in which case it waits here (counted into the pair's one entry)."""
+        receiver = credit.src_address
+        self._uncount(receiver, (credit.dst_node, credit.dst_address), credit.meta[0])
+        if self.kept or self._over(receiver):
+            key = (receiver, credit.dst_node, credit.dst_address)
+            kept = self.kept.get(key)
+            if kept is None:
+                self.kept[key] = [credit, credit.meta[0]]
+            else:
+                kept[1] += credit.meta[0]
+        else:
+            self._pass_credit(credit, credit.meta[0])
+        if self.kept:
+            self._release_kept()
+
+    def _over(self, receiver: str) -> bool:
+        entry = self.held.get(receiver)
+        return (self.held_total >= self.bounds.total_bytes
+                or (entry is not None and entry.total >= self.bounds.dest_bytes))
+
+    def _release_kept(self) -> None:
+        """Pass on kept credits, oldest first, for receivers no longer over their bound
+        (all wait while the total is over)."""
+        for key in list(self.kept):
+            if self.held_total >= self.bounds.total_bytes:
+                return
+            if self._over(key[0]):
+                continue
+            credit, nbytes = self.kept.pop(key)
+            self._pass_credit(credit, nbytes)
+
+    def _pass_credit(self, credit: RelayedP2P, nbytes: int) -> None:
+        if nbytes != credit.meta[0]:
+            credit = RelayedP2P(credit.dst_node, credit.dst_address, credit.src_identity,
+                                P2P_CREDIT, [nbytes], credit.src_node, credit.src_address)
+        node = credit.dst_node
+        if node == self.node_id:
+            if self._is_local(credit.dst_address):  # else: a sender that is gone
+                try:
+                    self.endpoint.send_oneway(credit.dst_address, P2P_VIA,
+                                              credit.via().to_wire())
+                except Exception as exc:  # noqa: BLE001 - a worker that is gone
+                    _warn.warning("relay_p2p_deliver", "dropped a p2p credit for %s: %s",
+                                  credit.dst_address, exc)
+            return
+        agent = self._agents.get(node)
+        if agent is None:  # a node that joined a moment ago: the look-up finds it, or drops it
+            self._hold_unlisted(node, credit.to_wire(), [])
+            return
+        self._forward(agent, credit, credit.to_wire(), [])
+
+    def _bounce(self, data: RelayedP2P, nbytes: int) -> None:
+        """Grant ``data``'s bytes back to its sender, as if its receiver had consumed them:
+        it was dropped, and the agents it crossed must stop counting it."""
+        credit = RelayedP2P(data.src_node, data.src_address, self.endpoint.identity, P2P_CREDIT,
+                            [nbytes], data.dst_node, data.dst_address)
+        self._on_credit(credit)
+
+    # ------------------------------------------------------------------ accounting
+    def _count(self, data: RelayedP2P, nbytes: int) -> None:
+        receiver = self.held.get(data.dst_address)
+        if receiver is None:
+            receiver = self.held[data.dst_address] = _Receiver(data.dst_node)
+        pair = (data.src_node, data.src_address)
+        receiver.pairs[pair] = receiver.pairs.get(pair, 0) + nbytes
+        receiver.total += nbytes
+        self.held_total += nbytes
+
+    def _uncount(self, address: str, pair: tuple[str, str], nbytes: int) -> None:
+        receiver = self.held.get(address)
+        if receiver is None:
+            return
+        held = receiver.pairs.get(pair)
+        if held is None:
+            return
+        nbytes = min(held, nbytes)
+        if held == nbytes:
+            del receiver.pairs[pair]
+        else:
+            receiver.pairs[pair] = held - nbytes
+        receiver.total -= nbytes
+        self.held_total -= nbytes
+        if not receiver.pairs:
+            del self.held[address]
+
+    def worker_exited(self, address: str) -> None:
+        """A worker of this node exited: what was counted toward it is granted back to its
+        senders, and credits kept back for it go on now, so that the agents between stop
+        counting bytes it will never consume."""
+        for key in [k for k in self.kept if k[0] == address]:
+            credit, nbytes = self.kept.pop(key)
+            self._pass_credit(credit, nbytes)
+        receiver = self.held.pop(address, None)
+        if receiver is not None:
+            self.held_total -= receiver.total
+            for (node, sender), nbytes in receiver.pairs.items():
+                self._pass_credit(RelayedP2P(node, sender, self.endpoint.identity, P2P_CREDIT,
+                                             [nbytes], self.node_id, address), nbytes)
+        if self.kept:
+            self._release_kept()
+
+    def forget(self, receivers: Iterable[str]) -> None:
+        """These receivers are gone: nothing more is counted or kept for them."""
+        gone = set(receivers)
+        for address in gone:
+            receiver = self.held.pop(address, None)
+            if receiver is not None:
+                self.held_total -= receiver.total
+        for key in [k for k in self.kept if k[0] in gone]:
+            del self.kept[key]
+        if self.kept:
+            self._release_kept()
+
+    # ------------------------------------------------------------------ nodes
+    def on_nodes(self, nodes: list[dict[str, Any]]) -> None:
+        """The registry's node list changed (watched): forward to the listed agents, and
+        close the connection to any that left it and does not answer (dead)."""
+        agents = {n["node_id"]: n["endpoint"] for n in nodes
+                  if isinstance(n, dict) and isinstance(n.get("node_id"), str)
+                  and isinstance(n.get("endpoint"), str)}
+        gone = {node: address for node, address in self._agents.items()
+                if agents.get(node) != address}
+        self._agents = agents
+        for node, address in gone.items():
+            self._spawn(self._confirm_gone(node, address))
+
+    async def _confirm_gone(self, node: str, address: str) -> None:
+        try:
+            await self.endpoint.request(address, AgentOp.PING.value, None, timeout=GONE_PING_S)
+        except Exception:  # noqa: BLE001 - no answer: it is dead
+            self._node_dead(node, address)
+
+    def _node_dead(self, node: str, address: str) -> None:
+        if self._agents.get(node) == address:
+            return  # listed again meanwhile (a registry that restarted)
+        self.endpoint.mark_peer_lost(address, f"node {node} is dead")
+        self.forget([r for r, entry in self.held.items() if entry.node == node])
+        for key in [k for k, (credit, _n) in self.kept.items() if credit.dst_node == node]:
+            del self.kept[key]  # toward senders of that node
+        log.info("node %s is dead: closed the relay connection to its agent", node)
+
+    def _hold_unlisted(self, node: str, meta: Any, frames: list[Any]) -> None:
+        nbytes = envelope_bytes(frames)
+        if self._unlisted_bytes + nbytes > MAX_UNLISTED_BYTES:
+            _warn.warning("relay_p2p_held", "dropped a p2p message for node %s: %d bytes wait "
+                          "for nodes the registry does not list", node, self._unlisted_bytes)
+            return
+        self._unlisted.append((node, meta, frames, nbytes))
+        self._unlisted_bytes += nbytes
+        if self._look_up_task is None:
+            self._look_up_task = self._spawn(self._look_up())
+
+    async def _look_up(self) -> None:
+        """Refresh the node list, then forward what waited, in order (or drop it)."""
         try:
             nodes = await self._list_nodes()
         except Exception as exc:  # noqa: BLE001 - what waited is dropped below
             _warn.warning("relay_p2p_nodes", "cannot list the nodes: %s", exc)
         else:
-            self._agents = {n.node_id: n.endpoint for n in nodes}
-        held = self._held.pop(node, [])
-        agent = self._agents.get(node)
-        if agent is None:
-            if held:
-                _warn.warning("relay_p2p_node", "dropped %d p2p message(s) for node %s: "
-                              "not among the registry's nodes", len(held), node)
-            return
-        for meta, frames in held:
-            self._forward(agent, node, meta, frames)
+            self._agents.update({n.node_id: n.endpoint for n in nodes})
+        finally:
+            self._look_up_task = None
+        waited, self._unlisted, self._unlisted_bytes = self._unlisted, [], 0
+        for node, meta, frames, _nbytes in waited:
+            agent = self._agents.get(node)
+            if agent is None:
+                _warn.warning("relay_p2p_node", "dropped a p2p message for node %s: not among "
+                              "the registry's nodes", node)
+                continue
+            self._forward(agent, RelayedP2P.from_wire(meta), meta, frames)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def close(self) -> None:
         for task in list(self._tasks):

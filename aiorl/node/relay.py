@@ -8,15 +8,23 @@ with the number of nodes, not of workers (docs/scale.md).
 A rank's process that ends while its call is pending fails that rank only: the agent sees
 the exit (`CallRelay.worker_exited`) and fails what is pending on the worker's endpoint,
 so the driver's answer comes without waiting for the registry's news.
+
+A rank that no worker of this node serves (no such worker here, it exited, or the endpoint
+is not the one it reported) fails at once with `PeerLostError`: no connection is opened to
+an address nobody serves (it would never answer, and never close), and the call's frames
+are not kept for it. A worker that started and whose report of its endpoint has not reached
+the agent yet is called anyway (a worker tells its agent before the registry, but on another
+connection): the agent cannot tell yet, and the call fails if that worker exits.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from aiorl.errors import ProtocolError, to_wire
+from aiorl.errors import PeerLostError, ProtocolError, to_wire
 from aiorl.protocol.ops import WorkerOp
 from aiorl.protocol.relay import RelayedAnswers, RelayedCall
 from aiorl.transport.endpoint import Endpoint, Incoming
@@ -61,8 +69,13 @@ class _Gathered:
 class CallRelay:
     """Serves ``relay_call`` on a node agent's endpoint."""
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint,
+                 serves: Callable[[str, str], bool | None] = lambda _n, _e: None) -> None:
         self.endpoint = endpoint
+        #: serves(name, endpoint): True / False / None (cannot tell yet), from the agent.
+        self._serves = serves
+        #: Relayed calls served so far (the agent trims its memory once this stops moving).
+        self.moved = 0
         #: The endpoint each worker name was last called at: where an exit fails its calls.
         self._endpoints: dict[str, str] = {}
 
@@ -73,10 +86,17 @@ class CallRelay:
             _warn.warning("relay_call", "refused a malformed relay_call: %s", exc)
             msg.reply_error(exc)
             return
+        self.moved += 1
         gathered = _Gathered(msg, len(call.ranks))
         request = self.endpoint.request_then
         frames = msg.frames
+        serves = self._serves
         for i, (name, endpoint) in enumerate(zip(call.names, call.endpoints, strict=True)):
+            if serves(name, endpoint) is False:
+                gathered.settle(i, PeerLostError(
+                    f"no worker {name} of this node serves {endpoint} (it is not running "
+                    "here, or it exited)"), None)
+                continue
             self._endpoints[name] = endpoint
             request(endpoint, _CALL, call.method, frames, functools.partial(gathered.settle, i))
 

@@ -13,7 +13,9 @@ by one control message on the sender's single connection to the receiver, in cal
 order, whatever its kind or path; the receiver matches control messages to posted
 receives first-in first-out per sender. Beyond ``AIORL_P2P_DIRECT_PEERS`` destinations on
 other nodes, a pair's control messages take one fixed route through the node agents
-instead (`aiorl.p2p.relay`), FIFO at every hop, and arrive as ``p2p.via``.
+instead (`aiorl.p2p.relay`), FIFO at every hop, and arrive as ``p2p.via``; the receiver
+grants their bytes back to the sender as it reads them (``p2p.credit``, the pair's flow
+control): at once from a quarter of a window on, else within 10 ms.
 
 Threads: every public method may be called from the event loop (no thread hop) or from
 another thread such as a worker's method thread. Validation and pickling happen at call
@@ -56,9 +58,10 @@ from aiorl.p2p.proto import (
     OP_VIA,
     RESOLVE_RETRY_S,
 )
-from aiorl.p2p.relay import RelayRoute, direct_peers
+from aiorl.p2p.relay import RelayRoute, direct_peers, relay_window
 from aiorl.p2p.sender import Sender, SenderStatistics
-from aiorl.protocol.p2p_relay import ViaP2P
+from aiorl.protocol.ops import AgentOp
+from aiorl.protocol.p2p_relay import P2P_CREDIT, RelayedP2P, ViaP2P, envelope_bytes
 from aiorl.runtime import AsyncWork, Runtime
 from aiorl.runtime.promise import reject, trace_until_settled
 from aiorl.runtime.waiter import BlockingWaiter
@@ -75,6 +78,11 @@ _warn = RateLimitedLog(log)
 #: A source's messages came from a newer process than the dead one the runtime knows of:
 #: how soon to resolve its name again (doubling up to the maximum) until it is ready.
 _REWATCH_FIRST_S = 0.02
+#: The agent op as a plain str (an enum member costs msgpack a slow path per message).
+_RELAY_P2P = AgentOp.RELAY_P2P.value
+#: Credit owed to a relayed source below a quarter of its window waits this long for more
+#: (`P2PEngine._grant`).
+GRANT_DELAY_S = 0.01
 _REWATCH_MAX_S = 1.0
 
 
@@ -126,9 +134,11 @@ class P2PEngine:
 
     ``node_id`` is this worker's node (None in a driver): payload paths that need one
     node (shared memory, CMA, CUDA IPC) apply only toward workers of the same node.
+    ``agent``: that node's agent endpoint, where relayed messages and credits go (looked up
+    in the registry when not given).
     """
 
-    def __init__(self, runtime: Runtime, node_id: str | None) -> None:
+    def __init__(self, runtime: Runtime, node_id: str | None, agent: str | None = None) -> None:
         self.runtime = runtime
         self.loop: asyncio.AbstractEventLoop = runtime.loop
         self.endpoint = runtime.endpoint
@@ -147,6 +157,15 @@ class P2PEngine:
         #: ... these (by address); later ones are relayed through the node agents.
         self._direct_remote: set[str] = set()
         self._agent: asyncio.Future[str | None] | None = None  # this node's agent endpoint
+        if agent is not None:
+            self._agent = self.loop.create_future()
+            self._agent.set_result(agent)
+        #: A relayed pair's window (bytes sent and not yet granted back by the receiver).
+        self.relay_window = relay_window()
+        #: Credit owed to relayed sources, by (node, address): see `_grant`.
+        self._grants: dict[tuple[str, str], int] = {}
+        self._grants_soon = False  # a send of the grants at the end of this loop iteration
+        self._grants_later: asyncio.TimerHandle | None = None  # ... or after GRANT_DELAY_S
         # Bound once: on every call's path.
         self._loop_tid = runtime.loop_thread.thread_id  # compared inline on each send/recv
         self._submit = runtime.submit
@@ -338,7 +357,9 @@ class P2PEngine:
         if agent is None:
             self._direct_remote.add(address)
             return None
-        return RelayRoute(self.endpoint, agent, peer_node, address, self.endpoint.identity)
+        assert self.node_id is not None  # an agent was found for it
+        return RelayRoute(self.endpoint, agent, peer_node, address, self.endpoint.identity,
+                          self.node_id, self.relay_window)
 
     async def _find_agent(self, found: asyncio.Future[str | None]) -> None:
         """This node's agent endpoint, from the registry's node list."""
@@ -456,8 +477,66 @@ class P2PEngine:
         except ProtocolError as exc:
             _warn.warning("p2p.via", "%s: dropped a malformed relayed p2p message: %s", self.name, exc)
             return
+        if via.op == P2P_CREDIT:
+            s = self._sender_by_address.get(via.src_address)
+            if s is not None and s.relay is not None:
+                s.relay.credit(via.meta[0])
+            return  # else: a Sender that is gone, or a direct one: nothing to grant
         inner = Incoming(self.endpoint, via.src_identity, msg.kind, 0, via.op, via.meta, msg.frames)
-        self._via_handlers[via.op](inner)
+        try:
+            self._via_handlers[via.op](inner)
+        finally:  # read, handled or not: the sender may send these bytes again
+            self._grant(via.src_node, via.src_address, envelope_bytes(msg.frames))
+
+    def _grant(self, node: str, address: str, nbytes: int) -> None:
+        """Owe ``nbytes`` of credit to the relayed source at ``address``.
+
+        Once a source is owed a quarter of a window, what it is owed goes back at the end of
+        this loop iteration (a sender streaming at full speed is never held up by its own
+        credit); less goes back after ``GRANT_DELAY_S``, with whatever came meanwhile. A
+        credit per small message would double what the agents forward: measured, it doubled
+        a relayed round trip. A sender can then wait for its credit only while three
+        quarters of a window are on their way here (which brings it), and an idle pair's
+        credit is home, and the agents' counts exact, within ``GRANT_DELAY_S``.
+        """
+        key = (node, address)
+        owed = self._grants[key] = self._grants.get(key, 0) + nbytes
+        if owed >= self.relay_window >> 2:
+            if not self._grants_soon:
+                self._grants_soon = True
+                self.loop.call_soon(self._send_grants)
+        elif self._grants_later is None:
+            self._grants_later = self.loop.call_later(GRANT_DELAY_S, self._send_grants)
+
+    def _send_grants(self) -> None:
+        """Send what is owed, through this node's agent (the relayed route back)."""
+        self._grants_soon = False
+        if self._grants_later is not None:
+            self._grants_later.cancel()
+            self._grants_later = None
+        if not self._grants or self._closed:
+            return
+        found = self._agent
+        if found is None:
+            found = self._agent = self.loop.create_future()
+            self.spawn(self._find_agent(found))
+        if not found.done():  # sent once this node's agent is known
+            found.add_done_callback(lambda _f: self._send_grants())
+            return
+        agent = found.result()
+        if agent is None:  # not a node's worker: no route back (relayed messages reach workers)
+            self._grants.clear()
+            return
+        grants, self._grants = self._grants, {}
+        assert self.node_id is not None  # a worker's engine: relayed messages reach workers
+        me, identity, node = self.endpoint.address, self.endpoint.identity, self.node_id
+        for (src_node, src_address), nbytes in grants.items():
+            credit = RelayedP2P(src_node, src_address, identity, P2P_CREDIT, [nbytes], node, me)
+            try:
+                self.endpoint.send_oneway(agent, _RELAY_P2P, credit.to_wire())
+            except Exception as exc:  # noqa: BLE001 - our agent is gone: so is this node
+                _warn.warning("p2p.credit", "%s: cannot grant relayed credit: %s", self.name, exc)
+                return
 
     def _on_hello(self, msg: Incoming) -> None:
         ib = self.inbox(msg.meta["src"])
@@ -517,10 +596,10 @@ def _pid_of(identity: bytes) -> int:
         return 0
 
 
-def get_p2p(runtime: Runtime, node_id: str | None = None) -> P2PEngine:
+def get_p2p(runtime: Runtime, node_id: str | None = None, agent: str | None = None) -> P2PEngine:
     """The point-to-point engine of ``runtime``, created (and its handlers registered) once.
 
     Worker processes create it when they start (with their node id), so a worker that
     never calls a p2p method still accepts messages sent to it.
     """
-    return runtime.service(P2PEngine, runtime, node_id)
+    return runtime.service(P2PEngine, runtime, node_id, agent)

@@ -15,24 +15,42 @@ is one FIFO connection and agents forward synchronously in arrival order, so one
 messages stay in order (docs/ordering.md). A relayed Sender uses only the payload paths
 that need no set-up question and send nothing back (`RELAYED_PATHS`): frames, and CUDA
 tensors staged through pinned host memory at any size.
+
+Flow control: a relayed pair is credit-based, end to end. The Sender may have at most
+``AIORL_P2P_RELAY_WINDOW`` bytes (`relay_window`; each envelope counts its frames plus
+`aiorl.protocol.p2p_relay.ENVELOPE_COST`) sent and not yet consumed by the receiver; the
+receiver grants them back as its loop reads them (``p2p.credit``, relayed the other way).
+A send that finds the window full waits in the Sender's backlog, in order, and completes
+later, as a direct pair's does when its socket is full. The window is checked before each
+message, whatever its size, so a message larger than the window still goes: a pair has at
+most the window plus one message in flight. What the agents hold for a pair is therefore
+bounded by the sender, not by how fast the receiver or the agents drain it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from aiorl.protocol.ops import AgentOp
+from aiorl.protocol.p2p_relay import envelope_bytes
 from aiorl.util.environment import count_setting
 
 if TYPE_CHECKING:
     from aiorl.transport.endpoint import Endpoint
 
-__all__ = ["DEFAULT_DIRECT_PEERS", "RelayRoute", "direct_peers"]
+__all__ = ["DEFAULT_DIRECT_PEERS", "DEFAULT_RELAY_WINDOW", "RelayRoute", "direct_peers",
+           "relay_window"]
 
 #: Workers on other nodes a process sends to directly before it relays through agents.
 DEFAULT_DIRECT_PEERS: Final = 64
+#: Bytes a relayed pair may have unconsumed in flight. 8 MiB: a relayed hop round trip is
+#: about 0.5 ms on one machine, so 8 MiB keeps the pipe full up to ~16 GB/s, far above what
+#: two agents forward (~0.4 GB/s measured); and 8 such pairs stalled toward one receiver hold
+#: 64 MiB in an agent, what `aiorl.node.p2p_relay` allows per destination by default.
+DEFAULT_RELAY_WINDOW: Final = 8 << 20
 #: The agent op as a plain str (an enum member costs msgpack a slow path per message).
 _RELAY_P2P: Final = AgentOp.RELAY_P2P.value
 
@@ -48,21 +66,63 @@ def direct_peers(environ: Mapping[str, str] = os.environ) -> int:
                          "a number of peers")
 
 
-class RelayRoute:
-    """How a relayed Sender's control messages leave: wrapped for this node's agent."""
+def relay_window(environ: Mapping[str, str] = os.environ) -> int:
+    """``AIORL_P2P_RELAY_WINDOW`` (bytes a relayed pair may have unconsumed), else the default.
 
-    __slots__ = ("endpoint", "agent", "_head")
+    Raises ValueError for a value that is not a positive integer: 0 would stop every
+    relayed pair, and a typo must not silently lift the bound the agents rely on.
+    """
+    value = count_setting(environ, "AIORL_P2P_RELAY_WINDOW", DEFAULT_RELAY_WINDOW, "a byte count")
+    if value == 0:
+        raise ValueError("AIORL_P2P_RELAY_WINDOW must be > 0 bytes (0 would stop every relayed pair)")
+    return value
+
+
+class RelayRoute:
+    """How a relayed Sender's control messages leave: wrapped for this node's agent, within
+    the pair's credit window (see the module docstring)."""
+
+    __slots__ = ("endpoint", "agent", "_head", "_tail", "window", "outstanding", "_waiter")
 
     def __init__(
-        self, endpoint: Endpoint, agent: str, dst_node: str, dst_address: str, identity: bytes
+        self, endpoint: Endpoint, agent: str, dst_node: str, dst_address: str, identity: bytes,
+        src_node: str, window: int,
     ) -> None:
         self.endpoint = endpoint
         self.agent = agent  # this worker's node agent: the first hop
         #: The envelope's fixed fields: the destination, and the routing id the receiver
-        #: would have seen on a direct connection (its engine compares the pid in it).
+        #: would have seen on a direct connection (its engine compares the pid in it) ...
         self._head = (dst_node, dst_address, identity)
+        #: ... and where the receiver's credit comes back to.
+        self._tail = (src_node, endpoint.address)
+        self.window = window
+        #: Bytes sent toward the receiver that it has not granted back yet.
+        self.outstanding = 0
+        self._waiter: asyncio.Future[None] | None = None
+
+    def has_room(self, queued: int = 0) -> bool:
+        """Whether a message may go now (``queued``: bytes already batched to go)."""
+        return self.outstanding + queued < self.window
+
+    def wait_room(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+        """Resolves when a credit arrives (or `wake` is called: the pair is lost)."""
+        if self._waiter is None or self._waiter.done():
+            self._waiter = loop.create_future()
+        return self._waiter
+
+    def credit(self, nbytes: int) -> None:
+        """The receiver consumed ``nbytes``: they may be sent again."""
+        self.outstanding = max(0, self.outstanding - nbytes)
+        self.wake()
+
+    def wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def send(self, op: str, meta: list[Any], frames: Sequence[Any]) -> None:
         """Send the p2p message ``op``/``meta`` toward the destination (raises what
         ``send_oneway`` raises: the agent is gone, or refuses our key)."""
-        self.endpoint.send_oneway(self.agent, _RELAY_P2P, [*self._head, op, meta], frames)
+        self.endpoint.send_oneway(self.agent, _RELAY_P2P, [*self._head, op, meta, *self._tail],
+                                  frames)
+        self.outstanding += envelope_bytes(frames)

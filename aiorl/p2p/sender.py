@@ -25,6 +25,8 @@ the receiver, in call order (``docs/ordering.md``). The Sender keeps that order:
      behind it.
 4. **Completion**: when every path that placed part of the message says its bytes may
    be reused (at once, ZMQ released the frames, the receiver read them, the GPU is done).
+   A relayed Sender also waits, before each message, for its pair's credit
+   (`aiorl.p2p.relay`): sends behind a spent window wait in the backlog, in order.
 
 Loss: `Sender.lost` fails the backlog, the batch and the pending sends, then lets
 each path fail what it still waits for (its own completion tokens) and release its
@@ -100,6 +102,8 @@ class SenderStatistics:
     lost: bool
     paths: Mapping[str, PathStatistics]  # by path name; only the paths that apply
     relayed: bool = False  # through the node agents (`aiorl.p2p.relay`), not a connection
+    #: Relayed: bytes sent that the receiver has not granted back yet (its window's use).
+    outstanding: int = 0
 
     def usable(self, path: str) -> bool | None:
         """Whether ``path`` was found usable toward this destination (None: not probed)."""
@@ -197,7 +201,8 @@ class Sender:
         if self.lost_exc is not None:
             reject_work(work, lost_error(self.lost_exc, f"cannot send to {self.name}"))
             return
-        if self.ready and not self.backlog:
+        relay = self.relay
+        if self.ready and not self.backlog and (relay is None or relay.has_room(self.outbox_bytes)):
             if msg.inline is not None:
                 self._enqueue(msg, work)
                 return
@@ -259,6 +264,12 @@ class Sender:
                     continue  # re-check: the loss of the peer may have emptied the backlog
                 if self.askers and self._needs_setup(msg):
                     await self._hello(msg)
+                    continue  # re-check: the loss of the peer may have emptied the backlog
+                relay = self.relay
+                if relay is not None and not relay.has_room(self.outbox_bytes):
+                    # The pair's credit is spent: wait for the receiver to consume (the
+                    # module docstring of aiorl.p2p.relay); later sends wait behind.
+                    await relay.wait_room(self.engine.loop)
                     continue  # re-check: the loss of the peer may have emptied the backlog
                 backlog.popleft()
                 self._emit(msg, work)
@@ -445,6 +456,8 @@ class Sender:
         self.pending.clear()
         for path in (*self.cpu_paths, *self.cuda_paths):
             path.lost(exc)
+        if self.relay is not None:
+            self.relay.wake()  # a backlog waiting for credit: its pump ends
 
     def close(self) -> None:
         for path in (*self.cpu_paths, *self.cuda_paths):
@@ -460,6 +473,7 @@ class Sender:
             lost=self.lost_exc is not None,
             paths={name: path.statistics() for name, path in self.path_names.items()},
             relayed=self.relay is not None,
+            outstanding=0 if self.relay is None else self.relay.outstanding,
         )
 
 

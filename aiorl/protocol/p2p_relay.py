@@ -8,12 +8,22 @@ destination's node hands it to the worker as a `ViaP2P` (agent -> worker, one-wa
 ``p2p.via``), which the worker's p2p engine serves as the inner message sent by the
 original endpoint (``src_identity``: the routing id the receiver would have seen).
 
+Flow control: a relayed pair is credit-based, end to end. Each envelope names its source
+(``src_node``, ``src_address``); the receiving worker, as it reads relayed messages, sends
+the bytes it consumed back to their sender as ``p2p.credit`` (meta ``[bytes]``), relayed
+the same way in the other direction. The sender keeps at most its window
+(`aiorl.p2p.relay.relay_window`) unconsumed, and both agents count what crosses them toward
+each receiver from the envelopes and the credits (`aiorl.node.p2p_relay`). `envelope_bytes`
+is what both ends count for an envelope: its frames plus a fixed cost, so that a flood of
+empty messages is bounded too.
+
 Both are lists, not maps: they travel once per relayed message (or batch). ``from_wire``
 checks every field; the agents and the engine drop what does not pass.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -23,13 +33,30 @@ if TYPE_CHECKING:
 from aiorl.errors import ProtocolError
 from aiorl.protocol.fields import MAX_SHORT
 
-__all__ = ["P2P_VIA", "RELAYED_P2P_OPS", "RelayedP2P", "ViaP2P"]
+__all__ = ["ENVELOPE_COST", "P2P_CREDIT", "P2P_VIA", "RELAYED_P2P_OPS", "RelayedP2P", "ViaP2P",
+           "envelope_bytes"]
 
 #: The worker op that delivers a relayed message (the p2p engine serves it).
 P2P_VIA: Final = "p2p.via"
+#: Receiver -> sender, relayed: ``[bytes]`` the receiver (``src_address``) consumed: its grant.
+P2P_CREDIT: Final = "p2p.credit"
 #: The p2p ops that may be relayed: those that need no answer and no set-up (the wire
-#: names of ``aiorl.p2p.proto.OP_DATA`` and ``OP_BATCH``; a test checks they agree).
-RELAYED_P2P_OPS: Final = frozenset({"p2p.data", "p2p.batch"})
+#: names of ``aiorl.p2p.proto.OP_DATA`` and ``OP_BATCH``; a test checks they agree), and
+#: the credit that flows back.
+RELAYED_P2P_OPS: Final = frozenset({"p2p.data", "p2p.batch", P2P_CREDIT})
+#: What an envelope costs beyond its frames' bytes in the credit count (its header, and
+#: the agent's bookkeeping): a stream of tiny messages is bounded as bytes are.
+ENVELOPE_COST: Final = 256
+#: The largest grant one credit carries (a sender's window is far below).
+_MAX_CREDIT = 1 << 50
+
+
+def envelope_bytes(frames: Sequence[Any]) -> int:
+    """What a relayed envelope with ``frames`` counts against its pair's credit."""
+    n = ENVELOPE_COST
+    for f in frames:  # bytes, or a zmq.Frame: len is bytes (as the frames path assumes too)
+        n += f.nbytes if type(f) is memoryview else len(f)
+    return n
 
 
 def _text(value: object, message: str, field: str) -> str:
@@ -51,6 +78,10 @@ def _inner(op: object, meta: object, message: str) -> str:
         raise ProtocolError(f"{message}.op: {op!r} may not be relayed")
     if not isinstance(meta, list):
         raise ProtocolError(f"{message}.meta: expected a list, got {type(meta).__name__}")
+    if op == P2P_CREDIT and not (
+        len(meta) == 1 and type(meta[0]) is int and 0 < meta[0] <= _MAX_CREDIT
+    ):
+        raise ProtocolError(f"{message}.meta: a {P2P_CREDIT} is [bytes > 0]")
     assert isinstance(op, str)
     return op
 
@@ -64,45 +95,55 @@ def _fields(meta: object, n: int, message: str) -> list[Any]:
 @dataclass(frozen=True, slots=True)
 class RelayedP2P:
     """Worker -> agent -> agent: deliver the p2p message ``op``/``meta`` (and the frames
-    that travel with it) to the worker at ``dst_address`` on node ``dst_node``."""
+    that travel with it) to the worker at ``dst_address`` on node ``dst_node``, from the
+    worker at ``src_address`` on ``src_node`` (where its credit goes back)."""
 
     dst_node: str
     dst_address: str
     src_identity: bytes
     op: str
     meta: list[Any]
+    src_node: str
+    src_address: str
 
     def to_wire(self) -> list[Any]:
-        return [self.dst_node, self.dst_address, self.src_identity, self.op, self.meta]
+        return [self.dst_node, self.dst_address, self.src_identity, self.op, self.meta,
+                self.src_node, self.src_address]
 
     @classmethod
     def from_wire(cls, meta: object) -> Self:
-        m = _fields(meta, 5, "relay_p2p")
+        m = _fields(meta, 7, "relay_p2p")
         return cls(
             _text(m[0], "relay_p2p", "dst_node"),
             _text(m[1], "relay_p2p", "dst_address"),
             _identity(m[2], "relay_p2p"),
             _inner(m[3], m[4], "relay_p2p"),
             m[4],
+            _text(m[5], "relay_p2p", "src_node"),
+            _text(m[6], "relay_p2p", "src_address"),
         )
 
     def via(self) -> ViaP2P:
         """What the destination's agent hands the worker."""
-        return ViaP2P(self.src_identity, self.op, self.meta)
+        return ViaP2P(self.src_identity, self.op, self.meta, self.src_node, self.src_address)
 
 
 @dataclass(frozen=True, slots=True)
 class ViaP2P:
-    """Agent -> worker: the p2p message ``op``/``meta`` that ``src_identity`` sent."""
+    """Agent -> worker: the p2p message ``op``/``meta`` that ``src_identity`` sent from
+    ``src_address`` on ``src_node`` (where the receiver's credit goes)."""
 
     src_identity: bytes
     op: str
     meta: list[Any]
+    src_node: str
+    src_address: str
 
     def to_wire(self) -> list[Any]:
-        return [self.src_identity, self.op, self.meta]
+        return [self.src_identity, self.op, self.meta, self.src_node, self.src_address]
 
     @classmethod
     def from_wire(cls, meta: object) -> Self:
-        m = _fields(meta, 3, P2P_VIA)
-        return cls(_identity(m[0], P2P_VIA), _inner(m[1], m[2], P2P_VIA), m[2])
+        m = _fields(meta, 5, P2P_VIA)
+        return cls(_identity(m[0], P2P_VIA), _inner(m[1], m[2], P2P_VIA), m[2],
+                   _text(m[3], P2P_VIA, "src_node"), _text(m[4], P2P_VIA, "src_address"))

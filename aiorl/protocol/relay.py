@@ -8,9 +8,9 @@ once with `RelayedAnswers`: for each rank, in the request's order, how many of t
 frames are its result (0: ``None``), or the error it answered with (`aiorl.errors.to_wire`
 data: a [`RemoteError`][aiorl.RemoteError] keeps its worker and rank).
 
-The endpoints come from the driver, which learned them from the registry: the agent
-learns that a worker is ready a moment after the registry does, so it could not answer a
-call made right then from its own table.
+The endpoints come from the driver, which learned them from the registry. A worker tells
+its agent where it is before it tells the registry, but on another connection, so the
+agent checks them against its own table (`aiorl.node.relay`) without relying on it alone.
 """
 
 from __future__ import annotations

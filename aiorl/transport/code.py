@@ -11,9 +11,14 @@ version:
   `marshal` bytes (what a ``.pyc`` file holds), which keep ``co_filename`` and the line
   table of it and of every nested function. Driver and workers run the same Python (cloudpickle's
   own code reduction needs that too), so marshal's version-specific format is no restriction.
-* **Source lines travel with a class.** `dumps_with_sources` also carries the source text
-  of each file whose code it pickled (as the driver's `linecache` sees it, which includes
-  notebook cells), and `loads_with_sources` lends that text to the receiver's
+* **Source lines travel with a class: those of its code, nothing else.**
+  `dumps_with_sources` also carries, for each file whose code it pickled, the lines of that
+  code (as the driver's `linecache` sees them, which includes notebook cells): from each
+  function's first line (its decorators, its ``def``) to its last, nested functions
+  included. Every other line of the file travels blank, so line numbers hold. A traceback
+  needs no more, and the rest of the driver's script (other functions, constants such as a
+  token the class never uses) stays in the driver: a worker that runs another user's class
+  sees only that class's code. `loads_with_sources` lends the text to the receiver's
   `linecache` when the file is not on its disk: a worker on another node formats a
   traceback with the user's failing line.
 
@@ -35,7 +40,7 @@ import cloudpickle
 
 __all__ = ["CodePickler", "dumps_with_sources", "loads_with_sources"]
 
-#: Source files larger than this are not carried (a traceback then shows the file and line
+#: Source text larger than this is not carried (a traceback then shows the file and line
 #: number without the text, as Python does for a file it cannot read).
 MAX_SOURCE_BYTES = 1 << 20
 
@@ -50,26 +55,45 @@ def _code_from_marshal(data: bytes) -> types.CodeType:
 class CodePickler(cloudpickle.CloudPickler):  # type: ignore[misc]  # untyped base
     """cloudpickle, with code objects carried whole: file name, line table, nested code.
 
-    ``code_files`` collects the file names of the code objects it pickled.
+    ``code_lines`` collects, by file name, the line numbers of the code objects it pickled
+    (each from its first line to its last, nested code included).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.code_files: set[str] = set()
+        self.code_lines: dict[str, set[int]] = {}
+
+    @property
+    def code_files(self) -> set[str]:
+        """The file names of the code objects it pickled."""
+        return set(self.code_lines)
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is types.CodeType:
-            self.code_files.add(obj.co_filename)
+            _note_lines(obj, self.code_lines)
             return _code_from_marshal, (marshal.dumps(obj),)
         return super().reducer_override(obj)
 
 
-def _source_text(filename: str) -> str | None:
-    """The text the driver's linecache has for ``filename`` (None if none, or too large)."""
+def _note_lines(code: types.CodeType, into: dict[str, set[int]]) -> None:
+    """Add the lines ``code`` spans (first line to last) and those of its nested code."""
+    numbers = [line for _start, _end, line in code.co_lines() if line is not None]
+    last = max(numbers, default=code.co_firstlineno)
+    into.setdefault(code.co_filename, set()).update(range(code.co_firstlineno, last + 1))
+    for const in code.co_consts:
+        if type(const) is types.CodeType:
+            _note_lines(const, into)
+
+
+def _source_text(filename: str, wanted: set[int]) -> str | None:
+    """The ``wanted`` lines of what the driver's linecache has for ``filename``, every
+    other line blank (so numbers hold), up to the last wanted one (None if there is no
+    text, or the result is too large)."""
     lines = linecache.getlines(filename)
-    if not lines:
+    if not lines or not wanted:
         return None
-    text = "".join(lines)
+    end = min(len(lines), max(wanted))
+    text = "".join(lines[i - 1] if i in wanted else "\n" for i in range(1, end + 1))
     return text if len(text) <= MAX_SOURCE_BYTES else None
 
 
@@ -78,7 +102,8 @@ def dumps_with_sources(obj: Any) -> bytes:
     stream = io.BytesIO()
     pickler = CodePickler(stream, protocol=5)
     pickler.dump(obj)
-    sources = {f: text for f in sorted(pickler.code_files) if (text := _source_text(f)) is not None}
+    sources = {f: text for f, wanted in sorted(pickler.code_lines.items())
+               if (text := _source_text(f, wanted)) is not None}
     return pickle.dumps((stream.getvalue(), sources), protocol=5)
 
 
