@@ -161,15 +161,15 @@ class DirectoryProbe(aiorl.Worker):
     (fake device UUIDs: the directory only compares them)."""
 
     def _service(self) -> Any:
-        from aiorl.weights._service import weights_service
+        from aiorl.weights.service import weights_service
 
         return weights_service(self._runtime, self.worker_info)
 
     async def register_gpu_publisher(self, name: str, uuid: str) -> None:
-        from aiorl.weights._directory import ShardSource
-        from aiorl.weights._layout import Layout
-        from aiorl.weights._segment import VersionedSegment
         from aiorl.weights.cuda import CudaExport
+        from aiorl.weights.directory import ShardSource
+        from aiorl.weights.layout import Layout
+        from aiorl.weights.segment import VersionedSegment
 
         service = self._service()
         sd = {"w": torch.zeros(1000)}
@@ -195,8 +195,8 @@ class DirectoryProbe(aiorl.Worker):
                                      for s in view.gpu_sources]
 
     async def announce(self, name: str, uuid: str, version: int) -> None:
-        from aiorl.weights._segment import VersionedSegment
         from aiorl.weights.cuda import CudaExport
+        from aiorl.weights.segment import VersionedSegment
 
         service = self._service()
         self._header = VersionedSegment(0)

@@ -22,8 +22,8 @@ import torch
 
 import aiorl
 from aiorl.placement import NodePlacementStrategy
-from aiorl.weights._directory import reads_from_gpu
-from aiorl.weights._segment import SegmentReader, VersionedSegment
+from aiorl.weights.directory import reads_from_gpu
+from aiorl.weights.segment import SegmentReader, VersionedSegment
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -123,14 +123,14 @@ class HostProbe(aiorl.Worker):
         self.told: list[tuple[bool, int]] = []
 
     def _service(self) -> Any:
-        from aiorl.weights._service import weights_service
+        from aiorl.weights.service import weights_service
 
         return weights_service(self._runtime, self.worker_info)
 
     async def register_gpu_publisher(self, name: str, uuid: str) -> None:
-        from aiorl.weights._directory import ShardSource
-        from aiorl.weights._layout import Layout
         from aiorl.weights.cuda import CudaExport
+        from aiorl.weights.directory import ShardSource
+        from aiorl.weights.layout import Layout
 
         service = self._service()
         layout = Layout.of({"w": torch.zeros(1000)}, MB)

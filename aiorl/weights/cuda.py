@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiorl.p2p.gpu import device_uuid
-from aiorl.weights._layout import Layout
+from aiorl.weights.layout import Layout
 
 __all__ = ["CudaExport", "CudaSlots", "cuda_device_of", "device_uuid_of", "open_slots",
            "pin_host", "read_tensors_cuda", "same_device", "unpin_host"]

@@ -62,11 +62,11 @@ from aiorl.names import WorkerAddress
 from aiorl.p2p.gpu import GpuHost, after_lane, gpu_done
 from aiorl.runtime.waiter import BlockingWaiter
 from aiorl.transport.endpoint import Incoming
-from aiorl.weights._directory import ShardSource
-from aiorl.weights._layout import Layout
-from aiorl.weights._segment import SLOTS, VersionedSegment
-from aiorl.weights._service import WeightsService
 from aiorl.weights.cuda import CudaSlots
+from aiorl.weights.directory import ShardSource
+from aiorl.weights.layout import Layout
+from aiorl.weights.segment import SLOTS, VersionedSegment
+from aiorl.weights.service import WeightsService
 
 __all__ = ["OP_END", "OP_JOIN", "OP_ROUND", "GpuFanout", "GpuRelay", "Round", "RoundSchedule",
            "communicator_key", "nccl_weights"]

@@ -14,12 +14,12 @@ from aiorl.runtime import AsyncWork
 from aiorl.runtime.promise import trace_until_settled
 from aiorl.trace import recorder as _trace
 from aiorl.weights import cuda
-from aiorl.weights._directory import ShardSource
-from aiorl.weights._layout import Layout, tensor_bytes
-from aiorl.weights._segment import SLOTS, VersionedSegment
-from aiorl.weights._service import WeightsService
 from aiorl.weights.cuda import CudaSlots, cuda_device_of
+from aiorl.weights.directory import ShardSource
+from aiorl.weights.layout import Layout, tensor_bytes
 from aiorl.weights.nccl import GpuFanout
+from aiorl.weights.segment import SLOTS, VersionedSegment
+from aiorl.weights.service import WeightsService
 
 __all__ = ["WeightPublisher", "write_tensors"]
 

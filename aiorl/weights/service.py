@@ -39,8 +39,8 @@ from aiorl.protocol.ops import WorkerState
 from aiorl.runtime import AsyncWork, Runtime, Session, WorkerSession
 from aiorl.runtime.promise import link_threads, prepare_threads, settle_from
 from aiorl.transport.endpoint import Incoming
-from aiorl.weights._directory import OP_HOST, WeightDirectory, directory_group
-from aiorl.weights._segment import VersionedSegment, read_slot
+from aiorl.weights.directory import OP_HOST, WeightDirectory, directory_group
+from aiorl.weights.segment import VersionedSegment, read_slot
 
 __all__ = ["CHUNK", "OP_FETCH", "OP_HOST", "DirectoryLink", "WeightsService", "host_directory",
            "launch_directory", "weights_service"]

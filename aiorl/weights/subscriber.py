@@ -26,11 +26,11 @@ from aiorl.runtime.promise import trace_until_settled
 from aiorl.trace import recorder as _trace
 from aiorl.transport._shm import ShmUnavailable
 from aiorl.weights import cuda
-from aiorl.weights._directory import NodeView, RelayJob, ShardSource
-from aiorl.weights._layout import Layout, tensor_bytes
-from aiorl.weights._segment import SLOTS, SegmentReader, SegmentRef, VersionedSegment
-from aiorl.weights._service import OP_FETCH, POLL_S, WeightsService
+from aiorl.weights.directory import NodeView, RelayJob, ShardSource
+from aiorl.weights.layout import Layout, tensor_bytes
 from aiorl.weights.nccl import GpuRelay
+from aiorl.weights.segment import SLOTS, SegmentReader, SegmentRef, VersionedSegment
+from aiorl.weights.service import OP_FETCH, POLL_S, WeightsService
 
 __all__ = ["SubscriberStatistics", "WeightSubscriber", "read_tensors"]
 

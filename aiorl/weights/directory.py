@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from aiorl.errors import PeerLostError
 from aiorl.names import WorkerAddress
 from aiorl.runtime import Runtime, current_runtime
-from aiorl.weights._layout import Layout
-from aiorl.weights._segment import SegmentRef
 from aiorl.weights.cuda import CudaExport
+from aiorl.weights.layout import Layout
+from aiorl.weights.segment import SegmentRef
 
 __all__ = ["GROUP_PREFIX", "OP_HOST", "NodeView", "RelayJob", "ShardSource", "WeightDirectory",
            "directory_group", "reads_from_gpu"]
