@@ -21,7 +21,8 @@ from aiorl.transport._shm import align
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Layout", "TensorSpec", "tensor_bytes"]
 
-#: Default bucket size (the issue's 256 MB).
+#: Default bucket size: large enough that a bucket's per-request cost is negligible, small
+#: enough that bucket k+1 is on the wire while a relay copies bucket k.
 DEFAULT_BUCKET_BYTES = 256 << 20
 
 

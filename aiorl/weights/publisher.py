@@ -28,9 +28,9 @@ log = logging.getLogger("aiorl.weights")
 #: How long a publish waits for the directory to hear of its version before it returns
 #: anyway (a directory that is down or hung hears it when it is back: the restore). A
 #: directory known dead fails the announce at once; this bounds one whose death is not
-#: known yet. 2 s proved too short on a loaded 2-core machine: a live directory's answer
-#: came later, the publish returned first, and a subscriber asking right after missed
-#: the version (tests/test_demo.py, once in a full CI run).
+#: known yet. It must exceed a live directory's answer time on a loaded machine (a few
+#: seconds on 2 shared cores): a publish that returns before the answer breaks "returned
+#: means readable" for a subscriber that asks right after.
 ANNOUNCE_WAIT_S = 5.0
 
 

@@ -95,8 +95,8 @@ def _sparse_segment(size: int) -> tuple[int, mmap.mmap]:
     """A memfd of ``size`` bytes of which only the header page is backed and mapped.
 
     Not `aiorl.transport._shm.create_segment`: that one reserves (``fallocate``) and
-    populates every page at once, 1.1 s for a 1 GB model's two slots on the H200 machine
-    (docs/weights.md), memory a model read only from its GPU never uses. The rest is
+    populates every page at once (about a second for a 1 GB model's two slots;
+    docs/weights.md), memory a model read only from its GPU never uses. The rest is
     reserved by `VersionedSegment.ensure_host` before it is first written, so that running
     out of memory is still an error there, never a ``SIGBUS`` in a copy.
     """

@@ -51,7 +51,8 @@ log = logging.getLogger("aiorl.weights")
 
 #: A relay's request for one bucket of one version of a shard.
 OP_FETCH = "weights.fetch"
-#: Frame size of a fetched bucket: one huge ZMQ frame costs page faults (PERF-NOTES.md).
+#: Frame size of a fetched bucket, as for P2P's bulk frames: one huge ZMQ frame is a fresh
+#: allocation at each end, paid in page faults, where 1 MiB frames reuse memory.
 CHUNK = 1 << 20
 #: How long the directory may hold a subscriber's poll before answering unchanged.
 POLL_S = 10.0
