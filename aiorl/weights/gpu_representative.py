@@ -1,0 +1,102 @@
+"""A subscriber as its GPU's representative: NCCL copies of shards published on other GPUs.
+
+A subscriber that pulls into a GPU tells the directory which (`GpuRepresentative.subscribe`).
+For each shard a GPU publisher publishes on another GPU, the directory elects one subscriber
+of that GPU its representative: `GpuRepresentative.represent` then runs a
+`aiorl.weights.nccl.GpuRelay`, which receives the publisher's NCCL rounds into GPU slots of
+its own; every subscriber of that GPU copies out of them by CUDA IPC (docs/weights.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any
+
+from aiorl.weights import cuda
+from aiorl.weights.directory import ShardSource
+from aiorl.weights.layout import Layout
+from aiorl.weights.nccl import GpuRelay
+from aiorl.weights.segment import SegmentRef
+from aiorl.weights.service import WeightsService
+
+__all__ = ["GpuRepresentative"]
+
+log = logging.getLogger("aiorl.weights")
+
+
+class GpuRepresentative:
+    """One subscriber's GPU (``gpu``: index and UUID, once told to the directory) and the
+    shards it represents that GPU for (``relays``: shard -> its `GpuRelay`; loop thread).
+    ``stats`` (its subscriber's) counts ``gpu_versions`` and ``gpu_bytes``."""
+
+    def __init__(self, service: WeightsService, name: str, stats: dict[str, int]) -> None:
+        self.service = service
+        self.name = name
+        self.stats = stats
+        self.relays: dict[int, GpuRelay] = {}
+        self.gpu: tuple[int, str] | None = None
+
+    async def restore(self, call: Callable[..., Awaitable[Any]]) -> None:
+        """Tell a restarted directory the GPU this subscriber pulls into."""
+        if self.gpu is not None:
+            await call("gpu_subscribe", self.service.worker, self.service.node_id, self.gpu[1])
+
+    async def subscribe(self, into: Mapping[str, Any]) -> None:
+        """Tell the directory, once, which GPU this subscriber pulls into: if a publisher
+        is on another GPU, it elects a representative of this GPU to receive by NCCL."""
+        if self.gpu is not None:
+            return
+        gpu = cuda.device_uuid_of(into)
+        if gpu is None:
+            return
+        service = self.service
+        try:
+            await service.call_directory(self.name, "gpu_subscribe", service.worker,
+                                         service.node_id, gpu[1], patience=0.0)
+        except Exception as exc:  # the host path needs no GPU registration: asked again
+            log.debug("weights %r: GPU not registered: %r", self.name, exc)
+            return
+        self.gpu = gpu
+
+    def represent(self, publisher: ShardSource, layout: Layout) -> None:
+        """Be this GPU's representative for ``publisher``'s shard: receive its versions by
+        NCCL from the publisher's GPU."""
+        shard = publisher.shard
+        relay = self.relays.get(shard)
+        if relay is not None and relay.publisher.ref == publisher.ref:
+            return  # (one that failed to start is not retried: pulls use the host slots)
+        if relay is not None:
+            relay.close()
+        assert self.gpu is not None  # only a subscriber that named its GPU is elected
+        index, uuid = self.gpu
+        service = self.service
+        relay = self.relays[shard] = GpuRelay(service, self.name, publisher, layout, index,
+                                                   uuid, self.stats)
+
+        async def start() -> None:
+            try:
+                await relay.start()
+            except Exception as exc:  # pulls keep using the host slots
+                log.warning("%s: cannot represent its GPU for weights %r shard %d: %r",
+                            service.worker, self.name, shard, exc)
+                relay.close()
+
+        service.loop.create_task(start())
+
+    def own_slots(self, ref: SegmentRef) -> list[Any] | None:
+        """The GPU slots behind seqlock header ``ref`` if they are this representative's own
+        (a process cannot open its own IPC handles: it reads them directly)."""
+        own = [relay.gpu.slots for relay in list(self.relays.values())
+               if relay.gpu is not None and relay.segment is not None
+               and relay.segment.ref == ref]
+        return own[0] if own else None
+
+    def refs(self) -> Iterator[SegmentRef]:
+        """The seqlock headers of the GPU slots this representative holds."""
+        return (relay.segment.ref for relay in self.relays.values() if relay.segment)
+
+    def close(self) -> None:
+        for relay in self.relays.values():
+            relay.close()
+        self.relays.clear()
