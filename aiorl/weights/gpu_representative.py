@@ -10,15 +10,13 @@ its own; every subscriber of that GPU copies out of them by CUDA IPC (docs/weigh
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+from aiorl.protocol.weights import GpuSubscribe, Layout, SegmentRef, ShardSource
 from aiorl.weights import cuda
-from aiorl.weights.directory import ShardSource
-from aiorl.weights.layout import Layout
 from aiorl.weights.nccl import GpuRelay
-from aiorl.weights.segment import SegmentRef
-from aiorl.weights.service import WeightsService
+from aiorl.weights.service import DirectoryCall, WeightsService
 
 __all__ = ["GpuRepresentative"]
 
@@ -37,10 +35,10 @@ class GpuRepresentative:
         self.relays: dict[int, GpuRelay] = {}
         self.gpu: tuple[int, str] | None = None
 
-    async def restore(self, call: Callable[..., Awaitable[Any]]) -> None:
+    async def restore(self, call: DirectoryCall) -> None:
         """Tell a restarted directory the GPU this subscriber pulls into."""
         if self.gpu is not None:
-            await call("gpu_subscribe", self.service.worker, self.service.node_id, self.gpu[1])
+            await call(GpuSubscribe(self.service.worker, self.service.node_id, self.gpu[1]))
 
     async def subscribe(self, into: Mapping[str, Any]) -> None:
         """Tell the directory, once, which GPU this subscriber pulls into: if a publisher
@@ -52,8 +50,8 @@ class GpuRepresentative:
             return
         service = self.service
         try:
-            await service.call_directory(self.name, "gpu_subscribe", service.worker,
-                                         service.node_id, gpu[1], patience=0.0)
+            await service.call_directory(
+                self.name, GpuSubscribe(service.worker, service.node_id, gpu[1]), patience=0.0)
         except Exception as exc:  # the host path needs no GPU registration: asked again
             log.debug("weights %r: GPU not registered: %r", self.name, exc)
             return

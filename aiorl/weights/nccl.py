@@ -60,11 +60,11 @@ from aiorl.collective.nccl_broadcast import NcclCommunicator
 from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.names import WorkerAddress
 from aiorl.p2p.gpu import GpuHost, after_lane, gpu_done
+from aiorl.protocol.ops import WeightsOp
+from aiorl.protocol.weights import AnnounceGpu, Layout, ShardSource
 from aiorl.runtime.waiter import BlockingWaiter
 from aiorl.transport.endpoint import Incoming
 from aiorl.weights.cuda import CudaSlots
-from aiorl.weights.directory import ShardSource
-from aiorl.weights.layout import Layout
 from aiorl.weights.segment import SLOTS, VersionedSegment
 from aiorl.weights.service import WeightsService
 
@@ -73,12 +73,10 @@ __all__ = ["OP_END", "OP_JOIN", "OP_ROUND", "GpuFanout", "GpuRelay", "Round", "R
 
 log = logging.getLogger("aiorl.weights")
 
-#: A representative asks a publisher to include it in its rounds.
-OP_JOIN = "weights.gpu.join"
-#: Publisher -> member: take part in round n (version, members, rendezvous store).
-OP_ROUND = "weights.gpu.round"
-#: Publisher -> member: round n ended, intact or not.
-OP_END = "weights.gpu.end"
+#: The round messages (their meaning: `aiorl.protocol.ops.WeightsOp`).
+OP_JOIN = WeightsOp.GPU_JOIN
+OP_ROUND = WeightsOp.GPU_ROUND
+OP_END = WeightsOp.GPU_END
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -489,8 +487,9 @@ class GpuRelay:
             self.stats["gpu_bytes"] += sum(hi - lo for lo, hi in self.layout.buckets)
             try:
                 await self.service.call_directory(
-                    self.name, "announce_gpu", self.service.worker, self.service.node_id,
-                    self.uuid, self.shard, call.version, slot, segment.ref, gpu.export,
+                    self.name, AnnounceGpu(self.service.worker, self.service.node_id, self.uuid,
+                                           self.shard, call.version, slot, segment.ref,
+                                           gpu.export),
                     patience=0.0)  # a restarted directory elects representatives afresh
             except Exception as exc:  # the directory is gone: its subscribers hear it
                 log.info("weights %r shard %d: version %d not announced: %s", self.name,

@@ -12,16 +12,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 
 from aiorl.errors import PeerLostError
-from aiorl.weights.directory import RelayJob
-from aiorl.weights.layout import Layout
-from aiorl.weights.segment import SLOTS, SegmentRef, VersionedSegment
-from aiorl.weights.service import OP_FETCH, WeightsService
+from aiorl.protocol.ops import WeightsOp
+from aiorl.protocol.weights import Announce, FetchBucket, Layout, RelayJob, RestoreRelay, SegmentRef
+from aiorl.weights.segment import SLOTS, VersionedSegment
+from aiorl.weights.service import DirectoryCall, WeightsService
 
 __all__ = ["FETCH_DEPTH", "NodeRelay"]
 
@@ -43,7 +42,7 @@ class NodeRelay:
         self.segments: dict[int, VersionedSegment] = {}
         self.origins: dict[int, SegmentRef] = {}  # shard -> publisher segment relayed
 
-    async def restore(self, call: Callable[..., Awaitable[Any]]) -> None:
+    async def restore(self, call: DirectoryCall) -> None:
         """Tell a restarted directory each shard relayed here: the segment, its complete
         slots and the publisher segment they came from."""
         service = self.service
@@ -51,8 +50,8 @@ class NodeRelay:
             origin = self.origins.get(shard)
             slots = {segment.version(s): s for s in range(SLOTS) if segment.version(s) >= 0}
             if origin is not None and slots:
-                await call("restore_relay", service.worker, service.node_id, shard,
-                           segment.ref, slots, origin)
+                await call(RestoreRelay(service.worker, service.node_id, shard, segment.ref,
+                                        slots, origin))
 
     async def relay(self, job: RelayJob, layout: Layout) -> None:
         """Fetch ``job.version`` of a shard from its publisher into our relay segment, then
@@ -75,9 +74,9 @@ class NodeRelay:
         self.stats["relayed_versions"] += 1
         service = self.service
         try:
-            await service.call_directory(self.name, "announce", service.worker, job.shard,
-                                         job.version, slot, segment.ref, service.node_id,
-                                         patience=0.0)
+            await service.call_directory(
+                self.name, Announce(service.worker, job.shard, job.version, slot, segment.ref,
+                                    service.node_id), patience=0.0)
         except PeerLostError as exc:  # our restore lists the slot once the directory is back
             log.info("relay of weights %r shard %d: version %d not announced: %s", self.name,
                      job.shard, job.version, exc)
@@ -91,9 +90,9 @@ class NodeRelay:
         while (buckets or pending) and complete:
             while buckets and len(pending) < FETCH_DEPTH:
                 start, end = buckets.pop(0)
-                meta = [self.name, job.shard, job.version, start, end]
-                pending.append((start, end, endpoint.request(job.publisher.endpoint, OP_FETCH,
-                                                             meta)))
+                meta = FetchBucket(self.name, job.shard, job.version, start, end).to_wire()
+                pending.append((start, end, endpoint.request(job.publisher.endpoint,
+                                                             WeightsOp.FETCH, meta)))
             start, end, fut = pending.pop(0)
             intact, frames = await fut
             if not intact:

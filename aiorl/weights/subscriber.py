@@ -16,24 +16,24 @@ import asyncio
 import functools
 import logging
 import warnings
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from aiorl.errors import PeerLostError
+from aiorl.protocol.weights import HostPull, Layout, NodeView, Poll, SegmentRef, ShardSource
 from aiorl.runtime import AsyncWork
 from aiorl.runtime.promise import trace_until_settled
 from aiorl.trace import recorder as _trace
 from aiorl.transport._shm import ShmUnavailable
 from aiorl.weights import cuda
-from aiorl.weights.directory import NodeView, ShardSource
 from aiorl.weights.gpu_representative import GpuRepresentative
-from aiorl.weights.layout import Layout, tensor_bytes
+from aiorl.weights.layout import tensor_bytes
 from aiorl.weights.node_relay import NodeRelay
-from aiorl.weights.segment import SLOTS, SegmentReader, SegmentRef
-from aiorl.weights.service import POLL_S, WeightsService
+from aiorl.weights.segment import SLOTS, SegmentReader
+from aiorl.weights.service import POLL_S, DirectoryCall, WeightsService
 
 __all__ = ["SubscriberStatistics", "WeightSubscriber", "read_tensors"]
 
@@ -186,7 +186,7 @@ class WeightSubscriber:
     async def _refresh(self) -> int | None:
         service = self.service
         view: NodeView = await service.call_directory(
-            self.name, "poll", service.worker, service.node_id, -1, 0.0)
+            self.name, Poll(service.worker, service.node_id, -1, 0.0))
         self._take(view)
         if view.version is not None and (self._latest is None or view.version > self._latest):
             self._latest = view.version
@@ -225,8 +225,8 @@ class WeightSubscriber:
                     await service.on_directory_restart(self.name, self._restore)
                     following = True
                 view: NodeView = await service.call_directory(
-                    self.name, "poll", service.worker, service.node_id, generation, POLL_S,
-                    incarnation, wait_s=POLL_S)
+                    self.name, Poll(service.worker, service.node_id, generation, POLL_S,
+                                    incarnation), wait_s=POLL_S)
             except Exception as exc:  # gone for longer than the patience, or not launched
                 self._lost = (str(exc) if isinstance(exc, PeerLostError) else
                               f"cannot follow the directory of weights {self.name!r}: {exc!r}")
@@ -257,7 +257,7 @@ class WeightSubscriber:
             return
         self._view = view
 
-    async def _restore(self, call: Callable[..., Awaitable[Any]]) -> None:
+    async def _restore(self, call: DirectoryCall) -> None:
         """Tell a restarted directory what this subscriber holds: each shard it relays for
         its node (its segment, complete slots and the publisher segment they came from)
         and the GPU it pulls into."""
@@ -265,7 +265,7 @@ class WeightSubscriber:
         await self._node_relay.restore(call)
         await self._representative.restore(call)
         if self._host_pull:
-            await call("host_pull", service.worker, service.node_id)
+            await call(HostPull(service.worker, service.node_id))
 
     def _notify(self) -> None:
         if self._changed is not None:
@@ -341,7 +341,7 @@ class WeightSubscriber:
         service = self.service
         try:
             view: NodeView = await service.call_directory(
-                self.name, "poll", service.worker, service.node_id, -1, 0.0, patience=0.0)
+                self.name, Poll(service.worker, service.node_id, -1, 0.0), patience=0.0)
         except Exception as exc:  # down or restarting: the view we have is still whole
             log.debug("weights %r: directory not asked before a pull: %r", self.name, exc)
             return
@@ -371,8 +371,8 @@ class WeightSubscriber:
         if host and not self._host_pull and (self._representative.gpu is not None or missing):
             service = self.service
             try:
-                await service.call_directory(self.name, "host_pull", service.worker,
-                                             service.node_id, patience=0.0)
+                await service.call_directory(
+                    self.name, HostPull(service.worker, service.node_id), patience=0.0)
                 self._host_pull = True
             except Exception as exc:  # a directory down: the next pull says it again
                 log.debug("weights %r: host reads not registered: %r", self.name, exc)
