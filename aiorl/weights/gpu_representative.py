@@ -3,8 +3,8 @@
 A subscriber that pulls into a GPU tells the directory which (`GpuRepresentative.subscribe`).
 For each shard a GPU publisher publishes on another GPU, the directory elects one subscriber
 of that GPU its representative: `GpuRepresentative.represent` then runs a
-`aiorl.weights.nccl.GpuRelay`, which receives the publisher's NCCL rounds into GPU slots of
-its own; every subscriber of that GPU copies out of them by CUDA IPC (docs/weights.md).
+`aiorl.weights.nccl.GpuReceiver`, which receives the publisher's NCCL rounds into GPU
+slots of its own; every subscriber of that GPU copies out of them by CUDA IPC (docs/weights.md).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from aiorl.protocol.weights import GpuSubscribe, Layout, SegmentRef, ShardSource
 from aiorl.weights import cuda
-from aiorl.weights.nccl import GpuRelay
+from aiorl.weights.nccl import GpuReceiver
 from aiorl.weights.service import DirectoryCall, WeightsService
 
 __all__ = ["GpuRepresentative"]
@@ -25,14 +25,14 @@ log = logging.getLogger("aiorl.weights")
 
 class GpuRepresentative:
     """One subscriber's GPU (``gpu``: index and UUID, once told to the directory) and the
-    shards it represents that GPU for (``relays``: shard -> its `GpuRelay`; loop thread).
-    ``stats`` (its subscriber's) counts ``gpu_versions`` and ``gpu_bytes``."""
+    shards it represents that GPU for (``receivers``: shard -> its `GpuReceiver`; loop
+    thread). ``stats`` (its subscriber's) counts ``gpu_versions`` and ``gpu_bytes``."""
 
     def __init__(self, service: WeightsService, name: str, stats: dict[str, int]) -> None:
         self.service = service
         self.name = name
         self.stats = stats
-        self.relays: dict[int, GpuRelay] = {}
+        self.receivers: dict[int, GpuReceiver] = {}
         self.gpu: tuple[int, str] | None = None
 
     async def restore(self, call: DirectoryCall) -> None:
@@ -61,40 +61,40 @@ class GpuRepresentative:
         """Be this GPU's representative for ``publisher``'s shard: receive its versions by
         NCCL from the publisher's GPU."""
         shard = publisher.shard
-        relay = self.relays.get(shard)
-        if relay is not None and relay.publisher.ref == publisher.ref:
+        receiver = self.receivers.get(shard)
+        if receiver is not None and receiver.publisher.ref == publisher.ref:
             return  # (one that failed to start is not retried: pulls use the host slots)
-        if relay is not None:
-            relay.close()
+        if receiver is not None:
+            receiver.close()
         assert self.gpu is not None  # only a subscriber that named its GPU is elected
         index, uuid = self.gpu
         service = self.service
-        relay = self.relays[shard] = GpuRelay(service, self.name, publisher, layout, index,
-                                                   uuid, self.stats)
+        receiver = self.receivers[shard] = GpuReceiver(service, self.name, publisher, layout,
+                                                       index, uuid, self.stats)
 
         async def start() -> None:
             try:
-                await relay.start()
+                await receiver.start()
             except Exception as exc:  # pulls keep using the host slots
                 log.warning("%s: cannot represent its GPU for weights %r shard %d: %r",
                             service.worker, self.name, shard, exc)
-                relay.close()
+                receiver.close()
 
         service.loop.create_task(start())
 
     def own_slots(self, ref: SegmentRef) -> list[Any] | None:
         """The GPU slots behind seqlock header ``ref`` if they are this representative's own
         (a process cannot open its own IPC handles: it reads them directly)."""
-        own = [relay.gpu.slots for relay in list(self.relays.values())
-               if relay.gpu is not None and relay.segment is not None
-               and relay.segment.ref == ref]
+        own = [receiver.gpu.slots for receiver in list(self.receivers.values())
+               if receiver.gpu is not None and receiver.segment is not None
+               and receiver.segment.ref == ref]
         return own[0] if own else None
 
     def refs(self) -> Iterator[SegmentRef]:
         """The seqlock headers of the GPU slots this representative holds."""
-        return (relay.segment.ref for relay in self.relays.values() if relay.segment)
+        return (receiver.segment.ref for receiver in self.receivers.values() if receiver.segment)
 
     def close(self) -> None:
-        for relay in self.relays.values():
-            relay.close()
-        self.relays.clear()
+        for receiver in self.receivers.values():
+            receiver.close()
+        self.receivers.clear()
