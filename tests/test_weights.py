@@ -19,7 +19,7 @@ import torch
 
 import aiorl
 from aiorl.placement import NodePlacementStrategy
-from aiorl.weights._segment import SegmentReader, VersionedSegment
+from aiorl.weights.segment import SegmentReader, VersionedSegment
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,7 +69,7 @@ class Trainer(aiorl.Worker):
 
     async def publish_and_die_midway(self, name: str, version: int) -> None:
         """Start writing ``version`` and get SIGKILLed after half of the tensors."""
-        import aiorl.weights._publisher as publisher
+        import aiorl.weights.publisher as publisher
 
         def write_half_then_die(layout: Any, state_dict: Any, slot: Any) -> None:
             for spec in layout.tensors[: len(layout.tensors) // 2]:
@@ -106,7 +106,7 @@ class Rollout(aiorl.Worker):
         ``slow`` makes this reader's copies slow (a pause after each tensor), so that the
         publisher rewrites slots under it: without the seqlock those copies would mix.
         """
-        import aiorl.weights._subscriber as subscriber
+        import aiorl.weights.subscriber as subscriber
 
         fast_read = subscriber.read_tensors
 
@@ -316,11 +316,11 @@ def test_dead_relay_is_replaced_by_another_subscriber_of_its_node(cluster2, trai
 
 # ----------------------------------------------------------------------------- layout, errors
 def test_layout_buckets_cover_every_tensor_within_the_bucket_size():
-    from aiorl.weights._layout import Layout
+    from aiorl.weights.layout import check_layout, layout_of
 
     sd = {"a": torch.zeros(10), "big": torch.zeros(1000, dtype=torch.bfloat16),
           "c": torch.zeros(300), "empty": torch.zeros(0), "scalar": torch.tensor(1.0)}
-    layout = Layout.of(sd, bucket_bytes=1024)
+    layout = layout_of(sd, bucket_bytes=1024)
     assert all(0 < end - start <= 1024 for start, end in layout.buckets)
     assert all(s.offset % 64 == 0 for s in layout.tensors)
     covered = [(s, e) for s, e in layout.buckets]
@@ -328,11 +328,11 @@ def test_layout_buckets_cover_every_tensor_within_the_bucket_size():
         inside = sum(max(0, min(e, spec.offset + spec.nbytes) - max(s, spec.offset))
                      for s, e in covered)
         assert inside == spec.nbytes, spec.name
-    layout.check({k: v.clone() for k, v in sd.items()})
+    check_layout(layout, {k: v.clone() for k, v in sd.items()})
     with pytest.raises(ValueError, match="changed"):
-        layout.check({**sd, "c": torch.zeros(301)})
+        check_layout(layout, {**sd, "c": torch.zeros(301)})
     with pytest.raises(ValueError, match="missing"):
-        layout.check({k: v for k, v in sd.items() if k != "a"})
+        check_layout(layout, {k: v for k, v in sd.items() if k != "a"})
 
 
 class Misuser(aiorl.Worker):

@@ -161,47 +161,48 @@ class DirectoryProbe(aiorl.Worker):
     (fake device UUIDs: the directory only compares them)."""
 
     def _service(self) -> Any:
-        from aiorl.weights._service import weights_service
+        from aiorl.weights.service import weights_service
 
         return weights_service(self._runtime, self.worker_info)
 
     async def register_gpu_publisher(self, name: str, uuid: str) -> None:
-        from aiorl.weights._directory import ShardSource
-        from aiorl.weights._layout import Layout
-        from aiorl.weights._segment import VersionedSegment
-        from aiorl.weights.cuda import CudaExport
+        from aiorl.protocol.weights import CudaExport, RegisterPublisher, ShardSource
+        from aiorl.weights.layout import layout_of
+        from aiorl.weights.segment import VersionedSegment
 
         service = self._service()
         sd = {"w": torch.zeros(1000)}
-        layout = Layout.of(sd, 1 << 20)
+        layout = layout_of(sd, 1 << 20)
         self._segment = VersionedSegment(layout.nbytes)
         source = ShardSource(0, service.worker, service.info.endpoint, self._segment.ref,
                              cuda=CudaExport(uuid, ()))
-        await service.call_directory(name, "register_publisher", source, 1, service.node_id,
-                                     layout)
+        await service.call_directory(name, RegisterPublisher(source, 1, service.node_id, layout))
 
     async def subscribe(self, name: str, uuid: str) -> None:
         service = self._service()
-        await service.call_directory(name, "gpu_subscribe", service.worker, service.node_id,
-                                     uuid)
+        from aiorl.protocol.weights import GpuSubscribe
+
+        await service.call_directory(name, GpuSubscribe(service.worker, service.node_id, uuid))
 
     async def view(self, name: str) -> tuple[list[tuple[int, str]], list[dict[int, int] | None]]:
         """((shard, its publisher) this worker represents its GPU for, each shard's copy on
         its GPU)."""
         service = self._service()
-        view = await service.call_directory(name, "poll", service.worker, service.node_id,
-                                            -1, 0.0)
+        from aiorl.protocol.weights import Poll
+
+        view = await service.call_directory(name, Poll(service.worker, service.node_id, -1, 0.0))
         return [(s.shard, s.worker) for s in view.gpu_jobs], [None if s is None else dict(s.slots)
                                      for s in view.gpu_sources]
 
     async def announce(self, name: str, uuid: str, version: int) -> None:
-        from aiorl.weights._segment import VersionedSegment
-        from aiorl.weights.cuda import CudaExport
+        from aiorl.protocol.weights import AnnounceGpu, CudaExport
+        from aiorl.weights.segment import VersionedSegment
 
         service = self._service()
         self._header = VersionedSegment(0)
-        await service.call_directory(name, "announce_gpu", service.worker, service.node_id,
-                                     uuid, 0, version, 1, self._header.ref, CudaExport(uuid, ()))
+        await service.call_directory(name, AnnounceGpu(service.worker, service.node_id, uuid, 0,
+                                                       version, 1, self._header.ref,
+                                                       CudaExport(uuid, ())))
 
     def die(self) -> None:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -18,7 +18,7 @@ import pytest
 import aiorl
 from aiorl.placement import NodePlacementStrategy
 from aiorl.weights import host_directory
-from aiorl.weights._publisher import ANNOUNCE_WAIT_S
+from aiorl.weights.publisher import ANNOUNCE_WAIT_S
 from tests.test_weights import Rollout, Trainer
 
 pytestmark = pytest.mark.timeout(180)
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(180)
 class Subscriber(Rollout):
     def shorten_directory_patience(self, seconds: float) -> None:
         """How long this process waits for a dead directory to come back (60 s by default)."""
-        import aiorl.weights._service as service
+        import aiorl.weights.service as service
 
         service.DIRECTORY_RESTART_S = seconds
 

@@ -22,8 +22,10 @@ import torch
 
 import aiorl
 from aiorl.placement import NodePlacementStrategy
-from aiorl.weights._directory import reads_from_gpu
-from aiorl.weights._segment import SegmentReader, VersionedSegment
+from aiorl.protocol.ops import DirectoryOp
+from aiorl.protocol.weights import SCHEMA, Announce, CudaExport, RegisterPublisher, ShardSource
+from aiorl.weights.directory import reads_from_gpu
+from aiorl.weights.segment import SegmentReader, VersionedSegment
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -123,30 +125,29 @@ class HostProbe(aiorl.Worker):
         self.told: list[tuple[bool, int]] = []
 
     def _service(self) -> Any:
-        from aiorl.weights._service import weights_service
+        from aiorl.weights.service import weights_service
 
         return weights_service(self._runtime, self.worker_info)
 
     async def register_gpu_publisher(self, name: str, uuid: str) -> None:
-        from aiorl.weights._directory import ShardSource
-        from aiorl.weights._layout import Layout
-        from aiorl.weights.cuda import CudaExport
+        from aiorl.weights.layout import layout_of
 
         service = self._service()
-        layout = Layout.of({"w": torch.zeros(1000)}, MB)
+        layout = layout_of({"w": torch.zeros(1000)}, MB)
         self._segment = VersionedSegment(layout.nbytes, host=False)
         # What the publisher is told, in the order it applies it (as WeightPublisher does).
         service.host_handlers[(name, 0)] = lambda wanted, _inc, counter: self.told.append(
             (wanted, counter))
         source = ShardSource(0, service.worker, service.info.endpoint, self._segment.ref,
                              cuda=CudaExport(uuid, ()))
-        await service.call_directory(name, "register_publisher", source, 1, service.node_id,
-                                     layout)
+        await service.call_directory(name, RegisterPublisher(source, 1, service.node_id, layout))
 
     async def announce(self, name: str, version: int, slot: int, host: bool) -> list[Any]:
         service = self._service()
-        return list(await service.call_directory(name, "announce", service.worker, 0, version,
-                                                 slot, None, "", host))
+        reply = await service.call_directory(name, Announce(service.worker, 0, version, slot,
+                                                            host=host))
+        told = reply.host
+        return [] if told is None else [told.wanted, told.incarnation, told.counter]
 
     def wanted(self) -> bool | None:
         """What the publisher was last told (None: nothing yet)."""
@@ -155,10 +156,12 @@ class HostProbe(aiorl.Worker):
     def last_counter(self) -> int:
         return max(counter for _, counter in self.told)
 
-    async def call(self, name: str, method: str, *args: Any) -> Any:
+    async def call(self, name: str, op: str, *args: Any) -> Any:
+        """Send the directory request of ``op`` as this worker, with ``args`` after its worker
+        name and node."""
         service = self._service()
-        return await service.call_directory(name, method, service.worker, service.node_id,
-                                            *args)
+        request = SCHEMA[DirectoryOp(op)][0](service.worker, service.node_id, *args)
+        return await service.call_directory(name, request)
 
     async def version(self, name: str) -> int | None:
         """The version the directory offers this subscriber now."""
@@ -198,9 +201,9 @@ class HostProbe(aiorl.Worker):
         service = self.weight_subscriber(name).service
         original = service.call_directory
 
-        async def late(n: str, method: str, *args: Any, **kwargs: Any) -> Any:
-            answer = await original(n, method, *args, **kwargs)
-            if method == "poll" and kwargs.get("wait_s"):
+        async def late(n: str, request: Any, **kwargs: Any) -> Any:
+            answer = await original(n, request, **kwargs)
+            if request.op == DirectoryOp.POLL and kwargs.get("wait_s"):
                 await asyncio.sleep(delay)
             return answer
 

@@ -20,7 +20,8 @@ else:  # Python 3.10: the same behaviour for our use (value as str, str() gives 
         def __str__(self) -> str:
             return str(self.value)
 
-__all__ = ["AgentOp", "DriverOp", "RegistryEvent", "RegistryOp", "WorkerOp", "WorkerState"]
+__all__ = ["AgentOp", "DirectoryOp", "DriverOp", "RegistryEvent", "RegistryOp", "WeightsOp",
+           "WorkerOp", "WorkerState"]
 
 
 class RegistryOp(StrEnum):
@@ -96,3 +97,33 @@ class WorkerState(StrEnum):
     def is_final(self) -> bool:
         """Dead and failed workers never come back (a new process gets a new pid)."""
         return self in (WorkerState.FAILED, WorkerState.DEAD)
+
+
+class DirectoryOp(StrEnum):
+    """Requests a weight name's directory serves, each the name of its method (their
+    messages: `aiorl.protocol.weights.SCHEMA`)."""
+
+    REGISTER_PUBLISHER = "register_publisher"
+    ANNOUNCE = "announce"
+    HOST_PULL = "host_pull"
+    RESTORE_RELAY = "restore_relay"
+    GPU_SUBSCRIBE = "gpu_subscribe"
+    ANNOUNCE_GPU = "announce_gpu"
+    POLL = "poll"
+
+
+class WeightsOp(StrEnum):
+    """Messages weights processes send each other, served by every process's weights service."""
+
+    #: A relay's request for one bucket of one version of a shard
+    #: (`aiorl.protocol.weights.FetchBucket`).
+    FETCH = "weights.fetch"
+    #: Directory -> a GPU publisher, one-way: whether some subscriber reads the shard from
+    #: host memory (`aiorl.protocol.weights.HostNotice`; docs/weights.md, "CUDA").
+    HOST = "weights.host"
+    #: A GPU representative asks a publisher to include it in its rounds.
+    GPU_JOIN = "weights.gpu.join"
+    #: Publisher -> member: take part in round n (version, members, rendezvous store).
+    GPU_ROUND = "weights.gpu.round"
+    #: Publisher -> member: round n ended, intact or not.
+    GPU_END = "weights.gpu.end"

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from aiorl.names import WorkerInfo
 from aiorl.runtime import Runtime
-from aiorl.weights._layout import DEFAULT_BUCKET_BYTES
-from aiorl.weights._publisher import WeightPublisher
-from aiorl.weights._service import host_directory, weights_service
-from aiorl.weights._subscriber import SubscriberStatistics, WeightSubscriber
+from aiorl.weights.layout import DEFAULT_BUCKET_BYTES
+from aiorl.weights.publisher import WeightPublisher
+from aiorl.weights.service import host_directory, weights_service
+from aiorl.weights.subscriber import SubscriberStatistics, WeightSubscriber
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

@@ -21,28 +21,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from aiorl.p2p.gpu import device_uuid
-from aiorl.weights._layout import Layout
+from aiorl.protocol.weights import CudaExport, Layout
 
-__all__ = ["CudaExport", "CudaSlots", "cuda_device_of", "device_uuid_of", "open_slots",
+__all__ = ["CudaSlots", "cuda_device_of", "device_uuid_of", "open_slots",
            "pin_host", "read_tensors_cuda", "same_device", "unpin_host"]
 
 log = logging.getLogger("aiorl.weights")
 
 #: ``cudaHostRegisterPortable``: pinned for every CUDA context of the process.
 _REGISTER_PORTABLE = 1
-
-
-@dataclass(frozen=True)
-class CudaExport:
-    """What a subscriber needs to open a publisher's GPU slots: the device's UUID and, per
-    slot, torch's IPC rebuild function and arguments."""
-
-    device_uuid: str
-    slots: tuple[tuple[Any, tuple[Any, ...]], ...]
 
 
 def cuda_device_of(state_dict: Mapping[str, Any]) -> int | None:

@@ -4,7 +4,7 @@ A publisher whose state dict is on a GPU keeps its two version slots on that GPU
 (`aiorl.weights.cuda`). Subscribers on that GPU copy out of them by CUDA IPC; a
 subscriber whose ``into`` is on *another* GPU (of its node or another node) would cross the
 host. Instead, the directory elects one subscriber per (node, GPU, shard) as that GPU's
-*representative*; it keeps two GPU slots of its own (`GpuRelay`) and joins the
+*representative*; it keeps two GPU slots of its own (`GpuReceiver`) and joins the
 publisher's NCCL rounds. Every other subscriber on that GPU copies out of the
 representative's slots by CUDA IPC, exactly as it would out of a publisher on its GPU.
 
@@ -60,25 +60,23 @@ from aiorl.collective.nccl_broadcast import NcclCommunicator
 from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.names import WorkerAddress
 from aiorl.p2p.gpu import GpuHost, after_lane, gpu_done
+from aiorl.protocol.ops import WeightsOp
+from aiorl.protocol.weights import AnnounceGpu, Layout, ShardSource
 from aiorl.runtime.waiter import BlockingWaiter
 from aiorl.transport.endpoint import Incoming
-from aiorl.weights._directory import ShardSource
-from aiorl.weights._layout import Layout
-from aiorl.weights._segment import SLOTS, VersionedSegment
-from aiorl.weights._service import WeightsService
 from aiorl.weights.cuda import CudaSlots
+from aiorl.weights.segment import SLOTS, VersionedSegment
+from aiorl.weights.service import WeightsService
 
-__all__ = ["OP_END", "OP_JOIN", "OP_ROUND", "GpuFanout", "GpuRelay", "Round", "RoundSchedule",
-           "communicator_key", "nccl_weights"]
+__all__ = ["OP_END", "OP_JOIN", "OP_ROUND", "GpuFanout", "GpuReceiver", "Round",
+           "RoundSchedule", "communicator_key", "nccl_weights"]
 
 log = logging.getLogger("aiorl.weights")
 
-#: A representative asks a publisher to include it in its rounds.
-OP_JOIN = "weights.gpu.join"
-#: Publisher -> member: take part in round n (version, members, rendezvous store).
-OP_ROUND = "weights.gpu.round"
-#: Publisher -> member: round n ended, intact or not.
-OP_END = "weights.gpu.end"
+#: The round messages (their meaning: `aiorl.protocol.ops.WeightsOp`).
+OP_JOIN = WeightsOp.GPU_JOIN
+OP_ROUND = WeightsOp.GPU_ROUND
+OP_END = WeightsOp.GPU_END
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -152,14 +150,14 @@ class _Host:
 
 class NcclWeights:
     """The NCCL side of one process's weights: routes round messages to its fanouts
-    (publisher side) and relays (representative side), and reports lost peers to them."""
+    (publisher side) and receivers (representative side), and reports lost peers to them."""
 
     def __init__(self, service: WeightsService) -> None:
         self.service = service
         runtime = service.runtime
         self.host: GpuHost = _Host(runtime.loop, runtime.waiter)
         self.fanouts: dict[tuple[str, int], GpuFanout] = {}
-        self.relays: dict[tuple[str, int], GpuRelay] = {}
+        self.receivers: dict[tuple[str, int], GpuReceiver] = {}
         endpoint = runtime.endpoint
         endpoint.handle(OP_JOIN, self._on_join)
         endpoint.handle(OP_ROUND, self._on_round)
@@ -178,28 +176,28 @@ class NcclWeights:
         msg.reply(True)
 
     def _on_round(self, msg: Incoming) -> None:
-        relay = self.relays.get((msg.meta[0], msg.meta[1]))
-        if relay is not None:
-            relay.on_round(msg.meta)
+        receiver = self.receivers.get((msg.meta[0], msg.meta[1]))
+        if receiver is not None:
+            receiver.on_round(msg.meta)
 
     def _on_end(self, msg: Incoming) -> None:
-        relay = self.relays.get((msg.meta[0], msg.meta[1]))
-        if relay is not None:
-            relay.on_end(int(msg.meta[2]), bool(msg.meta[3]))
+        receiver = self.receivers.get((msg.meta[0], msg.meta[1]))
+        if receiver is not None:
+            receiver.on_end(int(msg.meta[2]), bool(msg.meta[3]))
 
     def _on_peer_lost(self, address: str, exc: BaseException) -> None:
         for fanout in list(self.fanouts.values()):
             fanout.peer_lost(address, exc)
-        for relay in list(self.relays.values()):
-            relay.peer_lost(address, exc)
+        for receiver in list(self.receivers.values()):
+            receiver.peer_lost(address, exc)
 
     def close(self) -> None:
         for fanout in list(self.fanouts.values()):
             fanout.close()
-        for relay in list(self.relays.values()):
-            relay.close()
+        for receiver in list(self.receivers.values()):
+            receiver.close()
         self.fanouts.clear()
-        self.relays.clear()
+        self.receivers.clear()
 
 
 def nccl_weights(service: WeightsService) -> NcclWeights:
@@ -384,7 +382,7 @@ class _RoundCall:
     version: int
 
 
-class GpuRelay:
+class GpuReceiver:
     """A subscriber elected its GPU's representative for one shard: receives the publisher's
     rounds into two GPU slots of its own and announces each complete version to the
     directory (loop thread). ``device`` (local index) is the GPU named ``uuid``; ``stats``
@@ -411,10 +409,10 @@ class GpuRelay:
         self._done_through = 0  # rounds up to this one are over here
         self._outcome: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
-        old = self._nccl.relays.get((name, self.shard))
+        old = self._nccl.receivers.get((name, self.shard))
         if old is not None:
             old.close()
-        self._nccl.relays[(name, self.shard)] = self
+        self._nccl.receivers[(name, self.shard)] = self
 
     async def start(self) -> None:
         """Allocate the slots (off the loop), then join the publisher's rounds."""
@@ -489,8 +487,9 @@ class GpuRelay:
             self.stats["gpu_bytes"] += sum(hi - lo for lo, hi in self.layout.buckets)
             try:
                 await self.service.call_directory(
-                    self.name, "announce_gpu", self.service.worker, self.service.node_id,
-                    self.uuid, self.shard, call.version, slot, segment.ref, gpu.export,
+                    self.name, AnnounceGpu(self.service.worker, self.service.node_id, self.uuid,
+                                           self.shard, call.version, slot, segment.ref,
+                                           gpu.export),
                     patience=0.0)  # a restarted directory elects representatives afresh
             except Exception as exc:  # the directory is gone: its subscribers hear it
                 log.info("weights %r shard %d: version %d not announced: %s", self.name,
@@ -535,8 +534,8 @@ class GpuRelay:
         if self._task is not None:
             self._task.cancel()
         self._abort()
-        if self._nccl.relays.get((self.name, self.shard)) is self:
-            del self._nccl.relays[(self.name, self.shard)]
+        if self._nccl.receivers.get((self.name, self.shard)) is self:
+            del self._nccl.receivers[(self.name, self.shard)]
         for fut in self._ends.values():
             fut.cancel()
         self._ends.clear()

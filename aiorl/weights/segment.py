@@ -36,14 +36,14 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from aiorl.protocol.weights import SegmentRef
 from aiorl.transport._shm import ShmUnavailable, open_segment
 
-__all__ = ["SLOTS", "SegmentRef", "SegmentReader", "VersionedSegment", "read_slot"]
+__all__ = ["SLOTS", "SegmentReader", "VersionedSegment", "read_slot"]
 
 #: Slots per segment: the newest complete version and the one being written (or read).
 SLOTS = 2
@@ -53,16 +53,6 @@ _NO_VERSION = -1
 _WORDS = 3 * SLOTS
 _HOST = 2 * SLOTS
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-
-
-@dataclass(frozen=True)
-class SegmentRef:
-    """How another process of the node finds a segment: the owner's pid and fd, and sizes."""
-
-    pid: int
-    fd: int
-    size: int
-    slot_bytes: int
 
 
 def _slot_offset(slot: int, slot_bytes: int) -> int:
@@ -95,8 +85,8 @@ def _sparse_segment(size: int) -> tuple[int, mmap.mmap]:
     """A memfd of ``size`` bytes of which only the header page is backed and mapped.
 
     Not `aiorl.transport._shm.create_segment`: that one reserves (``fallocate``) and
-    populates every page at once, 1.1 s for a 1 GB model's two slots on the H200 machine
-    (docs/weights.md), memory a model read only from its GPU never uses. The rest is
+    populates every page at once (about a second for a 1 GB model's two slots;
+    docs/weights.md), memory a model read only from its GPU never uses. The rest is
     reserved by `VersionedSegment.ensure_host` before it is first written, so that running
     out of memory is still an error there, never a ``SIGBUS`` in a copy.
     """

@@ -29,29 +29,30 @@ from aiorl.errors import (
     GroupExistsError,
     GroupNotFoundError,
     PeerLostError,
+    ProtocolError,
     RegistryUnavailable,
     WaitTimeout,
 )
 from aiorl.group import WorkerGroup, WorkerGroupBuilder
 from aiorl.names import WorkerInfo
 from aiorl.placement import NodePlacementStrategy
-from aiorl.protocol.ops import WorkerState
+from aiorl.protocol.ops import WeightsOp, WorkerState
+from aiorl.protocol.weights import SCHEMA, DirectoryRequest, FetchBucket, HostNotice
 from aiorl.runtime import AsyncWork, Runtime, Session, WorkerSession
 from aiorl.runtime.promise import link_threads, prepare_threads, settle_from
 from aiorl.transport.endpoint import Incoming
-from aiorl.weights._directory import OP_HOST, WeightDirectory, directory_group
-from aiorl.weights._segment import VersionedSegment, read_slot
+from aiorl.weights.directory import WeightDirectory, directory_group
+from aiorl.weights.segment import VersionedSegment, read_slot
 
-__all__ = ["CHUNK", "OP_FETCH", "OP_HOST", "DirectoryLink", "WeightsService", "host_directory",
+__all__ = ["CHUNK", "DirectoryCall", "DirectoryLink", "WeightsService", "host_directory",
            "launch_directory", "weights_service"]
 
 T = TypeVar("T")
 
 log = logging.getLogger("aiorl.weights")
 
-#: A relay's request for one bucket of one version of a shard.
-OP_FETCH = "weights.fetch"
-#: Frame size of a fetched bucket: one huge ZMQ frame costs page faults (PERF-NOTES.md).
+#: Frame size of a fetched bucket, as for P2P's bulk frames: one huge ZMQ frame is a fresh
+#: allocation at each end, paid in page faults, where 1 MiB frames reuse memory.
 CHUNK = 1 << 20
 #: How long the directory may hold a subscriber's poll before answering unchanged.
 POLL_S = 10.0
@@ -71,8 +72,10 @@ DIRECTORY_MAX_RESTARTS = 10_000
 #: Seconds before a directory's restart (doubling while restarts fail in a row).
 DIRECTORY_BACKOFF_S = 0.1
 
+#: ``call(request)``: sends one directory request and returns its typed reply.
+DirectoryCall = Callable[[DirectoryRequest], Awaitable[Any]]
 #: ``restore(call)``: tells a new directory incarnation what this process holds.
-Restorer = Callable[[Callable[..., Awaitable[Any]]], Awaitable[None]]
+Restorer = Callable[[DirectoryCall], Awaitable[None]]
 
 
 @dataclass(eq=False)
@@ -136,8 +139,8 @@ class WeightsService:
         self._directories: dict[str, asyncio.Future[DirectoryLink]] = {}
         self._closers: list[Callable[[], None]] = []
         self._renewing: asyncio.Task[None] | None = None
-        runtime.submit(runtime.endpoint.handle, OP_FETCH, self._on_fetch)
-        runtime.submit(runtime.endpoint.handle, OP_HOST, self._on_host)
+        runtime.submit(runtime.endpoint.handle, WeightsOp.FETCH, self._on_fetch)
+        runtime.submit(runtime.endpoint.handle, WeightsOp.HOST, self._on_host)
         runtime.on_close(self.close)
 
     # ------------------------------------------------------------------ running
@@ -205,13 +208,14 @@ class WeightsService:
     async def on_directory_restart(self, name: str, restore: Restorer) -> None:
         """Run ``restore(call)`` whenever weight ``name``'s directory has a new incarnation,
         before anything else of this process reaches it: the directory is soft state, and
-        ``restore`` tells it again what this process holds (``call(method, *args)`` calls
-        the directory)."""
+        ``restore`` tells it again what this process holds (``call(request)`` sends one
+        request to the directory and returns its reply)."""
         (await self.directory(name)).restorers.append(restore)
 
-    async def call_directory(self, name: str, method: str, *args: Any,
+    async def call_directory(self, name: str, request: DirectoryRequest, *,
                              patience: float | None = None, wait_s: float = 0.0) -> Any:
-        """Call ``method`` of weight ``name``'s directory.
+        """Send ``request`` to weight ``name``'s directory and return its typed reply (the
+        reply type `aiorl.protocol.weights.SCHEMA` pairs with the request's op).
 
         A directory that restarted gets this process's state back first (the restorers).
         While it is down (dead, or restarting under its ``restart="on_failure"`` policy)
@@ -229,8 +233,7 @@ class WeightsService:
         while True:
             try:
                 await self._restored(link, deadline)
-                return await asyncio.wait_for(
-                    self.runtime.call_worker(link.worker, method, *args), wait_s + ANSWER_S)
+                return await self._send(link, request, wait_s + ANSWER_S)
             except (PeerLostError, WaitTimeout, TimeoutError) as exc:
                 if not isinstance(exc, (PeerLostError, WaitTimeout)):  # unanswered
                     await self._renew_watches()
@@ -243,6 +246,13 @@ class WeightsService:
                         f"the directory of weights {name!r} ({link.worker}) is gone and did "
                         f"not come back within {now - failing_since:.3g} s: {exc}") from exc
                 await asyncio.sleep(RETRY_S)
+
+    async def _send(self, link: DirectoryLink, request: DirectoryRequest, timeout: float) -> Any:
+        """One try of ``request``: the directory method its op names, given its wire form;
+        the answer read back as the op's reply type (ProtocolError if it is not one)."""
+        answer = await asyncio.wait_for(
+            self.runtime.call_worker(link.worker, request.op, request.to_wire()), timeout)
+        return SCHEMA[request.op][1].from_wire(answer)
 
     async def _restored(self, link: DirectoryLink, deadline: float) -> None:
         """Wait (until ``deadline``) for the directory to be ready; if it is an incarnation
@@ -264,9 +274,8 @@ class WeightsService:
                 log.info("%s: the directory of weights %r restarted; telling it what this "
                          "process holds", self.worker, link.name)
 
-            async def call(method: str, *args: Any) -> Any:
-                return await asyncio.wait_for(
-                    self.runtime.call_worker(link.worker, method, *args), ANSWER_S)
+            async def call(request: DirectoryRequest) -> Any:
+                return await self._send(link, request, ANSWER_S)
 
             for restore in list(link.restorers):
                 try:
@@ -307,13 +316,23 @@ class WeightsService:
 
     # ------------------------------------------------------------------ serving relays
     def _on_host(self, msg: Incoming) -> None:
-        name, shard, wanted, incarnation, counter = msg.meta
-        handler = self.host_handlers.get((name, shard))
+        try:
+            notice = HostNotice.from_wire(msg.meta)
+        except ProtocolError as exc:  # one-way: nobody to answer, so say it here
+            log.warning("%s: a malformed %s message: %s", self.worker, WeightsOp.HOST, exc)
+            return
+        handler = self.host_handlers.get((notice.name, notice.shard))
         if handler is not None:
-            handler(bool(wanted), str(incarnation), int(counter))
+            handler(notice.host.wanted, notice.host.incarnation, notice.host.counter)
 
     def _on_fetch(self, msg: Incoming) -> None:
-        name, shard, version, start, end = msg.meta
+        try:
+            fetch = FetchBucket.from_wire(msg.meta)
+        except ProtocolError as exc:
+            msg.reply_error(exc)
+            return
+        name, shard, version, start, end = (fetch.name, fetch.shard, fetch.version, fetch.start,
+                                            fetch.end)
         segment = self.segments.get((name, shard))
         # Only host bytes can be sent: a version on the GPU only is not here for a relay
         # (the directory asks for host copies while a relay exists, so one follows).

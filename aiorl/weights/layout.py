@@ -9,70 +9,55 @@ straight into its own tensors without any per-version metadata.
 whole into a bucket while they fit; a bigger tensor is split). A bucket is the unit that
 crosses the network to another node's relay, so that bucket k+1 is on the wire while the
 relay copies bucket k into its node's segment.
+
+The layout itself (`aiorl.protocol.weights.Layout`) is plain data that travels to the
+directory and to subscribers; this module computes it from a state dict and checks a
+state dict against it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
+from aiorl.protocol.weights import Layout, TensorSpec
 from aiorl.transport._shm import align
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Layout", "TensorSpec", "tensor_bytes"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "check_layout", "layout_of", "tensor_bytes"]
 
-#: Default bucket size (the issue's 256 MB).
+#: Default bucket size: large enough that a bucket's per-request cost is negligible, small
+#: enough that bucket k+1 is on the wire while a relay copies bucket k.
 DEFAULT_BUCKET_BYTES = 256 << 20
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor of the shard: its name, dtype (torch name, e.g. ``"bfloat16"``), shape and
-    byte range in the slot."""
+def layout_of(state_dict: Mapping[str, Any], bucket_bytes: int) -> Layout:
+    """The layout of ``state_dict`` (names in its iteration order)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    specs: list[TensorSpec] = []
+    offset = 0
+    for name, tensor in _tensors(state_dict):
+        nbytes = tensor.numel() * tensor.element_size()
+        specs.append(TensorSpec(name, _dtype_name(tensor), tuple(tensor.shape), offset, nbytes))
+        offset = align(offset + nbytes)
+    return Layout(tuple(specs), max(offset, 1), _buckets(specs, bucket_bytes))
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
 
-
-@dataclass(frozen=True)
-class Layout:
-    """The tensors of one shard in slot order, the slot size and the bucket ranges."""
-
-    tensors: tuple[TensorSpec, ...]
-    nbytes: int
-    buckets: tuple[tuple[int, int], ...]
-
-    @classmethod
-    def of(cls, state_dict: Mapping[str, Any], bucket_bytes: int) -> Layout:
-        """The layout of ``state_dict`` (names in its iteration order)."""
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        specs: list[TensorSpec] = []
-        offset = 0
-        for name, tensor in _tensors(state_dict):
-            nbytes = tensor.numel() * tensor.element_size()
-            specs.append(TensorSpec(name, _dtype_name(tensor), tuple(tensor.shape), offset, nbytes))
-            offset = align(offset + nbytes)
-        return cls(tuple(specs), max(offset, 1), _buckets(specs, bucket_bytes))
-
-    def check(self, state_dict: Mapping[str, Any]) -> None:
-        """Raise ValueError unless ``state_dict`` has exactly this layout's tensors."""
-        given = {name: t for name, t in _tensors(state_dict)}
-        if set(given) != {s.name for s in self.tensors}:
-            missing = sorted({s.name for s in self.tensors} - set(given))
-            extra = sorted(set(given) - {s.name for s in self.tensors})
+def check_layout(layout: Layout, state_dict: Mapping[str, Any]) -> None:
+    """Raise ValueError unless ``state_dict`` has exactly ``layout``'s tensors."""
+    given = {name: t for name, t in _tensors(state_dict)}
+    if set(given) != {s.name for s in layout.tensors}:
+        missing = sorted({s.name for s in layout.tensors} - set(given))
+        extra = sorted(set(given) - {s.name for s in layout.tensors})
+        raise ValueError(
+            "a publisher's tensors are fixed by its first publish; "
+            f"missing {missing[:5]}, new {extra[:5]}")
+    for spec in layout.tensors:
+        t = given[spec.name]
+        if _dtype_name(t) != spec.dtype or tuple(t.shape) != spec.shape:
             raise ValueError(
-                "a publisher's tensors are fixed by its first publish; "
-                f"missing {missing[:5]}, new {extra[:5]}")
-        for spec in self.tensors:
-            t = given[spec.name]
-            if _dtype_name(t) != spec.dtype or tuple(t.shape) != spec.shape:
-                raise ValueError(
-                    f"tensor {spec.name!r} changed from {spec.dtype}{list(spec.shape)} to "
-                    f"{_dtype_name(t)}{list(t.shape)} since the first publish")
+                f"tensor {spec.name!r} changed from {spec.dtype}{list(spec.shape)} to "
+                f"{_dtype_name(t)}{list(t.shape)} since the first publish")
 
 
 def _tensors(state_dict: Mapping[str, Any]) -> list[tuple[str, Any]]:

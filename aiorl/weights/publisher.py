@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from aiorl.errors import PeerLostError
+from aiorl.protocol.weights import Announce, Layout, RegisterPublisher, ShardSource
 from aiorl.runtime import AsyncWork
 from aiorl.runtime.promise import trace_until_settled
 from aiorl.trace import recorder as _trace
 from aiorl.weights import cuda
-from aiorl.weights._directory import ShardSource
-from aiorl.weights._layout import Layout, tensor_bytes
-from aiorl.weights._segment import SLOTS, VersionedSegment
-from aiorl.weights._service import WeightsService
 from aiorl.weights.cuda import CudaSlots, cuda_device_of
+from aiorl.weights.layout import check_layout, layout_of, tensor_bytes
 from aiorl.weights.nccl import GpuFanout
+from aiorl.weights.segment import SLOTS, VersionedSegment
+from aiorl.weights.service import DirectoryCall, WeightsService
 
 __all__ = ["WeightPublisher", "write_tensors"]
 
@@ -28,9 +28,9 @@ log = logging.getLogger("aiorl.weights")
 #: How long a publish waits for the directory to hear of its version before it returns
 #: anyway (a directory that is down or hung hears it when it is back: the restore). A
 #: directory known dead fails the announce at once; this bounds one whose death is not
-#: known yet. 2 s proved too short on a loaded 2-core machine: a live directory's answer
-#: came later, the publish returned first, and a subscriber asking right after missed
-#: the version (tests/test_demo.py, once in a full CI run).
+#: known yet. It must exceed a live directory's answer time on a loaded machine (a few
+#: seconds on 2 shared cores): a publish that returns before the answer breaks "returned
+#: means readable" for a subscriber that asks right after.
 ANNOUNCE_WAIT_S = 5.0
 
 
@@ -141,7 +141,7 @@ class WeightPublisher:
         """
         if type(version) is not int:
             raise TypeError(f"a version must be an int, got {type(version).__name__}")
-        Layout.of(state_dict, self.bucket_bytes)  # type errors now, on the caller's thread
+        layout_of(state_dict, self.bucket_bytes)  # type errors now, on the caller's thread
         work = self.service.run(self._publish(state_dict, version))
         if _trace.ON:  # the version tag follows a trainer step through the pipeline
             trace_until_settled(work, _trace.begin("weights", f"publish {self.name}", None,
@@ -275,11 +275,12 @@ class WeightPublisher:
         service = self.service
         async with self._announce_lock:
             try:
-                wanted = await service.call_directory(
-                    self.name, "announce", service.worker, self.shard, version, slot, None, "",
-                    host, patience=0.0)
-                if isinstance(wanted, (list, tuple)) and len(wanted) == 3:
-                    self.on_host_wanted(bool(wanted[0]), str(wanted[1]), int(wanted[2]))
+                reply = await service.call_directory(
+                    self.name, Announce(service.worker, self.shard, version, slot, host=host),
+                    patience=0.0)
+                if reply.host is not None:
+                    self.on_host_wanted(reply.host.wanted, reply.host.incarnation,
+                                        reply.host.counter)
             except PeerLostError as exc:
                 log.info("%s: weights %r version %d: the directory is down (%s); it hears of "
                          "the version when it is back", service.worker, self.name, version, exc)
@@ -287,23 +288,23 @@ class WeightPublisher:
                 log.warning("%s: weights %r version %d not announced: %r", service.worker,
                             self.name, version, exc)
 
-    async def _restore(self, call: Callable[..., Awaitable[Any]]) -> None:
+    async def _restore(self, call: DirectoryCall) -> None:
         """Tell a restarted directory this publisher's source, then each complete slot
         (oldest first, as they were announced)."""
         segment, layout, source = self._segment, self._layout, self._source
         if segment is None or layout is None or source is None:
             return
-        await call("register_publisher", source, self.num_shards, self.service.node_id, layout)
+        await call(RegisterPublisher(source, self.num_shards, self.service.node_id, layout))
         for version, slot in sorted((segment.version(s), s) for s in range(SLOTS)):
             if version >= 0:
-                await call("announce", self.service.worker, self.shard, version, slot, None,
-                           "", segment.host_version(slot) == version)
+                await call(Announce(self.service.worker, self.shard, version, slot,
+                                    host=segment.host_version(slot) == version))
 
     async def _segment_for(self, state_dict: Mapping[str, Any]) -> tuple[VersionedSegment, Layout]:
         if self._segment is not None and self._layout is not None:
-            self._layout.check(state_dict)
+            check_layout(self._layout, state_dict)
             return self._segment, self._layout
-        layout = Layout.of(state_dict, self.bucket_bytes)
+        layout = layout_of(state_dict, self.bucket_bytes)
         device = cuda_device_of(state_dict)
         gpu = None if device is None else CudaSlots(layout, device, SLOTS)
         # A GPU publisher's host bytes are made only when a version must reach them.
@@ -317,8 +318,8 @@ class WeightPublisher:
         # Before the directory lists us too: it says at once whether host readers exist.
         service.host_handlers[(self.name, self.shard)] = self.on_host_wanted
         try:
-            floor = await service.call_directory(self.name, "register_publisher", source,
-                                                 self.num_shards, service.node_id, layout)
+            registered = await service.call_directory(
+                self.name, RegisterPublisher(source, self.num_shards, service.node_id, layout))
         except BaseException:
             service.host_handlers.pop((self.name, self.shard), None)
             if fanout is not None:
@@ -327,7 +328,7 @@ class WeightPublisher:
             raise
         service.segments[(self.name, self.shard)] = segment
         service.on_close(self._unpin)
-        self._floor = floor if isinstance(floor, int) else None
+        self._floor = registered.floor
         self._segment, self._layout, self._gpu, self._fanout = segment, layout, gpu, fanout
         self._source = source
         await service.on_directory_restart(self.name, self._restore)

@@ -5,7 +5,9 @@ A subscriber follows its weight name's directory with one long poll at a time (s
 of the node's shared segment into the caller's tensors under the segment's seqlock. When the
 directory elects it as its node's relay for a shard published on another node, the same
 follow loop fetches each new version's buckets from the publisher into a segment of its
-own, which every subscriber of the node then reads.
+own, which every subscriber of the node then reads (`aiorl.weights.node_relay`). When it
+pulls into a GPU that a GPU publisher is not on, the directory may elect it its GPU's
+representative, which receives versions by NCCL (`aiorl.weights.gpu_representative`).
 """
 
 from __future__ import annotations
@@ -14,31 +16,28 @@ import asyncio
 import functools
 import logging
 import warnings
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from aiorl.errors import PeerLostError
+from aiorl.protocol.weights import HostPull, Layout, NodeView, Poll, SegmentRef, ShardSource
 from aiorl.runtime import AsyncWork
 from aiorl.runtime.promise import trace_until_settled
 from aiorl.trace import recorder as _trace
 from aiorl.transport._shm import ShmUnavailable
 from aiorl.weights import cuda
-from aiorl.weights._directory import NodeView, RelayJob, ShardSource
-from aiorl.weights._layout import Layout, tensor_bytes
-from aiorl.weights._segment import SLOTS, SegmentReader, SegmentRef, VersionedSegment
-from aiorl.weights._service import OP_FETCH, POLL_S, WeightsService
-from aiorl.weights.nccl import GpuRelay
+from aiorl.weights.gpu_representative import GpuRepresentative
+from aiorl.weights.layout import tensor_bytes
+from aiorl.weights.node_relay import NodeRelay
+from aiorl.weights.segment import SLOTS, SegmentReader
+from aiorl.weights.service import POLL_S, DirectoryCall, WeightsService
 
 __all__ = ["SubscriberStatistics", "WeightSubscriber", "read_tensors"]
 
 log = logging.getLogger("aiorl.weights")
-
-#: Bucket fetches a relay keeps in flight (bucket k+1 on the wire while k is copied).
-FETCH_DEPTH = 2
-
 
 @dataclass(frozen=True)
 class SubscriberStatistics:
@@ -95,12 +94,6 @@ class WeightSubscriber:
         self._changed: asyncio.Event | None = None
         self._readers: dict[SegmentRef, SegmentReader] = {}
         self._gpu_slots: dict[SegmentRef, list[Any]] = {}  # a GPU publisher's slots, opened
-        self._relay_segments: dict[int, VersionedSegment] = {}
-        self._relay_origins: dict[int, SegmentRef] = {}  # shard -> publisher segment relayed
-        # As its GPU's representative (aiorl.weights.nccl): shard -> relay, and the GPU
-        # (index, UUID) the subscriber told the directory it pulls into.
-        self._gpu_relays: dict[int, GpuRelay] = {}
-        self._gpu: tuple[int, str] | None = None
         # Told the directory it pulls into host memory although it named a GPU: GPU
         # publishers write their host slots for it (docs/weights.md, "CUDA").
         self._host_pull = False
@@ -108,6 +101,9 @@ class WeightSubscriber:
         self._stats = {"pulls": 0, "bytes_copied": 0, "torn_retries": 0, "versions_skipped": 0,
                        "relayed_versions": 0, "relayed_bytes": 0, "gpu_versions": 0,
                        "gpu_bytes": 0}
+        # Its roles besides pulling, as the directory elects it.
+        self._node_relay = NodeRelay(service, name, self._stats)
+        self._representative = GpuRepresentative(service, name, self._stats)
         self._task: asyncio.Task[None] | None = None
         service.runtime.submit(self._start)
 
@@ -190,7 +186,7 @@ class WeightSubscriber:
     async def _refresh(self) -> int | None:
         service = self.service
         view: NodeView = await service.call_directory(
-            self.name, "poll", service.worker, service.node_id, -1, 0.0)
+            self.name, Poll(service.worker, service.node_id, -1, 0.0))
         self._take(view)
         if view.version is not None and (self._latest is None or view.version > self._latest):
             self._latest = view.version
@@ -229,8 +225,8 @@ class WeightSubscriber:
                     await service.on_directory_restart(self.name, self._restore)
                     following = True
                 view: NodeView = await service.call_directory(
-                    self.name, "poll", service.worker, service.node_id, generation, POLL_S,
-                    incarnation, wait_s=POLL_S)
+                    self.name, Poll(service.worker, service.node_id, generation, POLL_S,
+                                    incarnation), wait_s=POLL_S)
             except Exception as exc:  # gone for longer than the patience, or not launched
                 self._lost = (str(exc) if isinstance(exc, PeerLostError) else
                               f"cannot follow the directory of weights {self.name!r}: {exc!r}")
@@ -245,9 +241,9 @@ class WeightSubscriber:
                 self._latest = view.version
             self._notify()
             for publisher in view.gpu_jobs:
-                self._represent(publisher, view.layouts[publisher.shard])
+                self._representative.represent(publisher, view.layouts[publisher.shard])
             for job in view.relay_jobs:
-                await self._relay(job, view.layouts[job.shard])
+                await self._node_relay.relay(job, view.layouts[job.shard])
 
     def _take(self, view: NodeView) -> None:
         """Make ``view`` the one pulls copy from, unless it comes from a restarted directory
@@ -261,21 +257,15 @@ class WeightSubscriber:
             return
         self._view = view
 
-    async def _restore(self, call: Callable[..., Awaitable[Any]]) -> None:
+    async def _restore(self, call: DirectoryCall) -> None:
         """Tell a restarted directory what this subscriber holds: each shard it relays for
         its node (its segment, complete slots and the publisher segment they came from)
         and the GPU it pulls into."""
         service = self.service
-        for shard, segment in list(self._relay_segments.items()):
-            origin = self._relay_origins.get(shard)
-            slots = {segment.version(s): s for s in range(SLOTS) if segment.version(s) >= 0}
-            if origin is not None and slots:
-                await call("restore_relay", service.worker, service.node_id, shard,
-                           segment.ref, slots, origin)
-        if self._gpu is not None:
-            await call("gpu_subscribe", service.worker, service.node_id, self._gpu[1])
+        await self._node_relay.restore(call)
+        await self._representative.restore(call)
         if self._host_pull:
-            await call("host_pull", service.worker, service.node_id)
+            await call(HostPull(service.worker, service.node_id))
 
     def _notify(self) -> None:
         if self._changed is not None:
@@ -291,7 +281,7 @@ class WeightSubscriber:
 
     # ------------------------------------------------------------------ pull and wait
     async def _pull(self, into: Mapping[str, Any]) -> int:
-        await self._subscribe_gpu(into)
+        await self._representative.subscribe(into)
         tried: NodeView | None = None  # a view whose copy came out torn
         caught_up = False
         while True:
@@ -351,7 +341,7 @@ class WeightSubscriber:
         service = self.service
         try:
             view: NodeView = await service.call_directory(
-                self.name, "poll", service.worker, service.node_id, -1, 0.0, patience=0.0)
+                self.name, Poll(service.worker, service.node_id, -1, 0.0), patience=0.0)
         except Exception as exc:  # down or restarting: the view we have is still whole
             log.debug("weights %r: directory not asked before a pull: %r", self.name, exc)
             return
@@ -378,11 +368,11 @@ class WeightSubscriber:
         host = [shard for shard in range(len(view.sources))
                 if not self._from_gpu_slots(view, shard, into)]
         missing = any(view.version in view.sources[shard].device_only for shard in host)
-        if host and not self._host_pull and (self._gpu is not None or missing):
+        if host and not self._host_pull and (self._representative.gpu is not None or missing):
             service = self.service
             try:
-                await service.call_directory(self.name, "host_pull", service.worker,
-                                             service.node_id, patience=0.0)
+                await service.call_directory(
+                    self.name, HostPull(service.worker, service.node_id), patience=0.0)
                 self._host_pull = True
             except Exception as exc:  # a directory down: the next pull says it again
                 log.debug("weights %r: host reads not registered: %r", self.name, exc)
@@ -426,12 +416,11 @@ class WeightSubscriber:
         assert source.cuda is not None
         gpu = self._gpu_slots.get(source.ref)
         if gpu is None:
-            # Our own slots as our GPU's representative are read directly (a process
-            # cannot open its own IPC handles); anyone else's are opened once.
-            own = [relay.gpu.slots for relay in list(self._gpu_relays.values())
-                   if relay.gpu is not None and relay.segment is not None
-                   and relay.segment.ref == source.ref]
-            gpu = self._gpu_slots[source.ref] = own[0] if own else cuda.open_slots(source.cuda)
+            # Our own slots as our GPU's representative are read directly; anyone else's
+            # are opened once.
+            own = self._representative.own_slots(source.ref)
+            gpu = self._gpu_slots[source.ref] = own if own is not None else cuda.open_slots(
+                source.cuda)
         slot = source.slots[version]
         return self._reader(source.ref).read(slot, version, _from_gpu(layout, gpu[slot], into),
                                              host=False)
@@ -446,7 +435,7 @@ class WeightSubscriber:
         self._pulled = view.version
         # Mappings of segments no longer in the view (a restarted publisher) are dropped.
         live = {source.ref for source in (*view.sources, *view.gpu_sources) if source}
-        live.update(relay.segment.ref for relay in self._gpu_relays.values() if relay.segment)
+        live.update(self._representative.refs())
         for ref in [r for r in self._readers if r not in live]:
             del self._readers[ref]
             self._gpu_slots.pop(ref, None)
@@ -476,110 +465,11 @@ class WeightSubscriber:
             raise WaitTimeout(f"no version >= {min_version} of weights {self.name!r} within "
                               f"{timeout:g} s (latest: {self._latest})") from None
 
-    # ------------------------------------------------------------------ GPU representative
-    async def _subscribe_gpu(self, into: Mapping[str, Any]) -> None:
-        """Tell the directory, once, which GPU this subscriber pulls into: if a publisher
-        is on another GPU, it elects a representative of this GPU to receive by NCCL."""
-        if self._gpu is not None:
-            return
-        gpu = cuda.device_uuid_of(into)
-        if gpu is None:
-            return
-        service = self.service
-        try:
-            await service.call_directory(self.name, "gpu_subscribe", service.worker,
-                                         service.node_id, gpu[1], patience=0.0)
-        except Exception as exc:  # the host path needs no GPU registration: asked again
-            log.debug("weights %r: GPU not registered: %r", self.name, exc)
-            return
-        self._gpu = gpu
-
-    def _represent(self, publisher: ShardSource, layout: Layout) -> None:
-        """Be this GPU's representative for ``publisher``'s shard: receive its versions by
-        NCCL from the publisher's GPU."""
-        shard = publisher.shard
-        relay = self._gpu_relays.get(shard)
-        if relay is not None and relay.publisher.ref == publisher.ref:
-            return  # (one that failed to start is not retried: pulls use the host slots)
-        if relay is not None:
-            relay.close()
-        assert self._gpu is not None  # only a subscriber that named its GPU is elected
-        index, uuid = self._gpu
-        service = self.service
-        relay = self._gpu_relays[shard] = GpuRelay(service, self.name, publisher, layout, index,
-                                                   uuid, self._stats)
-
-        async def start() -> None:
-            try:
-                await relay.start()
-            except Exception as exc:  # pulls keep using the host slots
-                log.warning("%s: cannot represent its GPU for weights %r shard %d: %r",
-                            service.worker, self.name, shard, exc)
-                relay.close()
-
-        service.loop.create_task(start())
-
-    # ------------------------------------------------------------------ relaying
-    async def _relay(self, job: RelayJob, layout: Layout) -> None:
-        """Fetch ``job.version`` of a shard from its publisher into our relay segment."""
-        segment = self._relay_segments.get(job.shard)
-        if segment is None:
-            segment = self._relay_segments[job.shard] = VersionedSegment(layout.nbytes)
-        self._relay_origins[job.shard] = job.publisher.ref
-        slot = segment.spare_slot()
-        segment.begin_write(slot, job.version)
-        complete = False
-        try:
-            complete = await self._fetch(job, layout, segment.slot(slot))
-        except Exception as exc:  # the publisher died or failed the fetch: skip this version
-            log.info("relay of weights %r shard %d stopped: %s", self.name, job.shard, exc)
-        finally:
-            segment.end_write(slot, complete)
-        if not complete:
-            return  # the directory already has (or will soon have) a newer job or a loss
-        self._stats["relayed_versions"] += 1
-        service = self.service
-        try:
-            await service.call_directory(self.name, "announce", service.worker, job.shard,
-                                         job.version, slot, segment.ref, service.node_id,
-                                         patience=0.0)
-        except PeerLostError as exc:  # our restore lists the slot once the directory is back
-            log.info("relay of weights %r shard %d: version %d not announced: %s", self.name,
-                     job.shard, job.version, exc)
-
-    async def _fetch(self, job: RelayJob, layout: Layout, dst: Any) -> bool:
-        """Every bucket of the version into ``dst``, ``FETCH_DEPTH`` requests in flight."""
-        endpoint = self.service.runtime.endpoint
-        buckets = list(layout.buckets)
-        pending: list[tuple[int, int, asyncio.Future[Any]]] = []
-        complete = True
-        while (buckets or pending) and complete:
-            while buckets and len(pending) < FETCH_DEPTH:
-                start, end = buckets.pop(0)
-                meta = [self.name, job.shard, job.version, start, end]
-                pending.append((start, end, endpoint.request(job.publisher.endpoint, OP_FETCH,
-                                                             meta)))
-            start, end, fut = pending.pop(0)
-            intact, frames = await fut
-            if not intact:
-                complete = False  # the publisher overwrote that version: a newer job follows
-                break
-            await self.service.copy(functools.partial(_place, dst[start:end], frames))
-            self._stats["relayed_bytes"] += end - start
-        for _, _, fut in pending:
-            fut.cancel()
-        return complete
-
     def _close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        for relay in self._gpu_relays.values():
-            relay.close()
-        self._gpu_relays.clear()
-        for segment in self._relay_segments.values():
-            segment.close()
-        self._relay_segments.clear()
-        self._relay_origins.clear()
+        self._representative.close()
+        self._node_relay.close()
         self._readers.clear()
         self._gpu_slots.clear()
 
@@ -593,16 +483,6 @@ def _from_gpu(layout: Layout, gpu_slot: Any, into: Mapping[str, Any]) -> Callabl
     """The copy of one shard out of the publisher's GPU slot (the host slot only carries
     the seqlock)."""
     return lambda _host_slot: cuda.read_tensors_cuda(layout, gpu_slot, into)
-
-
-def _place(dst: Any, frames: list[Any]) -> None:
-    offset = 0
-    for frame in frames:
-        chunk = np.frombuffer(frame, dtype=np.uint8)
-        dst[offset : offset + chunk.size] = chunk
-        offset += chunk.size
-    if offset != dst.size:
-        raise PeerLostError(f"a weight bucket arrived with {offset} of {dst.size} bytes")
 
 
 def check_into(layouts: tuple[Layout, ...], into: Mapping[str, Any]) -> None:

@@ -21,7 +21,7 @@ subscriber of its node that polls.
 For a publisher on a GPU, the directory also decides whether its versions must reach host
 memory (`reads_from_gpu`): only while some subscriber reads that shard from the host
 slots (one on the CPU, on another GPU or another node, or one that has not yet said where
-it pulls to). It tells the publisher (``weights.host``, one-way, numbered so that a late
+it pulls to). It tells the publisher (``WeightsOp.HOST``, one-way, numbered so that a late
 message is ignored) and lists a version written to the GPU only as such
 (`ShardSource.device_only`): a subscriber that reads host memory is never offered it.
 
@@ -30,6 +30,9 @@ The directory itself is *soft state*: its group restarts it when it dies
 again what it holds (``register_publisher`` and ``announce`` of its complete slots,
 ``restore_relay``) before anything else it sends; a subscriber's poll names the
 incarnation it last heard (``NodeView.directory``), so a new one answers it at once.
+
+Every request and reply is a typed message of `aiorl.protocol.weights` (``SCHEMA`` pairs
+them), checked field by field when it arrives.
 """
 
 from __future__ import annotations
@@ -38,25 +41,38 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiorl.errors import PeerLostError
 from aiorl.names import WorkerAddress
+from aiorl.protocol.ops import WeightsOp
+from aiorl.protocol.weights import (
+    Announce,
+    AnnounceGpu,
+    AnnounceReply,
+    CudaExport,
+    GpuSubscribe,
+    HostNotice,
+    HostPull,
+    HostWanted,
+    Layout,
+    NodeView,
+    Poll,
+    PublisherRegistered,
+    RegisterPublisher,
+    RelayJob,
+    RestoreRelay,
+    SegmentRef,
+    ShardSource,
+)
 from aiorl.runtime import Runtime, current_runtime
-from aiorl.weights._layout import Layout
-from aiorl.weights._segment import SegmentRef
-from aiorl.weights.cuda import CudaExport
 
-__all__ = ["GROUP_PREFIX", "OP_HOST", "NodeView", "RelayJob", "ShardSource", "WeightDirectory",
-           "directory_group", "reads_from_gpu"]
+__all__ = ["GROUP_PREFIX", "WeightDirectory", "directory_group", "reads_from_gpu"]
 
 log = logging.getLogger("aiorl.weights")
 
 #: The directory of weight name ``x`` is the worker group ``weights.x`` (rank 0).
 GROUP_PREFIX = "weights."
-#: Directory -> a GPU publisher, one-way, ``[name, shard, wanted, incarnation, counter]``:
-#: whether some subscriber reads the shard from host memory (docs/weights.md, "CUDA").
-OP_HOST = "weights.host"
 
 
 def directory_group(name: str) -> str:
@@ -68,22 +84,6 @@ def directory_group(name: str) -> str:
     return group
 
 
-@dataclass(frozen=True)
-class ShardSource:
-    """One copy of a shard on one node: the worker writing it, its segment, version -> slot,
-    and for a publisher on a GPU its GPU slots (`aiorl.weights.cuda`) and which versions of
-    ``slots`` are in the GPU slots only (``device_only``: their host bytes were not
-    written, no host reader may be given them)."""
-
-    shard: int
-    worker: str
-    endpoint: str
-    ref: SegmentRef
-    slots: dict[int, int] = field(default_factory=dict)
-    cuda: CudaExport | None = None
-    device_only: set[int] = field(default_factory=set)
-
-
 def reads_from_gpu(worker: str, node_id: str, publisher_node: str, publisher_gpu: str | None,
                    gpu_of: Mapping[str, str], host_pulls: Collection[str]) -> bool:
     """Whether subscriber ``worker`` of ``node_id`` reads a shard published from GPU
@@ -93,44 +93,6 @@ def reads_from_gpu(worker: str, node_id: str, publisher_node: str, publisher_gpu
     pulled yet included, may read the host slots: the publisher must write them."""
     return (publisher_gpu is not None and node_id == publisher_node
             and gpu_of.get(worker) == publisher_gpu and worker not in host_pulls)
-
-
-@dataclass(frozen=True)
-class RelayJob:
-    """Fetch ``version`` of ``shard`` from its publisher into this node's relay segment."""
-
-    shard: int
-    version: int
-    publisher: ShardSource
-
-
-@dataclass(frozen=True)
-class NodeView:
-    """A directory answer for one subscriber.
-
-    ``version`` is the newest version every shard holds complete on the subscriber's node
-    (None if there is none), ``sources`` the node's source of each shard, ``layouts`` each
-    shard's layout, ``relay_jobs`` what this subscriber should fetch as its node's relay,
-    ``lost`` why a publisher is gone (None while all are alive), ``generation`` the
-    directory state this answers and ``directory`` the directory incarnation that answers
-    (pass both back to wait for a change).
-
-    For a subscriber that pulls into a GPU other than a GPU publisher's
-    (`WeightDirectory.gpu_subscribe`): ``gpu_sources`` holds, per shard, the copy of
-    that shard on the subscriber's GPU (its representative's, `aiorl.weights.nccl`;
-    None where there is none, or none needed), and ``gpu_jobs`` the publishers (their
-    sources) of the shards for which the subscriber itself is its GPU's representative.
-    """
-
-    version: int | None
-    sources: tuple[ShardSource, ...]
-    layouts: tuple[Layout, ...]
-    relay_jobs: tuple[RelayJob, ...]
-    lost: str | None
-    generation: int
-    directory: str = ""
-    gpu_sources: tuple[ShardSource | None, ...] = ()
-    gpu_jobs: tuple[ShardSource, ...] = ()
 
 
 @dataclass
@@ -177,9 +139,53 @@ class WeightDirectory:
         self._changed: asyncio.Event | None = None
         runtime.submit(runtime.endpoint.on_peer_lost, self._on_peer_lost)
 
+    # ------------------------------------------------------------------ the wire
+    # Each `DirectoryOp` is the method of its name. It reads its request with the request
+    # type's ``from_wire`` (a malformed one fails the call with ProtocolError before anything
+    # is stored) and answers with its reply type's wire form (aiorl.protocol.weights.SCHEMA).
+    async def register_publisher(self, meta: object) -> object:
+        """`RegisterPublisher`; answers `PublisherRegistered`."""
+        m = RegisterPublisher.from_wire(meta)
+        floor = await self._register_publisher(m.source, m.num_shards, m.node_id, m.layout)
+        return PublisherRegistered(floor).to_wire()
+
+    async def announce(self, meta: object) -> object:
+        """`Announce`; answers `AnnounceReply`."""
+        m = Announce.from_wire(meta)
+        host = await self._announce(m.worker, m.shard, m.version, m.slot, m.ref, m.node_id,
+                                    m.host)
+        return AnnounceReply(host).to_wire()
+
+    async def host_pull(self, meta: object) -> None:
+        """`HostPull`; answers `Ack` (nil)."""
+        m = HostPull.from_wire(meta)
+        await self._host_pull(m.worker, m.node_id)
+
+    async def restore_relay(self, meta: object) -> None:
+        """`RestoreRelay`; answers `Ack` (nil)."""
+        m = RestoreRelay.from_wire(meta)
+        await self._restore_relay(m.worker, m.node_id, m.shard, m.ref, m.slots, m.origin)
+
+    async def gpu_subscribe(self, meta: object) -> None:
+        """`GpuSubscribe`; answers `Ack` (nil)."""
+        m = GpuSubscribe.from_wire(meta)
+        await self._gpu_subscribe(m.worker, m.node_id, m.uuid)
+
+    async def announce_gpu(self, meta: object) -> None:
+        """`AnnounceGpu`; answers `Ack` (nil)."""
+        m = AnnounceGpu.from_wire(meta)
+        await self._announce_gpu(m.worker, m.node_id, m.uuid, m.shard, m.version, m.slot, m.ref,
+                                 m.export)
+
+    async def poll(self, meta: object) -> object:
+        """`Poll`; answers `NodeView`."""
+        m = Poll.from_wire(meta)
+        return (await self._poll(m.worker, m.node_id, m.generation, m.wait_s,
+                                 m.directory)).to_wire()
+
     # ------------------------------------------------------------------ publishers
-    async def register_publisher(self, source: ShardSource, num_shards: int, node_id: str,
-                                 layout: Layout) -> int | None:
+    async def _register_publisher(self, source: ShardSource, num_shards: int, node_id: str,
+                                  layout: Layout) -> int | None:
         """Shard ``source.shard`` of ``num_shards`` is published by ``source.worker``.
 
         Returns the newest version a publisher of this shard completed (None: none yet): a
@@ -220,14 +226,13 @@ class WeightDirectory:
         self._bump()
         return self._floors.get(source.shard)
 
-    async def announce(self, worker: str, shard: int, version: int, slot: int,
-                       ref: SegmentRef | None = None, node_id: str = "",
-                       host: bool = True) -> list[object] | None:
+    async def _announce(self, worker: str, shard: int, version: int, slot: int,
+                        ref: SegmentRef | None, node_id: str, host: bool) -> HostWanted | None:
         """``worker`` (the shard's publisher, or a relay with its ``ref`` and node) completed
         ``version`` in ``slot``; the other slot keeps the version it held. ``host=False``: a
         GPU publisher wrote it to its GPU slot only (announced again with ``host=True`` once
-        copied to host memory). A GPU publisher is answered whether host readers exist,
-        ``[wanted, incarnation, counter]`` (as ``weights.host`` says it)."""
+        copied to host memory). A GPU publisher is answered whether host readers exist (as
+        ``WeightsOp.HOST`` says it)."""
         pub = self._publishers.get(shard)
         if pub is None:
             raise LookupError(f"shard {shard} of weights {self.name!r} has no publisher")
@@ -247,9 +252,9 @@ class WeightDirectory:
         told = self._host_told.get(shard)
         if source is not pub.source or told is None or told[0] != worker:
             return None
-        return [told[1], self.incarnation, told[2]]
+        return HostWanted(told[1], self.incarnation, told[2])
 
-    async def host_pull(self, worker: str, node_id: str) -> None:
+    async def _host_pull(self, worker: str, node_id: str) -> None:
         """Subscriber ``worker`` pulled into host memory (or another device than a GPU
         publisher's): from now on it is given only versions whose host bytes exist, and GPU
         publishers write their host slots (and copy their newest version there now)."""
@@ -258,8 +263,8 @@ class WeightDirectory:
             self._host_pulls.add(worker)
             self._bump()
 
-    async def restore_relay(self, worker: str, node_id: str, shard: int, ref: SegmentRef,
-                            slots: dict[int, int], origin: SegmentRef) -> None:
+    async def _restore_relay(self, worker: str, node_id: str, shard: int, ref: SegmentRef,
+                             slots: dict[int, int], origin: SegmentRef) -> None:
         """``worker`` was ``node_id``'s relay of ``shard`` before this directory restarted,
         and holds ``slots`` (version -> slot) copied from the publisher segment ``origin``:
         it stays the relay unless another was elected meanwhile. A copy of a publisher
@@ -276,7 +281,7 @@ class WeightDirectory:
         self._relay_origins[key] = origin
         self._bump()
 
-    async def gpu_subscribe(self, worker: str, node_id: str, uuid: str) -> None:
+    async def _gpu_subscribe(self, worker: str, node_id: str, uuid: str) -> None:
         """Subscriber ``worker`` pulls into GPU ``uuid`` of ``node_id``: for each shard a GPU
         publisher publishes on another GPU, one subscriber of that GPU (the first to ask)
         becomes its representative and receives the versions by NCCL."""
@@ -284,8 +289,8 @@ class WeightDirectory:
             self._gpu_of[worker] = uuid
             self._bump()
 
-    async def announce_gpu(self, worker: str, node_id: str, uuid: str, shard: int,
-                           version: int, slot: int, ref: SegmentRef, export: CudaExport) -> None:
+    async def _announce_gpu(self, worker: str, node_id: str, uuid: str, shard: int,
+                            version: int, slot: int, ref: SegmentRef, export: CudaExport) -> None:
         """Representative ``worker`` of GPU ``uuid`` holds ``version`` of ``shard`` complete
         in its GPU slot ``slot`` (``ref``: its seqlock header; ``export``: the slots)."""
         key = (node_id, uuid, shard)
@@ -309,8 +314,8 @@ class WeightDirectory:
         self._bump()
 
     # ------------------------------------------------------------------ subscribers
-    async def poll(self, worker: str, node_id: str, generation: int, wait_s: float,
-                   directory: str = "") -> NodeView:
+    async def _poll(self, worker: str, node_id: str, generation: int, wait_s: float,
+                    directory: str) -> NodeView:
         """The state for subscriber ``worker`` on ``node_id`` once it is newer than
         ``generation`` of incarnation ``directory`` (or after ``wait_s`` seconds, whichever
         comes first); at once for a subscriber that knew another incarnation."""
@@ -431,8 +436,9 @@ class WeightDirectory:
             self._host_told[shard] = (pub.source.worker, wanted, self._host_counter)
             try:
                 self.runtime.endpoint.send_oneway(
-                    pub.source.endpoint, OP_HOST,
-                    [self.name, shard, wanted, self.incarnation, self._host_counter])
+                    pub.source.endpoint, WeightsOp.HOST,
+                    HostNotice(self.name, shard, HostWanted(wanted, self.incarnation,
+                                                            self._host_counter)).to_wire())
             except Exception as exc:  # a lost publisher: its death report follows
                 log.info("weights %r: publisher %s of shard %d not told about host readers: "
                          "%r", self.name, pub.source.worker, shard, exc)
