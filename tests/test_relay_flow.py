@@ -41,6 +41,9 @@ MIB = 1 << 20
 #: What an agent may gain over its baseline beyond the bytes it holds: allocator slack and
 #: the kernel's socket buffers charged to it (measured: a few MiB).
 SLACK = 16 * MIB
+#: Descriptors an agent may open meanwhile for its own work (a registry look-up, libzmq's
+#: reconnects): a constant, where one per unknown destination would be thousands.
+FD_SLACK = 8
 
 
 class F(R):
@@ -291,7 +294,7 @@ def test_envelopes_for_unknown_workers_and_nodes_open_nothing(cluster2: Any) -> 
     sampler.stop()
     line = sampler.report("case 3, agent sent 3,000 envelopes for unknown workers and nodes",
                           sampler.now())
-    assert sampler.peak_fds <= sampler.before[1] + 2, line
+    assert sampler.peak_fds <= sampler.before[1] + FD_SLACK, line
     assert settled, line
 
 
@@ -335,7 +338,7 @@ def test_relayed_calls_to_unserved_endpoints_answered_at_once_and_released(clust
         line = sampler.report(f"case 4, 3 x 40 relayed calls x 25 unserved endpoints x 1 MiB, "
                               f"each round answered in {max(took):.2f} s or less", sampler.now())
         assert max(took) < 10, line
-        assert sampler.peak_fds <= sampler.before[1] + 2, line
+        assert sampler.peak_fds <= sampler.before[1] + FD_SLACK, line
         assert settled, line
         # A served rank still answers through the agent (nothing was marked lost for it).
         assert on(g, 0).pid().wait(30)[0] > 0
