@@ -205,8 +205,7 @@ class _CounterSampler:
         _trace.counter("pending operations", requests + len(_trace.open_spans))
         engine = self.runtime.services.get(P2PEngine)
         if isinstance(engine, P2PEngine):
-            _trace.counter("p2p messages not yet received",
-                           sum(len(ib.arrived) for ib in engine._inboxes.values()))
+            _trace.counter("p2p messages not yet received", engine.arrived())
         for q in _hosted_channels(self.instance() if self.instance else None):
             _trace.counter(f"channel {q['channel']} {q['queue']} depth", q["size"])
         self.runtime.loop.call_later(SAMPLE_INTERVAL, self.sample)
@@ -261,13 +260,7 @@ def _pending(runtime: Runtime, calls: Mapping[asyncio.Task[Any], Incoming] | Non
                         "age_s": None if t0 is None else round((now - t0) / 1e9, 6)})
     engine = runtime.services.get(P2PEngine)
     if isinstance(engine, P2PEngine):
-        for name, inbox in engine._inboxes.items():
-            for _ in inbox.posted:
-                out.append({"kind": "recv", "peer": name, "address": inbox.address})
-        for name, sender in engine._senders.items():
-            waiting = len(sender.backlog) + len(sender.pending)
-            for _ in range(waiting):
-                out.append({"kind": "send", "peer": name, "resolved": sender.ready})
+        out += engine.waits()
     for wait in channel_waits(runtime):
         entry = {"kind": f"channel.{wait['kind']}", "channel": wait["channel"],
                  "queue": wait["queue"], "peer": wait["peer"]}

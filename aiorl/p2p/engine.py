@@ -279,6 +279,25 @@ class P2PEngine:
             span.flow_in = _trace.flow_seq(f"{peer}>{self.name}/p2p")
         trace_until_settled(work, span)
 
+    # ------------------------------------------------------------------ what the doctor sees
+    def waits(self) -> list[dict[str, Any]]:
+        """Every receive posted and not matched (``{"kind": "recv", "peer", "address"}``) and
+        every send not yet taken by its receiver (``{"kind": "send", "peer", "resolved"}``):
+        what ``aiorl doctor`` lists as this process's waits on its peers."""
+        out: list[dict[str, Any]] = []
+        for name, inbox in self._inboxes.items():
+            out += [{"kind": "recv", "peer": name, "address": inbox.address}
+                    for _ in inbox.posted]
+        for name, sender in self._senders.items():
+            waiting = len(sender.backlog) + len(sender.pending)
+            out += [{"kind": "send", "peer": name, "resolved": sender.ready}
+                    for _ in range(waiting)]
+        return out
+
+    def arrived(self) -> int:
+        """Messages that arrived and wait for their receive."""
+        return sum(len(inbox.arrived) for inbox in self._inboxes.values())
+
     # ------------------------------------------------------------------ peers
     def sender(self, name: str) -> Sender:
         """The Sender toward worker ``name``, created (and its resolution started) once."""
