@@ -245,7 +245,7 @@ def _pending(runtime: Runtime, calls: Mapping[asyncio.Task[Any], Incoming] | Non
              now: int) -> list[dict[str, Any]]:
     """Every operation this process waits for, with its peer (by name where known)."""
     out: list[dict[str, Any]] = []
-    names = {address: name for name, address in runtime._peer_address.items()}
+    names = runtime.peer_names()
     for address, settle in runtime.endpoint.pending_requests():
         # A group call's rank: the endpoint settles it with ``partial(call.settle, i)``.
         # Other requests (the registry's, this doctor's own) are not waits on a peer.

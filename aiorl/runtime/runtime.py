@@ -236,6 +236,10 @@ class Runtime:
                 failed.exception()  # mark retrieved: only later callers care
                 self._peer_watch[name] = failed
 
+    def peer_names(self) -> dict[str, str]:
+        """The workers this process resolved, by their endpoint's address (a copy)."""
+        return {address: name for name, address in self._peer_address.items()}
+
     async def call_worker(self, name: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` of worker ``name`` (e.g. ``"channel-x:0"``) and return its result.
 
