@@ -4,18 +4,31 @@
 # (the index for your CUDA version), or TORCH_INDEX= for PyPI's default build.
 #
 # Every install is constrained by requirements-lock.txt: the versions the suite last passed with
-# (pyproject.toml keeps compatible ranges for those who install aiorl as a library). `make lock`
-# refreshes it on purpose, in a fresh venv, and writes it only if the suite passes there.
+# (pyproject.toml keeps compatible ranges for those who install aiorl as a library). It is one
+# file for every supported Python, resolved for all of them at once: where one version of a
+# package cannot serve them all, each line carries an environment marker (python_full_version)
+# and pip takes the one that matches. `make lock` refreshes it on purpose and writes it only if
+# the suite passes with it (.ci/lock says how).
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# The resolver that writes the lock (`make lock`), pinned so that the same inputs give the same file.
+UV_VERSION ?= 0.13.9
 LOCK = requirements-lock.txt
 PIP = $(PYTHON) -m pip install --progress-bar on -c $(LOCK)
 # Parallel test processes: tests start real clusters and mostly wait on them, so two per core
 # (at least two) shorten the suite without starving it; TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -lt 2 ] && n=2; echo $$((n * 2)))
+# The fast tests (`make test-fast`): in-process units, plus one real traced cluster drawn with
+# matplotlib (test_trace_render), about half a minute in one process. CI runs them on every
+# supported Python besides the one that runs the whole suite (.ci/pythons); this list is the one
+# place that says which they are.
+FAST_TESTS = tests/test_units.py tests/test_runtime_units.py tests/test_util.py \
+  tests/test_protocol.py tests/test_placement.py tests/test_rlinf_placement.py \
+  tests/test_rlinf_env.py tests/test_rlinf_example.py tests/test_exports.py \
+  tests/test_lifecycle.py tests/test_trace_render.py
 
-.PHONY: torch setup demo test test-stress lock chaos bench gpu-check lint docs docs-build
+.PHONY: torch setup demo test test-fast smoke test-stress lock chaos bench gpu-check lint docs docs-build
 
 # torch alone from its index, with one short try (no retries: an unreachable index costs
 # seconds, not minutes of retry warnings; PyPI instead, said in one line), then its
@@ -39,14 +52,27 @@ demo: torch
 test: setup
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# The import smoke test: aiorl and every runtime dependency import, and the CLI starts.
+smoke: setup
+	$(PYTHON) -c "import sys, aiorl, torch, zmq, msgpack, uvloop, omegaconf, cloudpickle, numpy, setproctitle; \
+	  print('== smoke: Python', sys.version.split()[0], '| torch', torch.__version__, '| pyzmq', zmq.__version__, \
+	  '| numpy', numpy.__version__, '| aiorl imports')"
+	$(PYTHON) -m aiorl.cli.main --help >/dev/null
+
+# The smoke test, then FAST_TESTS in one process.
+test-fast: smoke
+	$(PYTHON) -m pytest -q -p no:cacheprovider $(FAST_TESTS)
+
 # The suite while two busy processes hog the CPUs (what a shared CI machine does to it).
 test-stress: setup
 	$(PYTHON) tests/stress.py -- $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-# Refresh the lock on purpose: a fresh venv, the newest versions pyproject.toml allows, the
-# suite run there; requirements-lock.txt is rewritten only if it passes.
+# Refresh the lock on purpose: the newest versions pyproject.toml allows, resolved for every
+# supported Python at once; the whole suite with PYTHON and the fast tests on each other
+# supported Python this machine has, each in a fresh venv; requirements-lock.txt is rewritten
+# only if they all pass.
 lock:
-	PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) TORCH_INDEX=$(TORCH_INDEX) bash .ci/lock
+	PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) TORCH_INDEX=$(TORCH_INDEX) UV_VERSION=$(UV_VERSION) bash .ci/lock
 
 # The long chaos run (docs/failures.md, invariant 32): >= 200 SIGKILLs of workers, node agents
 # and the registry while a pipeline runs; the normal suite runs a short one.

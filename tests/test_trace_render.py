@@ -3,7 +3,7 @@
 A small traced job (calls from the driver, sends from one worker to another) is dumped as
 ``aiorl trace dump`` writes it; the renderer must find its processes and tracks, bind each
 send->recv flow to the send and the receive slices, and write a PNG. The drawing needs
-matplotlib (the ``docs`` extra) and is skipped cleanly without it; the parsing does not.
+matplotlib, which the ``test`` extra installs so that this test runs wherever the suite does.
 """
 
 from __future__ import annotations
@@ -90,7 +90,6 @@ def test_parses_processes_tracks_and_flows(trace: dict[str, Any]) -> None:
 
 
 def test_renders_an_image(trace: dict[str, Any], tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     renderer = _renderer()
     out = tmp_path / "trace.png"
     renderer.render(renderer.load(trace), out, title="test", width_in=8)
