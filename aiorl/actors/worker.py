@@ -45,26 +45,6 @@ def _set_context(ctx: WorkerContext | None) -> None:
     _context = ctx
 
 
-class _AnyPublicMethod(type):
-    """Metaclass of ``_AnyWorker``: every public attribute is a method."""
-
-    def __getattr__(cls, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-
-        def remote_method(*args: Any, **kwargs: Any) -> Any:
-            raise TypeError(f"{name} runs in the worker; call it through a WorkerGroup")
-
-        remote_method.__name__ = remote_method.__qualname__ = name
-        return remote_method
-
-
-class _AnyWorker(metaclass=_AnyPublicMethod):
-    """Stands for a group's worker class where the caller does not have it
-    ([`Worker.group`][aiorl.Worker.group] without ``worker_cls``): any public method name is
-    sent."""
-
-
 class Worker(Timing):
     """Base class of aiorl workers: subclass it, then ``create_group(...).launch(cluster)``.
 
@@ -409,13 +389,14 @@ class Worker(Timing):
         """[`group`][aiorl.Worker.group] for ``async def`` methods: ``await
         self.async_group("reward")``."""
         from aiorl.group import WorkerGroup
+        from aiorl.group.group import WorkerClassNotHere
         from aiorl.runtime.session import WorkerSession
 
         cache: dict[str, WorkerGroup[Any]] = self.__dict__.setdefault("_aiorl_groups", {})
         handle = cache.get(name)
         if handle is None or handle._core.closed:
             handle = await WorkerGroup.from_group_name_async(
-                WorkerSession.current(), worker_cls or _AnyWorker, name)
+                WorkerSession.current(), worker_cls or WorkerClassNotHere, name)
             cache[name] = handle
         return handle
 

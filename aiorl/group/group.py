@@ -52,7 +52,7 @@ from aiorl.runtime.working_dir import WorkingDir
 from aiorl.runtime.working_dir import pack as pack_working_dir
 from aiorl.transport import serialization
 
-__all__ = ["WorkerGroup", "WorkerGroupBuilder"]
+__all__ = ["WorkerClassNotHere", "WorkerGroup", "WorkerGroupBuilder"]
 
 log = logging.getLogger("aiorl.group")
 W = TypeVar("W")
@@ -687,7 +687,7 @@ def _ray_remote(cls_name: str, method: str, *args: Any, **kwargs: Any) -> Any:
 
 
 class _AnyMethod(type):
-    """Metaclass of `_ClassNotHere`: every public attribute is a method."""
+    """Metaclass of `WorkerClassNotHere`: every public attribute is a method."""
 
     def __getattr__(cls, name: str) -> Any:
         if name.startswith("_"):
@@ -700,9 +700,10 @@ class _AnyMethod(type):
         return remote_method
 
 
-class _ClassNotHere(metaclass=_AnyMethod):
-    """Stands for the worker class of a group handle received by a process that has not
-    imported it: any public method name is sent, and the worker answers a misspelt one."""
+class WorkerClassNotHere(metaclass=_AnyMethod):
+    """Stands for the worker class of a group handle where the process does not have it (a
+    handle received as an argument, [`Worker.group`][aiorl.Worker.group] without
+    ``worker_cls``): any public method name is sent, and the worker answers a misspelt one."""
 
 
 #: Handles that arrived in this process, by (runtime, group name): one watch per group.
@@ -733,7 +734,7 @@ def _group_arriving(name: str, module: str, qualname: str, world_size: int,
         for part in qualname.split("."):
             cls = getattr(cls, part, None)
         if not isinstance(cls, type):
-            cls = _ClassNotHere
+            cls = WorkerClassNotHere
         core = _arrived[key] = GroupCore(session, cls, name, world_size)
         runtime.loop.call_soon_threadsafe(_start_watch, core)
     group: WorkerGroup[Any] = WorkerGroup(core)
