@@ -123,8 +123,8 @@ async def dump_trace(endpoint: Endpoint, registry: RegistryClient, path: str,
     thread names (the clock offsets come from these small answers' round trips), then each
     one's spans are fetched a page (``page_spans``, `TRACE_PAGE_SPANS`) at a time, and each
     page is written as events before the next is asked for. Whole buffers in one answer each,
-    merged in memory, took a driver to 1,053 MB for four full 200,000-span buffers
-    (issue 28, item 7); a page is a few MB. A process that stops answering midway keeps what
+    merged in memory, take a driver to about 1 GB for four full 200,000-span buffers; a page
+    is a few MB. A process that stops answering midway keeps what
     was written of it, and its probe names the error."""
     page = TRACE_PAGE_SPANS if page_spans is None else page_spans
     probes, _ = await collect(endpoint, registry, "trace_page", timeout,

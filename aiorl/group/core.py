@@ -151,8 +151,8 @@ class _GroupCall:
 class _TracedGroupCall(_GroupCall):
     """A group call that records a span per rank as each answers (only while tracing is on).
 
-    Kept to a few stores and one buffer record per rank (issue 15: tracing a no-op call
-    must cost a few percent of it): what a rank's record needs besides the times is made
+    Kept to a few stores and one buffer record per rank (tracing a no-op call must cost a
+    few percent of it): what a rank's record needs besides the times is made
     once per rank list and method (`_CallTrace`), and the record is a compact one
     packed inline (`CompactShape`). The flow from the call to
     its execution is named by the request's id, which the worker reads from the message

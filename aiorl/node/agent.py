@@ -255,8 +255,8 @@ class NodeAgent:
         dead process's connection is reset at once, a partition's within about 3 s of TCP
         keep-alive): it is waited for up to ``STALLED_REGISTRY_FACTOR`` expiries; it
         declares nobody dead while it answers nothing, and whom it declared dead once it
-        answers again is stopped then (`_rejoin`). Before, two expiries of a registry held
-        up for seconds had every agent SIGKILL every worker (issue 28, item 2)."""
+        answers again is stopped then (`_rejoin`): fencing after two expiries of a registry
+        merely held up for seconds would have every agent SIGKILL every worker."""
         fenced = False
         waiting = False
         while True:
