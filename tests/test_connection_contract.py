@@ -232,6 +232,6 @@ def test_answers_held_for_a_client_whose_lane_broke_are_bounded_and_expire() -> 
         held.expect(b"gone")
         assert held.park(b"gone", [b"x" * 1024])
         await asyncio.sleep(0.4)
-        assert not held and held.take(b"gone") == []  # dropped when it did not come back
+        assert not held.clients and held.take(b"gone") == []  # dropped when it did not come back
 
     asyncio.run(main())

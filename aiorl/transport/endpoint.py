@@ -227,7 +227,7 @@ class Endpoint:
             self._dropped("a message with %d frames (need identity and header)", len(frames))
             return
         identity = frames[0]
-        if self._parked and not within:  # a client whose lane broke is back
+        if self._parked.clients and not within:  # a client whose lane broke is back
             for parts in self._parked.take(identity):
                 self._send_parked(identity, parts)
         try:
@@ -301,10 +301,10 @@ class Endpoint:
                 if kind == _EVENT:  # events report whether the subscriber is still there
                     return False
                 if _thread_id() != self._loop_thread:
-                    self.loop.call_soon_threadsafe(self._park, identity, [head, *frames])
+                    self.loop.call_soon_threadsafe(self._parked.park, identity, [head, *frames])
                     return True
                 # Held if its lane just broke (it comes back by ZMQ); else it went away.
-                return self._park(identity, [head, *frames])
+                return self._parked.park(identity, [head, *frames])
             if exc.errno == zmq.EAGAIN:  # its queue is full (ROUTER_HWM): it does not read
                 _dispatch_errors.warning(
                     "peer not reading", "%s: a peer does not read what it is sent (%d "
@@ -347,9 +347,6 @@ class Endpoint:
         self._parked.expect(identity)
         for parts in unsent:
             self._send_parked(identity, parts)
-
-    def _park(self, identity: bytes, parts: list[Any]) -> bool:
-        return self._parked.park(identity, parts)
 
     def _send_parked(self, identity: bytes, parts: Sequence[Any]) -> None:
         """Send a message held for (or not yet sent to) ``identity`` through the ROUTER, or

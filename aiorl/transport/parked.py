@@ -46,32 +46,30 @@ class _Held:
 class ParkedAnswers:
     """See the module docstring. Loop thread only."""
 
-    __slots__ = ("name", "loop", "hold_s", "_clients")
+    __slots__ = ("name", "loop", "hold_s", "clients")
 
     def __init__(self, name: str, loop: asyncio.AbstractEventLoop, hold_s: float = HOLD_S) -> None:
         self.name = name
         self.loop = loop
         self.hold_s = hold_s
-        self._clients: dict[bytes, _Held] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self._clients)
+        #: What is held, by client; empty almost always (the server checks it per message).
+        self.clients: dict[bytes, _Held] = {}
 
     def expect(self, identity: bytes) -> None:
         """``identity``'s lane ended: hold what cannot reach it for `hold_s`."""
-        if identity in self._clients:
+        if identity in self.clients:
             return
-        if len(self._clients) >= MAX_CLIENTS:
+        if len(self.clients) >= MAX_CLIENTS:
             _dropped.warning("parked clients", "%s: %d clients already wait to come back; "
                              "answers for another are not held", self.name, MAX_CLIENTS)
             return
         timer = self.loop.call_later(self.hold_s, self._expire, identity)
-        self._clients[identity] = _Held(timer)
+        self.clients[identity] = _Held(timer)
 
     def park(self, identity: bytes, parts: Sequence[Any]) -> bool:
         """Hold ``parts`` (a whole message) for ``identity``; False if it is not expected
         back, or its share is full (the message is then dropped by the caller)."""
-        held = self._clients.get(identity)
+        held = self.clients.get(identity)
         if held is None:
             return False
         size = sum(memoryview(p).nbytes for p in parts)
@@ -86,20 +84,20 @@ class ParkedAnswers:
 
     def take(self, identity: bytes) -> list[Sequence[Any]]:
         """What is held for ``identity``, which is back (and is no longer expected)."""
-        held = self._clients.pop(identity, None)
+        held = self.clients.pop(identity, None)
         if held is None:
             return []
         held.timer.cancel()
         return held.messages
 
     def _expire(self, identity: bytes) -> None:
-        held = self._clients.pop(identity, None)
+        held = self.clients.pop(identity, None)
         if held is not None and held.messages:
             _dropped.warning("parked expired", "%s: a client whose lane broke did not come "
                              "back within %g s: dropped %d answer(s) held for it", self.name,
                              self.hold_s, len(held.messages))
 
     def close(self) -> None:
-        for held in self._clients.values():
+        for held in self.clients.values():
             held.timer.cancel()
-        self._clients.clear()
+        self.clients.clear()
