@@ -50,6 +50,8 @@ GPU_TESTS = [
 ]
 #: Tensors of the weights benchmark's state dict (the size is split evenly among them).
 WEIGHT_TENSORS = 64
+#: The measuring steps, in the order they run (``--steps`` picks some).
+STEPS = ("copies", "relay", "many", "call", "ipc", "weights")
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,15 @@ def judge(results: dict[str, Any]) -> list[Target]:
                           w["publish_s"] / copy, 2.0, True, "x"))
         out.append(Target(f"weights, {n} GPU subscriber(s): publish->pulled / (1+N) copies",
                           w["update_s"] / ((1 + n) * copy), 1.5, True, "x"))
+    many = results.get("state_dict_1000") or {}
+    for what, flat, key in (("send", "flat_s", "many_s"),
+                            ("weights publish->pulled", "weights_flat_s", "weights_many_s")):
+        out.append(Target(f"state dict of 1,000 tensors / one tensor, {what}",
+                          many[key] / many[flat] if many.get(flat) else None, 1.2, True, "x"))
+    call = results.get("call_arg_64mb") or {}
+    out.append(Target("64 MB CUDA call argument / send_tensor of it",
+                      call["call_s"] / call["send_s"] if call.get("send_s") else None,
+                      2.0, True, "x"))
     idle = results.get("idle_cpu")
     out.append(Target("a worker's CPU once its transfers are done",
                       None if idle is None else idle * 100, 1.0, True, " % of a core"))
@@ -193,28 +204,74 @@ def _worker_class() -> type:
                 await self.send(await self.recv(self.worker_group_name, src),
                                 self.worker_group_name, src)
 
-        def make_state(self, mb: int) -> None:
-            n = (mb << 20) // 4 // WEIGHT_TENSORS
-            self.state = {f"w{k}": torch.zeros(n, device=self.device)
-                          for k in range(WEIGHT_TENSORS)}
+        def make_state(self, mb: int, tensors: int = WEIGHT_TENSORS) -> None:
+            n = (mb << 20) // 4 // tensors
+            self.state = {f"w{k}": torch.zeros(n, device=self.device) for k in range(tensors)}
             self._sync()
+
+        async def send_many(self, dst: int, nbytes: int, tensors: int, reps: int) -> list[float]:
+            """Send a state dict of ``tensors`` tensors of ``nbytes`` in all (one tensor
+            alone when 1) ``reps`` times; stamps just before each send."""
+            n = max(1, nbytes // 4 // tensors)
+            state = {f"w{k}": torch.full((n,), float(k), device=self.device)
+                     for k in range(tensors)}
+            payload: Any = state["w0"] if tensors == 1 else state
+            self._sync()
+            stamps = []
+            for _ in range(reps + 1):
+                await self.recv(self.worker_group_name, dst)  # the receiver is ready
+                stamps.append(time.perf_counter())
+                await self.send(payload, self.worker_group_name, dst)
+            return stamps[1:]
+
+        async def recv_many(self, src: int, tensors: int, reps: int) -> tuple[list[float], bool]:
+            """Receive what `send_many` sends (allocated here); stamps once each landed,
+            and whether every tensor held its own value."""
+            stamps, whole = [], True
+            for _ in range(reps + 1):
+                await self.send(None, self.worker_group_name, src)
+                got = await self.recv(self.worker_group_name, src)
+                self._sync()
+                stamps.append(time.perf_counter())
+                values = [got] if tensors == 1 else [got[f"w{k}"] for k in range(tensors)]
+                whole = whole and all(float(t[0]) == k and float(t[-1]) == k
+                                      for k, t in enumerate(values))
+            return stamps[1:], whole
+
+        def take(self, t: Any) -> int:
+            """A call's argument, landed (the call returns once it is on this GPU)."""
+            self._sync()
+            return int(t.numel())
+
+        async def call_with(self, dst: int, nbytes: int, reps: int) -> float:
+            """Median seconds of calling ``take`` on rank ``dst`` with a CUDA tensor of
+            ``nbytes`` as the argument (a round trip: the call and its small answer)."""
+            t = torch.ones(max(1, nbytes // 4), device=self.device)
+            self._sync()
+            peer = (await self.async_group(self.worker_group_name)).execute_on(dst)
+            times = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                await peer.take(t)
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times[1:])
 
         def host_writes(self) -> int:
             """Versions the publisher wrote to host memory (none while every subscriber
             reads its GPU, after their first pull: docs/weights.md, "CUDA")."""
             return int(self.weight_publisher(self.worker_group_name).host_writes)
 
-        async def publish(self, version: int) -> tuple[float, float]:
+        async def publish(self, version: int, name: str = "") -> tuple[float, float]:
             for x in self.state.values():
                 x.fill_(float(version))
             self._sync()
-            publisher = self.weight_publisher(self.worker_group_name)
+            publisher = self.weight_publisher(name or self.worker_group_name)
             t0 = time.perf_counter()
             await publisher.publish(self.state, version=version)
             return t0, time.perf_counter()
 
-        async def pull(self, version: int) -> tuple[float, bool]:
-            subscriber = self.weight_subscriber(self.worker_group_name)
+        async def pull(self, version: int, name: str = "") -> tuple[float, bool]:
+            subscriber = self.weight_subscriber(name or self.worker_group_name)
             await subscriber.wait_for(version)
             got = await subscriber.pull(into=self.state)
             self._sync()
@@ -258,22 +315,161 @@ def device_copy_s(nbytes: int, reps: int, device: str, pieces: int = 1) -> float
     return statistics.median(times[1:])
 
 
+def copies_s(nbytes: int, tensors: int, reps: int, device: str) -> dict[str, float]:
+    """Median seconds of copying ``nbytes`` held in ``tensors`` tensors three ways: one
+    flat tensor, ``copy_`` per tensor, and ``aiorl.p2p.bulk_copy.copy_many`` (host time
+    until the copies are done: launches count)."""
+    import torch
+
+    from aiorl.p2p.bulk_copy import copy_many
+
+    n = max(1, nbytes // 4 // tensors)
+    src = [torch.ones(n, device=device) for _ in range(tensors)]
+    dst = [torch.empty(n, device=device) for _ in range(tensors)]
+    flat_src = torch.ones(n * tensors, device=device)
+    flat_dst = torch.empty(n * tensors, device=device)
+
+    def timed(run: Any) -> float:
+        times = []
+        for _ in range(reps + 1):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    def loop() -> None:
+        for a, b in zip(src, dst, strict=True):
+            b.copy_(a, non_blocking=True)
+
+    return {"tensors": tensors, "nbytes": nbytes, "flat_s": timed(lambda: flat_dst.copy_(flat_src)),
+            "loop_s": timed(loop), "many_s": timed(lambda: copy_many(dst, src))}
+
+
+def one_way_s(pair: Any, nbytes: int, reps: int) -> float:
+    """Median one-way seconds of ``send_tensor`` from rank 0 into rank 1's posted buffer."""
+    landed = pair.execute_on(1).landed(0, nbytes, reps)
+    (sent,) = pair.execute_on(0).one_way(1, nbytes, reps).wait(600)
+    (got,) = landed.wait(600)
+    return statistics.median(b - a for a, b in zip(sent, got, strict=True))
+
+
+def state_dicts(cluster: Any, check: type, device: str, nbytes: int, reps: int,
+                say: Any) -> dict[str, Any]:
+    """A state dict of 1,000 tensors against one flat tensor of the same bytes: sent by
+    ``send`` to a worker on the same GPU (received into fresh tensors), and published as
+    weights to one subscriber on that GPU (pulled into its own tensors)."""
+    from aiorl.placement import NodePlacementStrategy
+
+    out: dict[str, Any] = {"nbytes": nbytes, "whole": True}
+    pair = check.create_group(device).launch(cluster, NodePlacementStrategy([0, 0]),
+                                             name="gpustate")
+    try:
+        for key, tensors in (("flat_s", 1), ("many_s", 1000)):
+            landed = pair.execute_on(1).recv_many(0, tensors, reps)
+            (sent,) = pair.execute_on(0).send_many(1, nbytes, tensors, reps).wait(600)
+            ((got, whole),) = landed.wait(600)
+            out[key] = statistics.median(b - a for a, b in zip(sent, got, strict=True))
+            out["whole"] = out["whole"] and whole
+        for key, tensors in (("weights_flat_s", 1), ("weights_many_s", 1000)):
+            pair.make_state(nbytes >> 20, tensors).wait(300)
+            times = []
+            for version in range(1, reps + 3):
+                pull = pair.execute_on(1).pull(version, key)
+                ((t0, _t1),) = pair.execute_on(0).publish(version, key).wait(600)
+                ((t, ok),) = pull.wait(600)
+                out["whole"] = out["whole"] and ok
+                if version > 2:
+                    times.append(t - t0)
+            out[key] = statistics.median(times)
+    finally:
+        pair.close()
+    say(f"  state dict of 1,000 tensors, {nbytes >> 20} MB: send {out['many_s'] * 1e3:.2f} ms "
+        f"(one tensor {out['flat_s'] * 1e3:.2f} ms), weights publish->pulled "
+        f"{out['weights_many_s'] * 1e3:.2f} ms (one tensor {out['weights_flat_s'] * 1e3:.2f} "
+        f"ms), every tensor right: {out['whole']}")
+    return out
+
+
+def call_arg(cluster: Any, check: type, device: str, nbytes: int, reps: int,
+             say: Any) -> dict[str, Any]:
+    """A CUDA tensor as a call's argument to a worker on the same GPU (the call's round
+    trip) against ``send_tensor`` of it into a posted buffer (one way)."""
+    from aiorl.placement import NodePlacementStrategy
+
+    pair = check.create_group(device).launch(cluster, NodePlacementStrategy([0, 0]),
+                                             name="gpucall")
+    try:
+        (call_s,) = pair.execute_on(0).call_with(1, nbytes, reps).wait(600)
+        send_s = one_way_s(pair, nbytes, reps)
+    finally:
+        pair.close()
+    say(f"  {nbytes >> 20} MB CUDA argument: call {call_s * 1e3:.2f} ms, send_tensor "
+        f"{send_s * 1e3:.2f} ms")
+    return {"nbytes": nbytes, "call_s": call_s, "send_s": send_s}
+
+
+def relayed(check: type, device: str, sizes: list[int], reps: int, say: Any) -> dict[str, Any]:
+    """A relayed pair (two nodes, ``AIORL_P2P_DIRECT_PEERS=0``: CUDA tensors staged
+    through pinned host memory, over two agent hops): one-way ``send_tensor`` per size."""
+    import aiorl
+    from aiorl.placement import NodePlacementStrategy
+
+    out: dict[str, Any] = {"sizes": []}
+    with aiorl.Cluster(num_nodes=2, log_to_driver=False) as cluster:
+        pair = check.create_group(device).launch(cluster, NodePlacementStrategy([0, 1]),
+                                                 name="gpurelay",
+                                                 env={"AIORL_P2P_DIRECT_PEERS": "0"})
+        try:
+            for nbytes in sizes:
+                s = one_way_s(pair, nbytes, reps)
+                out["sizes"].append({"nbytes": nbytes, "one_way_s": s})
+                say(f"  relayed pair, {nbytes >> 10} KiB one-way: {s * 1e3:.2f} ms")
+        finally:
+            pair.close()
+    return out
+
+
 def measure(device: str, sizes: list[int], reps: int, weights_mb: int, subscribers: list[int],
-            small_n: int, say: Any) -> dict[str, Any]:
+            small_n: int, say: Any, steps: set[str]) -> dict[str, Any]:
     import aiorl
     from aiorl.placement import NodePlacementStrategy
 
     check = _worker_class()
     out: dict[str, Any] = {"ipc": {"sizes": []}, "weights": []}
+    big = max(sizes)
+
+    def step(name: str, key: str, run: Any) -> None:
+        """Run one step; a failure is recorded under ``errors`` and the others go on."""
+        if name not in steps:
+            return
+        try:
+            out[key] = run()
+        except Exception as exc:  # noqa: BLE001 - the table says what was not measured
+            say(f"  {name} failed: {type(exc).__name__}: {exc}")
+            out.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+
+    step("copies", "copies", lambda: copies_s(big, 1000, reps, device))
+    if "copies" in out:
+        say(f"  copies of {big >> 20} MB in 1,000 tensors: " + ", ".join(
+            f"{k[:-2]} {v * 1e3:.3f} ms" for k, v in out["copies"].items() if k.endswith("_s")))
+    step("relay", "relay_cuda",
+         lambda: relayed(check, device, [1 << 10, min(big, 64 << 20)], reps, say))
     with aiorl.Cluster(num_nodes=1, log_to_driver=False) as cluster:
+        step("many", "state_dict_1000",
+             lambda: state_dicts(cluster, check, device, big, reps, say))
+        step("call", "call_arg_64mb",
+             lambda: call_arg(cluster, check, device, min(big, 64 << 20), reps, say))
+        if "ipc" not in steps:
+            return out
         pair = check.create_group(device).launch(cluster, NodePlacementStrategy([0, 0]),
                                                  name="gpucheck")
         try:
             for nbytes in sizes:
-                landed = pair.execute_on(1).landed(0, nbytes, reps)
-                (sent,) = pair.execute_on(0).one_way(1, nbytes, reps).wait(600)
-                (got,) = landed.wait(600)
-                ipc_s = statistics.median(b - a for a, b in zip(sent, got, strict=True))
+                ipc_s = one_way_s(pair, nbytes, reps)
                 d2d_s = device_copy_s(nbytes, reps, device)
                 out["ipc"]["sizes"].append({"nbytes": nbytes, "ipc_s": ipc_s, "d2d_s": d2d_s})
                 say(f"  {nbytes >> 10:>9} KiB one-way {ipc_s * 1e6:10.1f} us, device copy "
@@ -289,6 +485,8 @@ def measure(device: str, sizes: list[int], reps: int, weights_mb: int, subscribe
             say(f"  idle worker CPU: {out['idle_cpu'] * 100:.2f} % of a core")
         finally:
             pair.close()
+        if "weights" not in steps:
+            return out
         copy_s = device_copy_s(weights_mb << 20, reps, device, WEIGHT_TENSORS)
         for n in subscribers:
             group = check.create_group(device).launch(
@@ -328,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-tests", action="store_true", help="measure only")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
                         help="where gpu-<device>.json goes")
+    parser.add_argument("--steps", default=",".join(STEPS),
+                        help=f"comma-separated measuring steps, of {','.join(STEPS)}")
     args = parser.parse_args(argv)
 
     def say(text: str) -> None:
@@ -353,10 +553,14 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda":
         free, _ = torch.cuda.mem_get_info(0)
         sizes = [n for n in sizes if 4 * n < free]
-    say("2/3 CUDA IPC, small messages, idle CPU; 3/3 weights on the GPU ...")
+    steps = {s.strip() for s in args.steps.split(",") if s.strip()}
+    unknown = steps - set(STEPS)
+    if unknown:
+        parser.error(f"unknown steps {sorted(unknown)}: choose among {', '.join(STEPS)}")
+    say(f"2/3 measuring: {', '.join(s for s in STEPS if s in steps)} ...")
     try:
         results.update(measure(device, sizes, 3 if quick else 7, 64 if quick else 1024,
-                               [1, 4], 100 if quick else 1000, say))
+                               [1, 4], 100 if quick else 1000, say, steps))
     except Exception as exc:  # noqa: BLE001 - the table says what could not be measured
         say(f"  measurement failed: {type(exc).__name__}: {exc}")
         results["error"] = f"{type(exc).__name__}: {exc}"
@@ -373,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1, default=str))
         say(f"wrote {path}")
-    return 1 if "error" in results else 0
+    return 1 if "error" in results or results.get("errors") else 0
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ in one run on one GPU:
    recorded event, ``torch.cuda.synchronize()``, a 4-byte device->host copy and a
    host->device copy from pinned memory (each the median of many);
 2. **a cProfile of each worker's event-loop thread** (where every aiorl callback runs)
-   during ``--pings`` round trips of a one-element CUDA tensor, then during ``--transfers``
-   one-way 64 MB ``send_tensor`` calls into a posted buffer: the top functions by own time
+   during ``--pings`` round trips of a one-element CUDA tensor, during ``--transfers``
+   one-way 64 MB ``send_tensor`` calls into a posted buffer, and during ``--state-dicts``
+   sends of a state dict of 1,000 tensors (256 MB): the top functions by own time
    and by cumulative time, with call counts (cProfile slows Python calls, so read the
    shares and counts, not the absolute times).
 
@@ -166,6 +167,31 @@ def _worker_class(device: str) -> Any:
 
             return await self._profiled(work)
 
+        async def push_many(self, nbytes: int, tensors: int, n: int) -> tuple[float, str]:
+            """Send one state dict of ``tensors`` tensors (``nbytes`` in all) ``n`` times."""
+            state = {f"w{k}": torch.ones(nbytes // 4 // tensors, device=device)
+                     for k in range(tensors)}
+            group = self.worker_group_name
+
+            async def work() -> None:
+                for _ in range(n):
+                    await self.recv(group, 1)  # the receiver is ready
+                    await self.send(state, group, 1)
+
+            return await self._profiled(work)
+
+        async def land_many(self, n: int) -> tuple[float, str]:
+            group = self.worker_group_name
+
+            async def work() -> None:
+                for _ in range(n):
+                    await self.send(None, group, 0)
+                    await self.recv(group, 0)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+
+            return await self._profiled(work)
+
     return Probe
 
 
@@ -173,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pings", type=int, default=500)
     parser.add_argument("--transfers", type=int, default=50)
+    parser.add_argument("--state-dicts", type=int, default=20,
+                        help="state dicts of 1,000 tensors (256 MB) sent")
     parser.add_argument("--out", default=".", help="where profile-gpu-messages.txt goes")
     parser.add_argument("--device", default="cuda",
                         help="cpu: a dry run of this script with CPU tensors")
@@ -201,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
                      lambda: pair.execute_on(0).ping(args.pings)),
                     (f"{args.transfers} one-way 64 MB send_tensor into a posted buffer",
                      lambda: pair.execute_on(1).land(64 << 20, args.transfers),
-                     lambda: pair.execute_on(0).push(64 << 20, args.transfers))):
+                     lambda: pair.execute_on(0).push(64 << 20, args.transfers)),
+                    (f"{args.state_dicts} state dicts of 1,000 tensors (256 MB) by send",
+                     lambda: pair.execute_on(1).land_many(args.state_dicts),
+                     lambda: pair.execute_on(0).push_many(256 << 20, 1000, args.state_dicts))):
                 other = first()  # type: ignore[no-untyped-call]
                 ((elapsed, text),) = second().wait(600)  # type: ignore[no-untyped-call]
                 ((other_elapsed, other_text),) = other.wait(600)

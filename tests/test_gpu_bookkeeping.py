@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from aiorl.errors import PeerLostError, ProtocolError
+from aiorl.p2p.bulk_copy import FLAT_ALIGN, allocate_flat, copy_many, word_view
 from aiorl.p2p.gpu import ByteWindow, CudaLane, gpu_done, reinterpret
 from aiorl.p2p.paths.cuda_ipc import ShareCache
 from aiorl.p2p.paths.nccl import PACK_ALIGN, PACK_MAX, pack_layout
@@ -321,6 +322,7 @@ def test_share_cache_exports_each_live_storage_once_and_stays_bounded() -> None:
     assert exports == [0]
     for k in range(1, 6):
         cache.lookup(k, alive, lambda k=k: export(k))
+        cache.trim(alive, 1)
     assert len(cache) == 4  # bounded: the least recently used were dropped
     refs[5].dead = True
     new_share, args, dropped = cache.lookup(5, alive, lambda: export(5))
@@ -329,6 +331,47 @@ def test_share_cache_exports_each_live_storage_once_and_stays_bounded() -> None:
     cache.forget(new_share)  # its send never left: the next send exports again
     again, args, _ = cache.lookup(5, alive, lambda: export(5))
     assert args is not None and again != new_share
+
+
+def test_share_cache_keeps_every_share_of_one_message_and_trims_after_it() -> None:
+    """A message of more storages than the bound keeps them all (none drops another of the
+    same message); the next message's trim goes back to the bound, dead shares first."""
+    cache = ShareCache(limit=4)
+    refs = {k: Ref() for k in range(20)}
+    ids = [cache.lookup(k, lambda r: not r.dead, lambda k=k: (refs[k], k)) for k in range(10)]
+    assert all(dropped == [] for _, _, dropped in ids) and len(cache) == 10
+    assert cache.trim(lambda r: not r.dead, 10) == [] and len(cache) == 10
+    for k in range(10):  # the same message again: nothing exported, nothing dropped
+        assert cache.lookup(k, lambda r: not r.dead, lambda: None)[1:] == (None, [])
+    refs[9].dead = True
+    dropped = cache.trim(lambda r: not r.dead, 1)
+    assert ids[9][0] in dropped and len(dropped) == 6 and len(cache) == 4
+    assert {i for i, _, _ in ids[5:9]} == {cache.lookup(k, lambda r: True, lambda: None)[0]
+                                           for k in range(5, 9)}
+
+
+@pytest.mark.parametrize("strided_dst", [False, True])
+def test_copy_many_copies_bytes_of_mixed_dtypes_and_odd_sizes(strided_dst: bool) -> None:
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float16, torch.int8]
+    srcs = [(torch.arange(1 + k * 7 % 61) % 5).to(dtypes[k % len(dtypes)]) for k in range(200)]
+    srcs.append(torch.tensor(3.5, dtype=torch.float64))  # 0-d
+    srcs.append(torch.empty(0))
+    block, dsts = allocate_flat([(t.dtype, tuple(t.shape)) for t in srcs], "cpu")
+    assert all((t.data_ptr() - block.data_ptr()) % FLAT_ALIGN == 0 for t in dsts if t.numel())
+    assert block.numel() <= sum(-(-t.numel() * t.element_size() // FLAT_ALIGN) * FLAT_ALIGN
+                                for t in srcs)
+    if strided_dst:
+        srcs.append(torch.arange(12.0).reshape(3, 4))
+        dsts.append(torch.zeros(4, 3).t())
+    copy_many(dsts, srcs)
+    assert all(torch.equal(a, b) for a, b in zip(dsts, srcs, strict=True))
+    # Bytes, not values: a slot's uint8 bytes land in a typed tensor.
+    raw = word_view(torch.arange(6, dtype=torch.float32), 1).clone()
+    typed = torch.zeros(6, dtype=torch.float32)
+    copy_many([typed], [raw])
+    assert torch.equal(typed, torch.arange(6, dtype=torch.float32))
+    with pytest.raises(ValueError, match="8-byte source"):
+        copy_many([torch.zeros(3)], [torch.zeros(2, dtype=torch.float32)])
 
 
 # ----------------------------------------------------------------------------- packing

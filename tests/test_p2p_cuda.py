@@ -55,6 +55,21 @@ def payloads(dev: torch.device) -> list[Any]:
     ]
 
 
+def state_dict(dev: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    """1,000 tensors of mixed dtypes and odd sizes (a trainer's state dict, shrunk): more
+    storages than `SHARES_PER_PEER`, bytes that are not all whole words, a 0-d tensor."""
+    out: dict[str, torch.Tensor] = {}
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float16, torch.uint8]
+    for k in range(1000):
+        dtype = dtypes[k % len(dtypes)]
+        n = 1 + (k * 37 + seed) % 513
+        t = torch.arange(n, device=dev).remainder(7).to(dtype) if dtype != torch.bool else (
+            torch.arange(n, device=dev).remainder(2 + seed % 3) == 0)
+        out[f"layer{k}.weight"] = t
+    out["step"] = torch.tensor(seed, device=dev)
+    return out
+
+
 def same(a: Any, b: Any) -> bool:
     if isinstance(b, torch.Tensor):
         return (
@@ -169,6 +184,30 @@ class C(aiorl.Worker):
         except Exception as exc:  # noqa: BLE001
             return type(exc).__name__
 
+    async def send_state_dicts(self, dst: int, rounds: int) -> int:
+        """``rounds`` times the same state dict (`state_dict`), then a fresh one: its
+        tensors are many more storages than a receiver keeps shared between messages."""
+        sd = state_dict(self._dev(), 0)
+        for r in range(rounds):
+            for t in sd.values():
+                t.fill_(r) if t.dtype != torch.bool else t.fill_(bool(r % 2))
+            await self.send(sd, self.worker_group_name, dst)
+        await self.send(state_dict(self._dev(), rounds), self.worker_group_name, dst)
+        return rounds + 1
+
+    async def recv_state_dicts(self, src: int, rounds: int) -> list[str]:
+        bad = []
+        for r in range(rounds + 1):
+            got = await self.recv(self.worker_group_name, src)
+            want = state_dict(self._dev(), 0)
+            for t in want.values():
+                if r < rounds:
+                    t.fill_(r) if t.dtype != torch.bool else t.fill_(bool(r % 2))
+            if r == rounds:
+                want = state_dict(self._dev(), rounds)
+            bad += [f"{r}:{k}" for k in want if not same(got.get(k), want[k])]
+        return bad
+
     def noncontiguous(self, dst: int) -> str:
         try:
             self.send(torch.ones(4, 6, device=self._dev()).t(), self.worker_group_name, dst)
@@ -234,6 +273,13 @@ def test_send_tensor_across_devices(pair: Any) -> None:
 
 def test_interleaved_both_directions(pair: Any) -> None:
     assert pair.execute_on(0, 1).exchange(300).wait(120) == [300, 300]
+
+
+def test_state_dicts_of_a_thousand_tensors(pair: Any) -> None:
+    """Resent state dicts reuse their shares; a fresh one replaces them; values exact."""
+    recv = pair.execute_on(1).recv_state_dicts(0, 3)
+    assert pair.execute_on(0).send_state_dicts(1, 3).wait(120) == [4]
+    assert recv.wait(120) == [[]]
 
 
 def test_noncontiguous_cuda_tensor(pair: Any) -> None:

@@ -40,9 +40,12 @@ RELAY_ENV = {"AIORL_P2P_DIRECT_PEERS": "0"}
 
 
 def tensor_of(kind: str) -> torch.Tensor:
+    if kind.startswith("cuda_"):
+        return tensor_of(kind[5:]).cuda()
     return {
         "small": torch.arange(10, dtype=torch.float32),
         "mib": torch.arange(3 << 18, dtype=torch.float32),  # 3 MiB: frames, not inline
+        "big": torch.arange(24 << 20, dtype=torch.float32) % 1000,  # 96 MiB: over the window
         "empty": torch.empty(0, 3),
     }[kind]
 
@@ -170,6 +173,17 @@ def test_cpu_tensors_small_and_mib(relayed: Any, into: bool) -> None:
     assert recv.wait(60) == [[]]
     assert on(relayed, 1).send_tensors(0, kinds, into).wait(60) == [len(kinds)]
     assert on(relayed, 0).recv_tensors(1, kinds, into).wait(60) == [[]]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("into", [False, True], ids=["send", "send_tensor"])
+def test_cuda_tensors_staged_through_pinned_memory(relayed: Any, into: bool) -> None:
+    kinds = ["cuda_small", "cuda_mib", "cuda_empty", "cuda_big", "cuda_small"]
+    recv = on(relayed, 1).recv_tensors(0, kinds, into)
+    assert on(relayed, 1).wait_posted(0, 1).wait(30) == [1]
+    assert on(relayed, 0).send_tensors(1, kinds, into).wait(90) == [len(kinds)]
+    assert recv.wait(90) == [[]]
 
 
 @pytest.mark.timeout(120)

@@ -36,18 +36,28 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs (NCCL between them)")
 
 SHAPES = {"w": (1 << 20, torch.float32), "h": (300_000, torch.bfloat16), "b": (7, torch.float32)}
+#: A state dict of 1,000 tensors of mixed dtypes and odd sizes (copied a few kernels at a
+#: time, `aiorl.p2p.bulk_copy`), plus a 2-d one a subscriber holds as a strided view.
+MANY = {f"t{k}": (1 + (k * 37) % 515, [torch.float32, torch.bfloat16, torch.int32,
+                                       torch.int8][k % 4]) for k in range(1000)}
 
 
-def model(fill: float, device: str) -> dict[str, torch.Tensor]:
-    return {n: torch.full((numel,), fill, dtype=dt, device=device)
-            for n, (numel, dt) in SHAPES.items()}
+def model(fill: float, device: str, shapes: str = "few") -> dict[str, torch.Tensor]:
+    table = SHAPES if shapes == "few" else MANY
+    out = {n: torch.full((numel,), fill, dtype=dt, device=device)
+           for n, (numel, dt) in table.items()}
+    if shapes == "strided":  # the subscriber's copy of "m" is a transposed view
+        out["m"] = torch.full((33, 2), fill, device=device).t()
+    elif shapes == "many":
+        out["m"] = torch.full((2, 33), fill, device=device)
+    return out
 
 
 class GpuTrainer(aiorl.Worker):
-    def __init__(self, device: int = 0, name: str = "gpu-w") -> None:
+    def __init__(self, device: int = 0, name: str = "gpu-w", shapes: str = "few") -> None:
         torch.cuda.set_device(device)
         self.name = name
-        self.sd = model(0, f"cuda:{device}")
+        self.sd = model(0, f"cuda:{device}", shapes)
 
     async def publish(self, version: int) -> int:
         for t in self.sd.values():
@@ -71,11 +81,11 @@ class GpuTrainer(aiorl.Worker):
 
 
 class GpuRollout(aiorl.Worker):
-    def __init__(self, device: str, name: str = "gpu-w") -> None:
+    def __init__(self, device: str, name: str = "gpu-w", shapes: str = "few") -> None:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
         self.name = name
-        self.sd = model(-1, device)
+        self.sd = model(-1, device, shapes)
 
     def gpus(self) -> int:
         return torch.cuda.device_count()
@@ -254,6 +264,25 @@ def test_gpu_publisher_to_gpu_and_cpu_subscribers(cluster: aiorl.Cluster) -> Non
         assert on_cpu.opened_gpu_slots().wait(30) == [0]
     finally:
         for g in (pub, on_gpu, on_cpu):
+            g.close()
+
+
+@needs_cuda
+def test_a_thousand_tensors_of_mixed_dtypes_pulled_on_the_publishers_gpu(
+        cluster: aiorl.Cluster) -> None:
+    pub = GpuTrainer.create_group(0, "gpu-many", "many").launch(
+        cluster, NodePlacementStrategy([0]), name="manypub")
+    subs = [GpuRollout.create_group("cuda:0", "gpu-many", shapes).launch(
+        cluster, NodePlacementStrategy([0]), name=f"manysub-{shapes}")
+        for shapes in ("many", "strided")]
+    try:
+        for version in (1, 2, 3):
+            assert pub.publish(version).wait(120) == [version]
+            for sub in subs:
+                assert sub.pull().wait(120) == [(version, [float(version)], "cuda:0")]
+        assert [sub.opened_gpu_slots().wait(30) for sub in subs] == [[1], [1]]
+    finally:
+        for g in (pub, *subs):
             g.close()
 
 

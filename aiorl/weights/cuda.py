@@ -23,11 +23,12 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from aiorl.p2p.bulk_copy import copy_many
 from aiorl.p2p.gpu import device_uuid
 from aiorl.protocol.weights import CudaExport, Layout
 
 __all__ = ["CudaSlots", "cuda_device_of", "device_uuid_of", "open_slots",
-           "pin_host", "read_tensors_cuda", "same_device", "unpin_host"]
+           "pin_host", "GpuSlot", "same_device", "unpin_host"]
 
 log = logging.getLogger("aiorl.weights")
 
@@ -63,11 +64,10 @@ class CudaSlots:
                       for _ in range(count)]
         self.export = CudaExport(_device_uuid(device),
                                  tuple(reduce_tensor(s) for s in self.slots))  # type: ignore[no-untyped-call]
-        # Typed views of each tensor's place in each slot, made once: 64 slicings and views
-        # per publish cost more than the copies' launches.
+        # Each tensor's place in each slot (bytes), sliced once: the slicings of 1,000
+        # tensors per publish would cost more than the copies.
         self._places = [[(spec.name, slot[spec.offset : spec.offset + spec.nbytes])
                          for spec in layout.tensors if spec.nbytes] for slot in self.slots]
-        self._typed: list[list[tuple[str, Any]]] | None = None
 
     def write(self, slot: int, state_dict: Mapping[str, Any], host: Any = None) -> None:
         """Copy ``state_dict`` into GPU slot ``slot``, then, if ``host`` (the slot's host
@@ -76,12 +76,8 @@ class CudaSlots:
         import torch
 
         with torch.no_grad(), torch.cuda.device(self.device):
-            if self._typed is None:
-                self._typed = [[(name, place.view(state_dict[name].dtype).view(
-                    state_dict[name].shape)) for name, place in places]
-                    for places in self._places]
-            for name, dst in self._typed[slot]:
-                dst.copy_(state_dict[name], non_blocking=True)
+            places = self._places[slot]
+            copy_many([place for _, place in places], [state_dict[name] for name, _ in places])
             if host is not None:
                 torch.from_numpy(host).copy_(self.slots[slot], non_blocking=True)
             # The current stream is the copier thread's default stream, which orders after
@@ -145,15 +141,27 @@ def open_slots(export: CudaExport) -> list[Any]:
     return [rebuild(*args) for rebuild, args in export.slots]
 
 
-def read_tensors_cuda(layout: Layout, slot: Any, into: Mapping[str, Any]) -> None:
-    """Copy every tensor of ``layout`` from GPU slot ``slot`` into ``into`` (same device) and
-    wait for the copies, so that the seqlock check after it covers them."""
-    import torch
+class GpuSlot:
+    """A publisher's GPU slot opened in this process, and where each tensor of the layout
+    last read from it lies in it (sliced once per layout, not per pull: slicing 1,000
+    tensors costs more than copying them)."""
 
-    with torch.no_grad(), torch.cuda.device(slot.device):
-        for spec in layout.tensors:
-            if spec.nbytes:
-                dst = into[spec.name]
-                dst.copy_(slot[spec.offset : spec.offset + spec.nbytes].view(dst.dtype).view(
-                    dst.shape))
-        torch.cuda.current_stream().synchronize()
+    def __init__(self, slot: Any) -> None:
+        self.slot = slot
+        self._layout: Layout | None = None
+        self._names: list[str] = []
+        self._places: list[Any] = []
+
+    def read(self, layout: Layout, into: Mapping[str, Any]) -> None:
+        """Copy every tensor of ``layout`` from this slot into ``into`` (same device) and
+        wait for the copies, so that the seqlock check after it covers them."""
+        import torch
+
+        if layout is not self._layout:
+            specs = [spec for spec in layout.tensors if spec.nbytes]
+            self._names = [spec.name for spec in specs]
+            self._places = [self.slot[spec.offset : spec.offset + spec.nbytes] for spec in specs]
+            self._layout = layout
+        with torch.no_grad(), torch.cuda.device(self.slot.device):
+            copy_many([into[name] for name in self._names], self._places)
+            torch.cuda.current_stream().synchronize()

@@ -93,7 +93,7 @@ class WeightSubscriber:
         self._lost: str | None = None
         self._changed: asyncio.Event | None = None
         self._readers: dict[SegmentRef, SegmentReader] = {}
-        self._gpu_slots: dict[SegmentRef, list[Any]] = {}  # a GPU publisher's slots, opened
+        self._gpu_slots: dict[SegmentRef, list[cuda.GpuSlot]] = {}  # a GPU publisher's slots, opened
         # Told the directory it pulls into host memory although it named a GPU: GPU
         # publishers write their host slots for it (docs/weights.md, "CUDA").
         self._host_pull = False
@@ -419,8 +419,8 @@ class WeightSubscriber:
             # Our own slots as our GPU's representative are read directly; anyone else's
             # are opened once.
             own = self._representative.own_slots(source.ref)
-            gpu = self._gpu_slots[source.ref] = own if own is not None else cuda.open_slots(
-                source.cuda)
+            opened = own if own is not None else cuda.open_slots(source.cuda)
+            gpu = self._gpu_slots[source.ref] = [cuda.GpuSlot(s) for s in opened]
         slot = source.slots[version]
         return self._reader(source.ref).read(slot, version, _from_gpu(layout, gpu[slot], into),
                                              host=False)
@@ -479,10 +479,11 @@ def _from_host(layout: Layout, into: Mapping[str, Any]) -> Callable[[Any], None]
     return lambda host_slot: read_tensors(layout, host_slot, into)
 
 
-def _from_gpu(layout: Layout, gpu_slot: Any, into: Mapping[str, Any]) -> Callable[[Any], None]:
+def _from_gpu(layout: Layout, gpu_slot: cuda.GpuSlot,
+              into: Mapping[str, Any]) -> Callable[[Any], None]:
     """The copy of one shard out of the publisher's GPU slot (the host slot only carries
     the seqlock)."""
-    return lambda _host_slot: cuda.read_tensors_cuda(layout, gpu_slot, into)
+    return lambda _host_slot: gpu_slot.read(layout, into)
 
 
 def check_into(layouts: tuple[Layout, ...], into: Mapping[str, Any]) -> None:

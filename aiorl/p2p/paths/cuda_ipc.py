@@ -8,10 +8,15 @@ Per send, nothing is registered with torch's IPC machinery again:
 
 * **Shares are cached per storage.** The first send of a storage toward a receiver
   exports it once (``_share_cuda_``: one IPC memory handle and one torch IPC event); later
-  sends of the same live storage name the share by id. At most `SHARES_PER_PEER`
-  shares per receiver: the least recently used one, or one whose storage died, is dropped
-  (``p2p.cuda`` ``ipc-drop``), and the receiver closes its mapping. So torch's limit of
-  1,000 IPC events (after which every share synchronises a stream) is never reached.
+  sends of the same live storage name the share by id. After each message at most
+  `SHARES_PER_PEER` shares per receiver stay, or as many as that message used if it used
+  more (a state dict of 1,000 tensors resent every step is exported once, not per step):
+  the least recently used ones, and those whose storage died, are dropped (``p2p.cuda``
+  ``ipc-drop``, one message listing them), and the receiver closes its mappings. A message
+  carries at most `MAX_IPC_TENSORS` tensors by IPC.
+* **Many tensors, few launches.** A receive of many tensors allocates them as one block
+  and copies them with a few fused kernels (`aiorl.p2p.bulk_copy`), not one allocation and
+  one ``copy_`` per tensor.
 * **Ordering by our own interprocess events**, a bounded pool per receiver, each exported
   once: the sender records one on its side stream after the caller's events; the
   receiver's side stream waits for it, copies, and records a blocking-sync completion
@@ -43,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiorl.errors import PeerLostError, ProtocolError
+from aiorl.p2p.bulk_copy import copy_many
 from aiorl.p2p.gpu import (
     ByteWindow,
     CudaLane,
@@ -72,6 +78,7 @@ from aiorl.p2p.proto import IPC, K_CUDA, OP_CUDA, OP_DONE
 from aiorl.util.cuda_device import selected_device
 
 __all__ = [
+    "MAX_IPC_TENSORS",
     "PATH",
     "SHARES_PER_PEER",
     "ShareCache",
@@ -81,8 +88,11 @@ __all__ = [
 
 log = logging.getLogger("aiorl.p2p")
 
-#: Storages a sender keeps exported toward one receiver (and the receiver keeps mapped).
+#: Storages a sender keeps exported toward one receiver (and the receiver keeps mapped)
+#: between messages, unless the last message used more.
 SHARES_PER_PEER = 64
+#: Tensors one message may carry by IPC (a receiver refuses more as a hostile peer's).
+MAX_IPC_TENSORS = 16384
 #: Interprocess events a sender keeps toward one receiver once they are free again.
 EVENTS_PER_PEER = 64
 
@@ -147,7 +157,8 @@ class ShareCache:
         """``(share id, export args or None when the receiver has them, ids to drop)``.
 
         ``alive(ref)`` tells whether a cached entry's storage still lives; ``export()``
-        returns ``(weak ref, args)`` for a new share.
+        returns ``(weak ref, args)`` for a new share. Nothing else is evicted here: a
+        message's lookups must not drop each other's shares; `trim` runs after them.
         """
         dropped: list[int] = []
         entry = self._entries.get(key)
@@ -157,15 +168,22 @@ class ShareCache:
         if entry is not None:  # same identity, storage gone: forget the stale share
             del self._entries[key]
             dropped.append(entry[0])
-        for old_key in [k for k, e in self._entries.items() if not alive(e[1])]:
-            dropped.append(self._entries.pop(old_key)[0])
-        while len(self._entries) >= self.limit:
-            dropped.append(self._entries.popitem(last=False)[1][0])
         ref, args = export()
         share_id = self._next_id
         self._next_id += 1
         self._entries[key] = (share_id, ref, args)
         return share_id, args, dropped
+
+    def trim(self, alive: Any, used: int) -> list[int]:
+        """After a message's lookups: the ids of the shares dropped, those whose storage
+        died and the least recently used beyond ``max(limit, used)`` (``used``: the shares
+        the message named, the most recently used ones, so none of them is dropped)."""
+        dropped = [self._entries.pop(k)[0] for k, e in list(self._entries.items())
+                   if not alive(e[1])]
+        bound = max(self.limit, used)
+        while len(self._entries) > bound:
+            dropped.append(self._entries.popitem(last=False)[1][0])
+        return dropped
 
     def forget(self, share_id: int) -> None:
         """Drop share ``share_id`` here only (the receiver never saw its export)."""
@@ -247,7 +265,7 @@ class IpcSend(SendPathBase):
 
     def fits(self, msg: OutMessage) -> bool:
         peer = self.peer_uuid
-        if peer is None:
+        if peer is None or len(msg.cuda) > MAX_IPC_TENSORS:
             return False
         return all(device_uuid(t.device.index) == peer for t in msg.cuda if t.numel())
 
@@ -277,29 +295,34 @@ class IpcSend(SendPathBase):
         wait_events(stream, msg.event)
         parts = []
         drops: list[int] = []
+        exported = False
         for t in live:
             storage = t.untyped_storage()
             share_id, args, dropped = self.shares.lookup(
                 storage._cdata, _alive, functools.partial(_export, storage)
             )
             drops.extend(dropped)
+            exported = exported or args is not None
             parts.append([share_id, args, t.storage_offset() * t.element_size(), nbytes_of(t)])
+        if exported or len(self.shares) > self.shares.limit:
+            # A new share may push an old one out; a message of cached shares only cannot.
+            drops.extend(self.shares.trim(_alive, len({p[0] for p in parts})))
         event_id, ev, handle = self._event(device)
         with torch.cuda.device(device):
             ev.record(stream)
-        for share_id in drops:
+        if drops:
             self.host.endpoint.send_oneway(
-                self.dest.address or "", OP_CUDA, [self.host.name, "ipc-drop", share_id]
+                self.dest.address or "", OP_CUDA, [self.host.name, "ipc-drop", drops]
             )
             self._collect = True
         token = self.dest.next_token()
         fut, unpark = self.waiting.park(token, (live, ev))
         fut.add_done_callback(lambda _f: self._event_free(event_id, ev))
-        exported = [p[0] for p in parts if p[1] is not None]
+        new_shares = [p[0] for p in parts if p[1] is not None]
 
         def undo() -> None:  # the control message never left: the receiver saw none of it
             unpark()
-            for share_id in exported:
+            for share_id in new_shares:
                 self.shares.forget(share_id)
 
         desc = [
@@ -394,7 +417,9 @@ class IpcRecv(RecvPathBase):
             raise ProtocolError(
                 f"CUDA IPC from a GPU this worker cannot see ({peer_uuid})"
             ) from None
-        if len(self.shares) + len(parts) > 2 * SHARES_PER_PEER:
+        if len(parts) > MAX_IPC_TENSORS or len(self.shares) > 2 * (
+            SHARES_PER_PEER + MAX_IPC_TENSORS
+        ):
             raise ProtocolError(f"{self.source} keeps more CUDA IPC shares than agreed")
         if self.lane is None:
             self.lane = CudaLane(f"aiorl-ipc-{self.source}")
@@ -458,7 +483,7 @@ class IpcRecv(RecvPathBase):
             targets = [user]
         else:
             stream = self.lane.stream(device)
-            targets = allocate([(dtype_of(d), s) for d, s in specs], device, stream)
+            targets = allocate([(dtype_of(d), s) for d, s in specs], device, stream, flat=True)
         with torch.cuda.device(device), torch.cuda.stream(stream):
             ev = self.events.get(event_id)
             if ev is None:
@@ -467,9 +492,12 @@ class IpcRecv(RecvPathBase):
                 ev = self.events[event_id] = cuda.Event.from_ipc_handle(ipc_device, job.handle)
             stream.wait_event(ev)
             live = [t for t in targets if t.numel()]
-            for (share_id, args, offset, n), target in zip(job.parts, live, strict=True):
-                whole = self._open(share_id, args, ipc_device)
-                flat_u8(target).copy_(whole[offset : offset + n], non_blocking=True)
+            sources = [self._open(share_id, args, ipc_device)[offset : offset + n]
+                       for share_id, args, offset, n in job.parts]
+            if len(live) == 1:
+                flat_u8(live[0]).copy_(sources[0], non_blocking=True)
+            else:
+                copy_many(live, sources)
             done = blocking_event()
             done.record(stream)
         job.msg.cuda = targets
@@ -540,20 +568,23 @@ class IpcRecv(RecvPathBase):
         if len(meta) != 3 or self.lane is None:
             return
         if meta[1] == "ipc-drop":
-            share_id = meta[2]
-            if self._uses.get(share_id):
-                self._dropped.add(share_id)  # released when the receives using it are done
-            else:
-                self._drop(share_id)
+            ids = meta[2] if isinstance(meta[2], list) else [meta[2]]
+            free = []
+            for share_id in ids:
+                if self._uses.get(share_id):
+                    self._dropped.add(share_id)  # released when the receives using it end
+                else:
+                    free.append(share_id)
+            self._drop(*free)
         elif meta[1] == "ipc-drop-event":
             self.events.pop(meta[2], None)  # dropped once acknowledged: no copy waits on it
 
-    def _drop(self, share_id: int) -> None:
-        """Loop: no accepted receive uses ``share_id`` any more; release its mapping on the
-        lane (after the copies it issued)."""
-        whole = self.shares.pop(share_id, None)
-        if whole is not None and self.lane is not None:
-            self.lane.run(self._release, [whole])
+    def _drop(self, *share_ids: int) -> None:
+        """Loop: no accepted receive uses ``share_ids`` any more; release their mappings on
+        the lane (after the copies it issued), in one lane job."""
+        wholes = [w for w in (self.shares.pop(i, None) for i in share_ids) if w is not None]
+        if wholes and self.lane is not None:
+            self.lane.run(self._release, wholes)
 
     def _release(self, mappings: list[Any]) -> None:
         """Drop mapped storages with the lane's stream of their device current: torch's
