@@ -317,11 +317,11 @@ def device_copy_s(nbytes: int, reps: int, device: str, pieces: int = 1) -> float
 
 def copies_s(nbytes: int, tensors: int, reps: int, device: str) -> dict[str, float]:
     """Median seconds of copying ``nbytes`` held in ``tensors`` tensors three ways: one
-    flat tensor, ``copy_`` per tensor, and ``aiorl.p2p.bulk_copy.copy_many`` (host time
+    flat tensor, ``copy_`` per tensor, and ``aiorl.p2p.bulk_copy.copy_grouped`` (host time
     until the copies are done: launches count)."""
     import torch
 
-    from aiorl.p2p.bulk_copy import copy_many
+    from aiorl.p2p.bulk_copy import copy_grouped, dtype_groups
 
     n = max(1, nbytes // 4 // tensors)
     src = [torch.ones(n, device=device) for _ in range(tensors)]
@@ -345,8 +345,9 @@ def copies_s(nbytes: int, tensors: int, reps: int, device: str) -> dict[str, flo
         for a, b in zip(src, dst, strict=True):
             b.copy_(a, non_blocking=True)
 
+    groups = dtype_groups([t.dtype for t in dst])
     return {"tensors": tensors, "nbytes": nbytes, "flat_s": timed(lambda: flat_dst.copy_(flat_src)),
-            "loop_s": timed(loop), "many_s": timed(lambda: copy_many(dst, src))}
+            "loop_s": timed(loop), "many_s": timed(lambda: copy_grouped(dst, src, groups))}
 
 
 def one_way_s(pair: Any, nbytes: int, reps: int) -> float:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from aiorl.errors import PeerLostError, ProtocolError
-from aiorl.p2p.bulk_copy import FLAT_ALIGN, allocate_flat, copy_many, word_view
+from aiorl.p2p.bulk_copy import FLAT_ALIGN, FlatLayout, copy_grouped, copy_many, dtype_groups
 from aiorl.p2p.gpu import ByteWindow, CudaLane, gpu_done, reinterpret
 from aiorl.p2p.paths.cuda_ipc import ShareCache
 from aiorl.p2p.paths.nccl import PACK_ALIGN, PACK_MAX, pack_layout
@@ -351,27 +351,30 @@ def test_share_cache_keeps_every_share_of_one_message_and_trims_after_it() -> No
 
 
 @pytest.mark.parametrize("strided_dst", [False, True])
-def test_copy_many_copies_bytes_of_mixed_dtypes_and_odd_sizes(strided_dst: bool) -> None:
+def test_flat_layout_and_grouped_copies_keep_every_value(strided_dst: bool) -> None:
     dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float16, torch.int8]
     srcs = [(torch.arange(1 + k * 7 % 61) % 5).to(dtypes[k % len(dtypes)]) for k in range(200)]
     srcs.append(torch.tensor(3.5, dtype=torch.float64))  # 0-d
-    srcs.append(torch.empty(0))
-    block, dsts = allocate_flat([(t.dtype, tuple(t.shape)) for t in srcs], "cpu")
-    assert all((t.data_ptr() - block.data_ptr()) % FLAT_ALIGN == 0 for t in dsts if t.numel())
-    assert block.numel() <= sum(-(-t.numel() * t.element_size() // FLAT_ALIGN) * FLAT_ALIGN
-                                for t in srcs)
+    srcs.append(torch.empty(0, 3))
+    layout = FlatLayout([(t.dtype, tuple(t.shape)) for t in srcs])
+    block, dsts = layout.allocate("cpu")
+    assert [(t.dtype, t.shape) for t in dsts] == [(t.dtype, t.shape) for t in srcs]
+    base = block.data_ptr()
+    for idx in layout.groups:  # each dtype's run: end to end, from an aligned offset
+        starts = [dsts[i].data_ptr() - base for i in idx if dsts[i].numel()]
+        assert not starts or starts[0] % FLAT_ALIGN == 0
+        assert starts == sorted(starts)
+    assert block.numel() < sum(t.numel() * t.element_size() for t in srcs) + 8 * FLAT_ALIGN
     if strided_dst:
         srcs.append(torch.arange(12.0).reshape(3, 4))
         dsts.append(torch.zeros(4, 3).t())
     copy_many(dsts, srcs)
     assert all(torch.equal(a, b) for a, b in zip(dsts, srcs, strict=True))
-    # Bytes, not values: a slot's uint8 bytes land in a typed tensor.
-    raw = word_view(torch.arange(6, dtype=torch.float32), 1).clone()
-    typed = torch.zeros(6, dtype=torch.float32)
-    copy_many([typed], [raw])
-    assert torch.equal(typed, torch.arange(6, dtype=torch.float32))
-    with pytest.raises(ValueError, match="8-byte source"):
-        copy_many([torch.zeros(3)], [torch.zeros(2, dtype=torch.float32)])
+    again = [torch.zeros_like(t) for t in srcs]
+    copy_grouped(again, srcs, dtype_groups([t.dtype for t in again]))
+    assert all(torch.equal(a, b) for a, b in zip(again, srcs, strict=True))
+    with pytest.raises(ValueError, match="2 destinations for 1 sources"):
+        copy_many([torch.zeros(3), torch.zeros(3)], [torch.zeros(3)])
 
 
 # ----------------------------------------------------------------------------- packing

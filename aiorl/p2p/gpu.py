@@ -30,7 +30,6 @@ import datetime
 import functools
 import importlib
 import logging
-import math
 import os
 import queue
 import socket
@@ -42,7 +41,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from aiorl.errors import PeerLostError, ProtocolError
-from aiorl.p2p.bulk_copy import FLAT_MIN_TENSORS, allocate_flat
 from aiorl.runtime.waiter import BlockingWaiter, Job
 from aiorl.util.cuda_device import selected_device
 
@@ -204,24 +202,16 @@ def wait_events(stream: Any, events: Mapping[int, Any] | None) -> None:
             stream.wait_event(ev)
 
 
-def allocate(specs: Sequence[tuple[Any, Sequence[int]]], device: int, stream: Any,
-             flat: bool = False) -> list[Any]:
+def allocate(specs: Sequence[tuple[Any, Sequence[int]]], device: int, stream: Any) -> list[Any]:
     """Fresh tensors for ``specs`` on ``device``, allocated on ``stream`` (a lane's side
     stream: the block is not reused while that stream may still write it) and marked used
     by the device's default stream, where user code most likely reads them (so freeing one
-    does not hand its memory to the next transfer while a kernel still reads it).
-
-    ``flat``: from `FLAT_MIN_TENSORS` non-empty specs up, one block holds them all
-    (`aiorl.p2p.bulk_copy.allocate_flat`): one allocation instead of one per tensor."""
+    does not hand its memory to the next transfer while a kernel still reads it)."""
     import torch
 
-    out: list[Any] = []
+    out = []
     with torch.cuda.device(device), torch.cuda.stream(stream):
         default = torch.cuda.default_stream(device)
-        if flat and sum(1 for _, shape in specs if math.prod(shape)) >= FLAT_MIN_TENSORS:
-            block, out = allocate_flat(specs, device)
-            block.record_stream(default)
-            return out
         for dtype, shape in specs:
             t = torch.empty(shape, dtype=dtype, device=device)
             if t.numel():

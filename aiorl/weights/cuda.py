@@ -23,9 +23,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from aiorl.p2p.bulk_copy import copy_many
+from aiorl.p2p.bulk_copy import copy_grouped, dtype_groups
 from aiorl.p2p.gpu import device_uuid
-from aiorl.protocol.weights import CudaExport, Layout
+from aiorl.p2p.message import dtype_of
+from aiorl.protocol.weights import CudaExport, Layout, TensorSpec
 
 __all__ = ["CudaSlots", "cuda_device_of", "device_uuid_of", "open_slots",
            "pin_host", "GpuSlot", "same_device", "unpin_host"]
@@ -64,10 +65,13 @@ class CudaSlots:
                       for _ in range(count)]
         self.export = CudaExport(_device_uuid(device),
                                  tuple(reduce_tensor(s) for s in self.slots))  # type: ignore[no-untyped-call]
-        # Each tensor's place in each slot (bytes), sliced once: the slicings of 1,000
-        # tensors per publish would cost more than the copies.
-        self._places = [[(spec.name, slot[spec.offset : spec.offset + spec.nbytes])
-                         for spec in layout.tensors if spec.nbytes] for slot in self.slots]
+        # Each tensor's place in each slot, a typed view made once, and the places grouped
+        # by dtype: per publish one fused copy per dtype (`aiorl.p2p.bulk_copy`), since the
+        # slicings and launches of 1,000 tensors would cost more than the copies.
+        specs = [spec for spec in layout.tensors if spec.nbytes]
+        self._names = [spec.name for spec in specs]
+        self._places = [typed_places(slot, specs) for slot in self.slots]
+        self._groups = dtype_groups([spec.dtype for spec in specs])
 
     def write(self, slot: int, state_dict: Mapping[str, Any], host: Any = None) -> None:
         """Copy ``state_dict`` into GPU slot ``slot``, then, if ``host`` (the slot's host
@@ -76,8 +80,8 @@ class CudaSlots:
         import torch
 
         with torch.no_grad(), torch.cuda.device(self.device):
-            places = self._places[slot]
-            copy_many([place for _, place in places], [state_dict[name] for name, _ in places])
+            copy_grouped(self._places[slot], [state_dict[name] for name in self._names],
+                         self._groups)
             if host is not None:
                 torch.from_numpy(host).copy_(self.slots[slot], non_blocking=True)
             # The current stream is the copier thread's default stream, which orders after
@@ -151,6 +155,7 @@ class GpuSlot:
         self._layout: Layout | None = None
         self._names: list[str] = []
         self._places: list[Any] = []
+        self._groups: list[list[int]] = []
 
     def read(self, layout: Layout, into: Mapping[str, Any]) -> None:
         """Copy every tensor of ``layout`` from this slot into ``into`` (same device) and
@@ -160,8 +165,15 @@ class GpuSlot:
         if layout is not self._layout:
             specs = [spec for spec in layout.tensors if spec.nbytes]
             self._names = [spec.name for spec in specs]
-            self._places = [self.slot[spec.offset : spec.offset + spec.nbytes] for spec in specs]
+            self._places = typed_places(self.slot, specs)
+            self._groups = dtype_groups([spec.dtype for spec in specs])
             self._layout = layout
         with torch.no_grad(), torch.cuda.device(self.slot.device):
-            copy_many([into[name] for name in self._names], self._places)
+            copy_grouped([into[name] for name in self._names], self._places, self._groups)
             torch.cuda.current_stream().synchronize()
+
+
+def typed_places(slot: Any, specs: list[TensorSpec]) -> list[Any]:
+    """Each tensor's place in a slot (flat uint8), as a view of its dtype and shape."""
+    return [slot[s.offset : s.offset + s.nbytes].view(dtype_of(s.dtype)).view(tuple(s.shape))
+            for s in specs]

@@ -14,9 +14,12 @@ Per send, nothing is registered with torch's IPC machinery again:
   the least recently used ones, and those whose storage died, are dropped (``p2p.cuda``
   ``ipc-drop``, one message listing them), and the receiver closes its mappings. A message
   carries at most `MAX_IPC_TENSORS` tensors by IPC.
-* **Many tensors, few launches.** A receive of many tensors allocates them as one block
-  and copies them with a few fused kernels (`aiorl.p2p.bulk_copy`), not one allocation and
-  one ``copy_`` per tensor.
+* **Many tensors, few calls.** A message of `FLAT_MIN_TENSORS` tensors or more is
+  received by a plan made once per layout (`ManyPlan`: the typed views of the sender's
+  tensors in the mapped shares, where each lands in one block, grouped by dtype): per
+  message one allocation and one fused copy per dtype (`aiorl.p2p.bulk_copy`), not an
+  allocation and a ``copy_`` per tensor. A plan holds views of mappings, so it goes
+  before a mapping it uses is released.
 * **Ordering by our own interprocess events**, a bounded pool per receiver, each exported
   once: the sender records one on its side stream after the caller's events; the
   receiver's side stream waits for it, copies, and records a blocking-sync completion
@@ -48,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiorl.errors import PeerLostError, ProtocolError
-from aiorl.p2p.bulk_copy import copy_many
+from aiorl.p2p.bulk_copy import FLAT_MIN_TENSORS, FlatLayout, copy_grouped
 from aiorl.p2p.gpu import (
     ByteWindow,
     CudaLane,
@@ -95,6 +98,9 @@ SHARES_PER_PEER = 64
 MAX_IPC_TENSORS = 16384
 #: Interprocess events a sender keeps toward one receiver once they are free again.
 EVENTS_PER_PEER = 64
+#: Receive plans of many-tensor layouts a receiver keeps per sender (least recently used
+#: dropped first).
+PLANS_PER_PEER = 4
 
 
 #: The ``/dev/shm`` reference-counter files this process's exports used (torch names them
@@ -196,6 +202,41 @@ class ShareCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+class ManyPlan:
+    """Receiver: how one layout of many tensors is received, made once and kept.
+
+    ``sources``: the sender's non-empty tensors, typed views of the mapped shares;
+    ``layout``: where every tensor (empty ones too) lands in one block; ``live``: the
+    indices of the non-empty ones; ``share_ids``: the shares the views keep mapped.
+    """
+
+    def __init__(self, specs: Sequence[tuple[Any, Sequence[int]]], sources: list[Any],
+                 share_ids: set[int]) -> None:
+        self.layout = FlatLayout(specs)
+        self.live = [i for i, (_, shape) in enumerate(specs) if _numel(shape)]
+        self.sources = sources
+        self.share_ids = share_ids
+        position = {i: k for k, i in enumerate(self.live)}
+        groups = ([position[i] for i in idx if i in position] for idx in self.layout.groups)
+        self.groups = [g for g in groups if g]  # dtype groups, as positions among the live
+
+    def receive(self, device: Any, default_stream: Any) -> list[Any]:
+        """Allocate the block on the current stream, queue the copies into it; the
+        received tensors in spec order."""
+        block, targets = self.layout.allocate(device)
+        block.record_stream(default_stream)
+        live = [targets[i] for i in self.live]
+        copy_grouped(live, self.sources, self.groups)
+        return targets
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 @dataclass
@@ -397,6 +438,7 @@ class IpcRecv(RecvPathBase):
         # so a drop waits for them (never "unknown share" for a message sent before it).
         self._uses: dict[int, int] = {}
         self._dropped: set[int] = set()
+        self._plans: OrderedDict[Any, ManyPlan] = OrderedDict()  # layout key -> plan
 
     def answer(self, ask: Mapping[str, Any], reply: dict[str, Any]) -> None:
         if ask.get("cuda"):
@@ -458,10 +500,9 @@ class IpcRecv(RecvPathBase):
         """
         import torch
 
-        posted, specs, ipc_device, event_id = job.posted, job.specs, job.ipc_device, job.event_id
+        posted, specs, ipc_device = job.posted, job.specs, job.ipc_device
 
         assert self.lane is not None
-        cuda = untyped("torch.cuda")
         device = selected_device()
         # A receive cancelled before the copy is issued does not get its buffer written.
         user = (
@@ -481,27 +522,59 @@ class IpcRecv(RecvPathBase):
             with torch.cuda.device(device):
                 wait_events(stream, posted.event)  # the caller may still use the buffer
             targets = [user]
+        elif len(job.parts) >= FLAT_MIN_TENSORS:
+            stream = self.lane.stream(device)
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                self._wait_sender(job, stream)
+                targets = self._plan(job).receive(device, torch.cuda.default_stream(device))
+                done = blocking_event()
+                done.record(stream)
+            job.msg.cuda = targets
+            return done, targets
         else:
             stream = self.lane.stream(device)
-            targets = allocate([(dtype_of(d), s) for d, s in specs], device, stream, flat=True)
+            targets = allocate([(dtype_of(d), s) for d, s in specs], device, stream)
         with torch.cuda.device(device), torch.cuda.stream(stream):
-            ev = self.events.get(event_id)
-            if ev is None:
-                if job.handle is None:
-                    raise ProtocolError(f"unknown CUDA IPC event {event_id} from {self.source}")
-                ev = self.events[event_id] = cuda.Event.from_ipc_handle(ipc_device, job.handle)
-            stream.wait_event(ev)
+            self._wait_sender(job, stream)
             live = [t for t in targets if t.numel()]
-            sources = [self._open(share_id, args, ipc_device)[offset : offset + n]
-                       for share_id, args, offset, n in job.parts]
-            if len(live) == 1:
-                flat_u8(live[0]).copy_(sources[0], non_blocking=True)
-            else:
-                copy_many(live, sources)
+            for (share_id, args, offset, n), target in zip(job.parts, live, strict=True):
+                whole = self._open(share_id, args, ipc_device)
+                flat_u8(target).copy_(whole[offset : offset + n], non_blocking=True)
             done = blocking_event()
             done.record(stream)
         job.msg.cuda = targets
         return done, targets
+
+    def _wait_sender(self, job: _IpcJob, stream: Any) -> None:
+        """Lane: make ``stream`` wait for the sender's event of ``job`` (opened once)."""
+        ev = self.events.get(job.event_id)
+        if ev is None:
+            if job.handle is None:
+                raise ProtocolError(f"unknown CUDA IPC event {job.event_id} from {self.source}")
+            ev = untyped("torch.cuda").Event.from_ipc_handle(job.ipc_device, job.handle)
+            self.events[job.event_id] = ev
+        stream.wait_event(ev)
+
+    def _plan(self, job: _IpcJob) -> ManyPlan:
+        """Lane: the receive plan of ``job``'s layout (same specs, same shares, offsets
+        and sizes as an earlier message: the kept one; else made now and kept)."""
+        key = (tuple((d, tuple(s)) for d, s in job.specs),
+               tuple((p[0], p[2], p[3]) for p in job.parts))
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+            return plan
+        specs = [(dtype_of(d), s) for d, s in job.specs]
+        live_specs = [spec for spec in specs if _numel(spec[1])]
+        sources = []
+        for (share_id, args, offset, n), (dtype, shape) in zip(job.parts, live_specs,
+                                                               strict=True):
+            whole = self._open(share_id, args, job.ipc_device)
+            sources.append(whole[offset : offset + n].view(dtype).view(tuple(shape)))
+        plan = self._plans[key] = ManyPlan(specs, sources, {p[0] for p in job.parts})
+        while len(self._plans) > PLANS_PER_PEER:
+            self._plans.popitem(last=False)
+        return plan
 
     def _open(self, share_id: int, args: Any, ipc_device: int) -> Any:
         """Lane: a share's whole storage as uint8, mapped once (cached until dropped)."""
@@ -582,6 +655,9 @@ class IpcRecv(RecvPathBase):
     def _drop(self, *share_ids: int) -> None:
         """Loop: no accepted receive uses ``share_ids`` any more; release their mappings on
         the lane (after the copies it issued), in one lane job."""
+        gone = set(share_ids)
+        for key in [k for k, plan in self._plans.items() if plan.share_ids & gone]:
+            del self._plans[key]  # its views would keep the mappings alive
         wholes = [w for w in (self.shares.pop(i, None) for i in share_ids) if w is not None]
         if wholes and self.lane is not None:
             self.lane.run(self._release, wholes)
@@ -612,6 +688,7 @@ class IpcRecv(RecvPathBase):
         self.window.clear()
         self._uses.clear()
         self._dropped.clear()
+        self._plans.clear()
         mappings, self.shares = list(self.shares.values()), {}
         if mappings:
             self._release(mappings)
