@@ -1,7 +1,7 @@
 """``make gpu-check``: issue 26's GPU targets, measured and judged in one run on one GPU.
 
 Run: ``python benchmarks/gpu_check.py [--quick] [--skip-tests] [--out DIR]``. Needs no
-network. In order, within about six minutes on one H100/H200:
+network. In order, within about four minutes on one H200:
 
 1. the GPU tests (``tests/test_gpu_*.py``, ``test_p2p_cuda``, ``test_p2p_cuda_small``,
    ``test_broadcast_cuda``, ``test_weights_cuda``; two-GPU tests skip on one GPU), their
@@ -11,7 +11,12 @@ network. In order, within about six minutes on one H100/H200:
    the round trip of a one-element tensor, CUDA against CPU;
 3. weights on the GPU: a publisher and N = 1, 4 subscribers on GPU 0 pulling a state dict
    into tensors on that GPU, beside (1 + N) device copies of the model;
-4. the CPU a worker uses once its transfers are done (no spinning thread).
+4. the CPU a worker uses once its transfers are done (no spinning thread);
+5. (``--steps`` picks among these and the above) the copy of 1 GB in 1,000 tensors, per
+   tensor and fused (``copies``); a relayed pair's CUDA path, two nodes with
+   ``AIORL_P2P_DIRECT_PEERS=0`` (``relay``); a state dict of 1,000 tensors against one flat
+   tensor of the same bytes, by ``send`` and as weights (``many``: ``state_dict_1000``);
+   a 64 MB CUDA call argument against ``send_tensor`` of it (``call``: ``call_arg_64mb``).
 
 Then one table: each target, the measured value, the goal, met or not; and
 ``benchmarks/results/gpu-<device>.json`` with ``"device"`` and ``"targets"``
