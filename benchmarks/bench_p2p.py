@@ -2,7 +2,7 @@
 
 Run: ``python benchmarks/bench_p2p.py [--reps 7] [--quick]``. Prints a table of
 medians and writes ``benchmarks/results/p2p.json``. ``--relay`` measures instead, on two
-nodes, a direct pair beside a pair relayed through both node agents (``aiorl.p2p.relay``)
+nodes, a direct pair beside a pair relayed through both node agents (``aiorl.p2p.p2p_relay``)
 and writes ``benchmarks/results/p2p_relay.json``.
 
 What is measured (both ends are separate processes on this host; times are taken
@@ -151,7 +151,7 @@ def bench_aiorl(reps: int, sizes: dict[str, int]) -> dict[str, Any]:
 
 def bench_relay(reps: int, sizes: dict[str, int]) -> dict[str, Any]:
     """Two nodes (an embedded cluster): a direct pair beside a pair relayed through the two
-    node agents (``AIORL_P2P_DIRECT_PEERS=0``, `aiorl.p2p.relay`), same measurements."""
+    node agents (``AIORL_P2P_DIRECT_PEERS=0``, `aiorl.p2p.p2p_relay`), same measurements."""
     out: dict[str, Any] = {}
     with aiorl.Cluster(num_nodes=2) as c:
         for route, env in (("direct", None), ("relayed", {"AIORL_P2P_DIRECT_PEERS": "0"})):

@@ -21,8 +21,13 @@ import torch
 import aiorl
 from aiorl.errors import ProtocolError
 from aiorl.node.p2p_relay import P2PRelay, RelayBounds
+from aiorl.p2p.p2p_relay import (
+    DEFAULT_DIRECT_PEERS,
+    DEFAULT_RELAY_WINDOW,
+    direct_peers,
+    relay_window,
+)
 from aiorl.p2p.proto import OP_BATCH, OP_DATA, OP_VIA
-from aiorl.p2p.relay import DEFAULT_DIRECT_PEERS, DEFAULT_RELAY_WINDOW, direct_peers, relay_window
 from aiorl.placement import NodePlacementStrategy
 from aiorl.protocol.ops import AgentOp
 from aiorl.protocol.p2p_relay import (

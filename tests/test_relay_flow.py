@@ -3,7 +3,7 @@
 Two node agents on one machine (an embedded cluster), a group whose workers relay every
 destination on the other node (``AIORL_P2P_DIRECT_PEERS=0``). Each test samples the agents'
 resident memory and open descriptors (psutil) before, during and after, and checks them
-against the relayed flow control's bounds (`aiorl.p2p.relay`, `aiorl.node.p2p_relay`):
+against the relayed flow control's bounds (`aiorl.p2p.p2p_relay`, `aiorl.node.p2p_relay`):
 
 1. the receiver's node dies mid-stream: the sending agent stays under its baseline plus
    the per-destination bound, and is back within a second of the death's verdict;
@@ -30,7 +30,7 @@ import torch
 
 import aiorl
 from aiorl.node.p2p_relay import DEFAULT_DEST_BYTES
-from aiorl.p2p.relay import DEFAULT_RELAY_WINDOW
+from aiorl.p2p.p2p_relay import DEFAULT_RELAY_WINDOW
 from aiorl.placement import NodePlacementStrategy
 from aiorl.protocol.ops import AgentOp
 from aiorl.protocol.p2p_relay import RelayedP2P

@@ -1,6 +1,6 @@
 """The node agent's half of relayed point-to-point messages (`aiorl.protocol.p2p_relay`).
 
-A worker beyond its direct-connection budget (`aiorl.p2p.relay`) sends its p2p control
+A worker beyond its direct-connection budget (`aiorl.p2p.p2p_relay`) sends its p2p control
 messages to its own agent as ``relay_p2p``. The agent forwards each, frames unchanged (no
 copy: ZMQ sends the received frames on), either to the destination as ``p2p.via`` (the
 destination is on this node) or, as the same ``relay_p2p``, to the agent of the
@@ -10,7 +10,7 @@ not show yet wait, in order, behind one look-up: one pair's messages keep their 
 (docs/ordering.md). Credits (``p2p.credit``: bytes a receiver consumed) take the same way
 back to the sender.
 
-**Bounds.** Every relayed pair is credit-based (`aiorl.p2p.relay`): its sender has at most
+**Bounds.** Every relayed pair is credit-based (`aiorl.p2p.p2p_relay`): its sender has at most
 its window unconsumed. The agent counts, from the envelopes and credits that cross it,
 what it forwarded toward each receiver that the receiver has not consumed (`held`, per
 pair): an upper bound on what it holds for that receiver. While that count is over

@@ -13,7 +13,7 @@ by one control message on the sender's single connection to the receiver, in cal
 order, whatever its kind or path; the receiver matches control messages to posted
 receives first-in first-out per sender. Beyond ``AIORL_P2P_DIRECT_PEERS`` destinations on
 other nodes, a pair's control messages take one fixed route through the node agents
-instead (`aiorl.p2p.relay`), FIFO at every hop, and arrive as ``p2p.via``; the receiver
+instead (`aiorl.p2p.p2p_relay`), FIFO at every hop, and arrive as ``p2p.via``; the receiver
 grants their bytes back to the sender as it reads them (``p2p.credit``, the pair's flow
 control): at once from a quarter of a window on, else within 10 ms.
 
@@ -45,6 +45,7 @@ from aiorl.p2p.message import (
     encode_object,
     encode_tensor,
 )
+from aiorl.p2p.p2p_relay import RelayRoute, direct_peers, relay_window
 from aiorl.p2p.paths.cuda_host import stage
 from aiorl.p2p.paths.cuda_ipc import release_ref_counter_files
 from aiorl.p2p.proto import (
@@ -58,7 +59,6 @@ from aiorl.p2p.proto import (
     OP_VIA,
     RESOLVE_RETRY_S,
 )
-from aiorl.p2p.relay import RelayRoute, direct_peers, relay_window
 from aiorl.p2p.sender import Sender, SenderStatistics
 from aiorl.protocol.ops import AgentOp
 from aiorl.protocol.p2p_relay import P2P_CREDIT, RelayedP2P, ViaP2P, envelope_bytes

@@ -25,7 +25,7 @@ OP_HELLO: Final = "p2p.hello"  # sender -> receiver, request: can you map my seg
 OP_DONE: Final = "p2p.done"  # receiver -> sender, one-way: a pulled payload was read (or not)
 OP_CUDA: Final = "p2p.cuda"  # sender -> receiver, one-way: NCCL "go", CUDA IPC share dropped
 #: node agent -> receiver, one-way: a ``p2p.data``/``p2p.batch`` relayed for a sender beyond
-#: the direct-connection budget (`aiorl.p2p.relay`); meta ``[src_identity, op, meta]``.
+#: the direct-connection budget (`aiorl.p2p.p2p_relay`); meta ``[src_identity, op, meta]``.
 OP_VIA: Final = P2P_VIA
 
 #: Pickled buffers smaller than this stay inside the pickle stream (one copy beats one frame).

@@ -26,7 +26,7 @@ the receiver, in call order (``docs/ordering.md``). The Sender keeps that order:
 4. **Completion**: when every path that placed part of the message says its bytes may
    be reused (at once, ZMQ released the frames, the receiver read them, the GPU is done).
    A relayed Sender also waits, before each message, for its pair's credit
-   (`aiorl.p2p.relay`): sends behind a spent window wait in the backlog, in order.
+   (`aiorl.p2p.p2p_relay`): sends behind a spent window wait in the backlog, in order.
 
 Loss: `Sender.lost` fails the backlog, the batch and the pending sends, then lets
 each path fail what it still waits for (its own completion tokens) and release its
@@ -71,7 +71,7 @@ from aiorl.runtime.promise import reject as reject_work
 from aiorl.runtime.promise import resolve as resolve_work
 
 if TYPE_CHECKING:
-    from aiorl.p2p.relay import RelayRoute
+    from aiorl.p2p.p2p_relay import RelayRoute
     from aiorl.runtime import AsyncWork
 
 __all__ = ["Sender", "SenderStatistics"]
@@ -101,7 +101,7 @@ class SenderStatistics:
     pending: int  # sends out but not complete yet
     lost: bool
     paths: Mapping[str, PathStatistics]  # by path name; only the paths that apply
-    relayed: bool = False  # through the node agents (`aiorl.p2p.relay`), not a connection
+    relayed: bool = False  # through the node agents (`aiorl.p2p.p2p_relay`), not a connection
     #: Relayed: bytes sent that the receiver has not granted back yet (its window's use).
     outstanding: int = 0
 
@@ -268,7 +268,7 @@ class Sender:
                 relay = self.relay
                 if relay is not None and not relay.has_room(self.outbox_bytes):
                     # The pair's credit is spent: wait for the receiver to consume (the
-                    # module docstring of aiorl.p2p.relay); later sends wait behind.
+                    # module docstring of aiorl.p2p.p2p_relay); later sends wait behind.
                     await relay.wait_room(self.engine.loop)
                     continue  # re-check: the loss of the peer may have emptied the backlog
                 backlog.popleft()

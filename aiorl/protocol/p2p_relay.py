@@ -1,7 +1,7 @@
 """Point-to-point messages relayed through node agents: O(N) connections for all-to-all.
 
 A worker sends directly to a bounded number of workers on other nodes
-(``AIORL_P2P_DIRECT_PEERS``, `aiorl.p2p.relay`); toward the rest, each p2p control
+(``AIORL_P2P_DIRECT_PEERS``, `aiorl.p2p.p2p_relay`); toward the rest, each p2p control
 message (``p2p.data`` or ``p2p.batch``, frames unchanged) goes to its own node agent as
 a `RelayedP2P` (worker -> agent -> agent, one-way ``relay_p2p``). The agent of the
 destination's node hands it to the worker as a `ViaP2P` (agent -> worker, one-way
@@ -12,7 +12,7 @@ Flow control: a relayed pair is credit-based, end to end. Each envelope names it
 (``src_node``, ``src_address``); the receiving worker, as it reads relayed messages, sends
 the bytes it consumed back to their sender as ``p2p.credit`` (meta ``[bytes]``), relayed
 the same way in the other direction. The sender keeps at most its window
-(`aiorl.p2p.relay.relay_window`) unconsumed, and both agents count what crosses them toward
+(`aiorl.p2p.p2p_relay.relay_window`) unconsumed, and both agents count what crosses them toward
 each receiver from the envelopes and the credits (`aiorl.node.p2p_relay`). `envelope_bytes`
 is what both ends count for an envelope: its frames plus a fixed cost, so that a flood of
 empty messages is bounded too.

@@ -549,7 +549,7 @@ class Endpoint:
     @property
     def identity(self) -> bytes:
         """This endpoint's routing id (``name/pid/nonce``): what a server sees it as, on a
-        DEALER or a lane (a relayed p2p message carries it: `aiorl.p2p.relay`)."""
+        DEALER or a lane (a relayed p2p message carries it: `aiorl.p2p.p2p_relay`)."""
         return self._identity
 
     def call_soon_threadsafe(self, fn: Callable[..., Any], *args: Any) -> None:

@@ -25,6 +25,6 @@ PATHS: tuple[PathSpec, ...] = (
 CPU_PATHS: tuple[PathSpec, ...] = tuple(p for p in PATHS if not p.cuda)
 CUDA_PATHS: tuple[PathSpec, ...] = tuple(p for p in PATHS if p.cuda)
 
-#: The paths of a Sender relayed through node agents (`aiorl.p2p.relay`): those that need no
+#: The paths of a Sender relayed through node agents (`aiorl.p2p.p2p_relay`): those that need no
 #: set-up question and send nothing back to the sender (a relayed pair has no connection).
 RELAYED_PATHS: tuple[PathSpec, ...] = (frames.PATH, cuda_host.PATH)
