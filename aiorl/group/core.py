@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiorl.errors import ClusterClosedError, PeerLostError, WorkerInitError
-from aiorl.group import relay as _relay
+from aiorl.group import call_relay as _relay
 from aiorl.group.shipping import ship_working_dir
 from aiorl.group.supervision import HISTORY, EventKind, GroupEvent, GroupEvents, Supervision
 from aiorl.group.timeouts import describe_timeout
@@ -266,7 +266,7 @@ class GroupCore:
         self._tasks: set[asyncio.Task[None]] = set()  # pending restarts (strong references)
         #: Tracing: what a traced call's records share, by method and rank list (on the loop).
         self._call_traces: dict[str, dict[tuple[int, ...], _CallTrace]] = {}
-        #: Large calls go through the node agents, one message per node (group/relay.py).
+        #: Large calls go through the node agents, one message per node (group/call_relay.py).
         self._relay = _relay.RelayPath(self, self._send_call)
         # The runtime stopping (its Cluster closed, or its embedded registry died) fails what
         # is pending here, queued calls on ranks not ready yet included.

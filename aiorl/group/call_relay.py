@@ -1,8 +1,8 @@
 """Group calls through the node agents: the driver's cost grows with nodes, not workers.
 
 A call to at least `RELAY_MIN_RANKS` ranks on at least two nodes goes out as one
-``relay_call`` per node agent (`aiorl.protocol.relay`); each agent calls its own ranks and
-answers once for all of them (`aiorl.node.relay`). The driver sends and reads one message
+``relay_call`` per node agent (`aiorl.protocol.call_relay`); each agent calls its own ranks and
+answers once for all of them (`aiorl.node.call_relay`). The driver sends and reads one message
 per node instead of one per rank: at 256 ranks that was ~35 µs of the driver's CPU per
 rank (docs/scale.md), and the agents do their part at the same time, each on its own
 machine. Smaller calls keep the direct path, where the extra hop costs more than it
@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiorl.errors import PeerLostError, ProtocolError, from_wire
+from aiorl.protocol.call_relay import RelayedAnswers, RelayedCall
 from aiorl.protocol.ops import AgentOp
-from aiorl.protocol.relay import RelayedAnswers, RelayedCall
 
 __all__ = ["RELAY_MIN_RANKS", "RelayPath", "settle_relayed"]
 
