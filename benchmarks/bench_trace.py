@@ -31,7 +31,7 @@ from collections.abc import Callable
 import aiorl
 from aiorl.actors.inspection import traced_execution
 from aiorl.cluster import doctor
-from aiorl.group import core
+from aiorl.group import calls as group_calls
 from aiorl.trace import recorder
 from aiorl.transport.endpoint import Incoming
 
@@ -109,21 +109,21 @@ def span_ns(kind: str) -> float:
 
 def call_hook_ns(n: int = 200_000) -> float:
     """The driver's hook alone: what a traced group call's object and answer cost more than an
-    untraced one's (``aiorl.group.core``: the call made, rank 0's request id kept, the answer
+    untraced one's (``aiorl.group.calls``: the call made, rank 0's request id kept, the answer
     settled and, traced, recorded), on one rank, in a loop on a private event loop."""
     loop = asyncio.new_event_loop()
-    shape = core._CallTrace("driver", "bench", (0,), "noop")
+    shape = group_calls.CallTrace("driver", "bench", (0,), "noop")
     reply: tuple[None, list[bytes]] = (None, [])
 
     def run(traced: bool) -> float:
         t = time.perf_counter()
         for rid in range(1, n + 1):
             work: aiorl.AsyncWork[list[object]] = aiorl.AsyncWork(loop)
-            if traced:  # as GroupCore.dispatch makes it
-                call = core._TracedGroupCall(work, 1)
+            if traced:  # as CallDispatch.dispatch makes it
+                call = group_calls.TracedGroupCall(work, 1)
                 call.shape, call.nbytes, call.t0 = shape, 0, recorder.now()
             else:
-                call = core._GroupCall(work, 1)
+                call = group_calls.GroupCall(work, 1)
             call.results[0] = rid
             call.settle(0, None, reply)
         return (time.perf_counter() - t) / n * 1e9

@@ -272,7 +272,7 @@ def _bounded(what: str, work, *groups):
     except aiorl.WaitTimeout:
         states = {g.worker_group_name: [
             (st.incarnation, st.restarting, st.address is not None, repr(st.error)[:80])
-            for st in g._core.ranks] for g in groups}
+            for st in g._shared.ranks] for g in groups}
         raise AssertionError(f"{what} hung under chaos; ranks (incarnation, restarting, "
                              f"has address, error): {states}") from None
 

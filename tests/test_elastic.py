@@ -10,7 +10,7 @@ import time
 import pytest
 
 import aiorl
-from aiorl.group.supervision import EventKind
+from aiorl.group.events import EventKind
 from tests._processes import gone_within
 
 pytestmark = pytest.mark.timeout(90)

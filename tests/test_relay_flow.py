@@ -32,9 +32,9 @@ import aiorl
 from aiorl.node.p2p_relay import DEFAULT_DEST_BYTES
 from aiorl.p2p.p2p_relay import DEFAULT_RELAY_WINDOW
 from aiorl.placement import NodePlacementStrategy
+from aiorl.protocol.call_relay import RelayedAnswers, RelayedCall
 from aiorl.protocol.ops import AgentOp
 from aiorl.protocol.p2p_relay import RelayedP2P
-from aiorl.protocol.relay import RelayedAnswers, RelayedCall
 from tests.test_p2p_relay import RELAY_ENV, R
 
 MIB = 1 << 20

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from aiorl.node.environment import merge_environment, merge_path_list, path_env_merge_mode
+from aiorl.node.launch_env import merge_environment, merge_path_list, path_env_merge_mode
 
 pytestmark = pytest.mark.timeout(10)
 

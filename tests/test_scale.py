@@ -15,7 +15,7 @@ import time
 import pytest
 
 import aiorl
-from aiorl.group import relay
+from aiorl.group import call_relay
 from aiorl.runtime.descriptors import DESCRIPTORS_PER_PEER, open_descriptors
 
 pytestmark = pytest.mark.timeout(180)
@@ -75,15 +75,15 @@ class Answers(list):
 @pytest.fixture
 def relayed(monkeypatch):
     """Relay even small calls, and count the answers that came back through agents."""
-    monkeypatch.setattr(relay, "RELAY_MIN_RANKS", 2)
+    monkeypatch.setattr(call_relay, "RELAY_MIN_RANKS", 2)
     answers = Answers()
-    settle = relay.settle_relayed
+    settle = call_relay.settle_relayed
 
     def counting(call, indices, error, reply):
         answers.add(len(indices))
         settle(call, indices, error, reply)
 
-    monkeypatch.setattr(relay, "settle_relayed", counting)
+    monkeypatch.setattr(call_relay, "settle_relayed", counting)
     return answers
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import aiorl
-from aiorl.group.supervision import EventKind, GroupEvent
+from aiorl.group.events import EventKind, GroupEvent, GroupEvents
 from aiorl.runtime.runtime import Runtime
 from tests._processes import gone_within
 
@@ -57,7 +57,7 @@ class Configured(Member):
         self.log.append(f"configure {config}")
 
 
-def _until(events: aiorl.group.supervision.GroupEvents, kind: EventKind, rank: int | None,
+def _until(events: GroupEvents, kind: EventKind, rank: int | None,
            within: float = 20) -> list[GroupEvent]:
     """Events up to and including the first of ``kind`` for ``rank``."""
     seen = []

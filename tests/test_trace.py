@@ -21,7 +21,7 @@ import pytest
 
 import aiorl
 from aiorl.actors.inspection import traced_execution
-from aiorl.group import core
+from aiorl.group import calls as group_calls
 from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.trace import chrome, recorder
 from aiorl.transport.endpoint import Incoming
@@ -134,8 +134,8 @@ def test_the_two_per_call_hooks_record_what_they_pack(tracing):
 
     loop = asyncio.new_event_loop()
     try:
-        shape = core._CallTrace("driver", "g", (0, 1), "step")
-        call = core._TracedGroupCall(aiorl.AsyncWork(loop), 2)
+        shape = group_calls.CallTrace("driver", "g", (0, 1), "step")
+        call = group_calls.TracedGroupCall(aiorl.AsyncWork(loop), 2)
         call.shape, call.nbytes, call.t0 = shape, 10, recorder.now()
         call.results[0], call.results[1] = 41, 42
         call.settle(0, None, (None, [b"abcd"]))

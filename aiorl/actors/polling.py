@@ -294,7 +294,7 @@ class PollingWorker(Worker):
     _last_report: tuple[float, int, int, int, float] | None = None  # t, counts, running_s
     _next_report: float = 0.0
     #: A rank restarted by its group (launch(restart="on_failure")) gets the last
-    #: configure() again before any other call (aiorl.group.core.REPLAY_ATTRIBUTE).
+    #: configure() again before any other call (aiorl.group.calls.REPLAY_ATTRIBUTE).
     _aiorl_replay_on_restart = ("configure",)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -394,7 +394,7 @@ class Worker(Timing):
 
         cache: dict[str, WorkerGroup[Any]] = self.__dict__.setdefault("_aiorl_groups", {})
         handle = cache.get(name)
-        if handle is None or handle._core.closed:
+        if handle is None or handle._shared.closed:
             handle = await WorkerGroup.from_group_name_async(
                 WorkerSession.current(), worker_cls or WorkerClassNotHere, name)
             cache[name] = handle

@@ -13,7 +13,7 @@ later calls with [`PeerLostError`][aiorl.PeerLostError] naming the rank, its
 exit code and its last output lines. The first error of a fan-out call is the
 call's error. ``launch(restart="on_failure")`` starts a dead rank again (calls
 made meanwhile wait for it); ``fate="group"`` stops every rank when one dies;
-``group.events()`` tells the driver (`aiorl.group.supervision`).
+``group.events()`` tells the driver (`aiorl.group.events`).
 
 Membership: ``add_ranks`` and ``remove_ranks`` start a new epoch and return a
 view of its members; a view (and every call made through it) keeps the ranks of
@@ -30,10 +30,12 @@ import sys
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from aiorl.group.core import GroupCore, ship_class
+from aiorl.group.events import GroupEvent, GroupEvents
+from aiorl.group.launch import ship_class
 from aiorl.group.method_names import check_method_names
 from aiorl.group.per_rank import check_per_rank
-from aiorl.group.supervision import GroupEvent, GroupEvents, Supervision
+from aiorl.group.shared import SharedGroup
+from aiorl.group.supervision import Supervision
 from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.placement import (
     ClusterSpec,
@@ -276,12 +278,12 @@ class WorkerGroupBuilder(Generic[W]):
 
         def start() -> WorkerGroup[W]:
             cluster.groups[group_name] = request  # restored if the registry restarts
-            core = GroupCore(cluster, self.cls, group_name, len(placements), supervision)
-            core.launched_here = True
-            core.working_dir = shipped
-            group: WorkerGroup[W] = WorkerGroup(core)
+            shared = SharedGroup(cluster, self.cls, group_name, len(placements), supervision)
+            shared.launched_here = True
+            shared.launcher.working_dir = shipped
+            group: WorkerGroup[W] = WorkerGroup(shared)
             runtime.submit(
-                lambda: runtime.loop.create_task(core.start(placements, payload, env or {})))
+                lambda: runtime.loop.create_task(shared.start(placements, payload, env or {})))
             return group
 
         return request, start
@@ -345,20 +347,20 @@ class WorkerGroup(Generic[W]):
 
     _VIEW_CACHE_SIZE = 64
 
-    def __init__(self, core: GroupCore, ranks: tuple[int, ...] | None = None) -> None:
-        self._core = core
+    def __init__(self, shared: SharedGroup, ranks: tuple[int, ...] | None = None) -> None:
+        self._shared = shared
         #: The group's members and epoch when this view was made: its calls use them.
-        self._members = core.members
-        self._epoch = core.epoch
+        self._members = shared.members
+        self._epoch = shared.epoch
         self._view_ranks = ranks if ranks is not None else self._members
-        if core.view_of is None:  # the first view: teach the core to make more (hooks)
-            core.view_of = functools.partial(WorkerGroup, core)
+        if shared.view_of is None:  # the first view: teach the group to make more (hooks)
+            shared.view_of = functools.partial(WorkerGroup, shared)
 
     # ------------------------------------------------------------------ public surface
     @property
     def worker_group_name(self) -> str:
         """The group's name (``launch(name=...)``, the class name by default)."""
-        return self._core.name
+        return self._shared.name
 
     @property
     def world_size(self) -> int:
@@ -386,7 +388,7 @@ class WorkerGroup(Generic[W]):
     @property
     def worker_cls(self) -> type[W]:
         """The worker class whose methods this group calls."""
-        return self._core.cls
+        return self._shared.cls
 
     @property
     def worker_info_list(self) -> list[WorkerInfo]:
@@ -394,9 +396,10 @@ class WorkerGroup(Generic[W]):
         workers registered it (node, pid, accelerators, endpoint). Waits until every
         rank is ready; call it from synchronous code, not from the runtime loop."""
         self.wait_ready()
-        core = self._core
-        record = core.runtime.run_sync(core.runtime.registry.lookup_group(core.name), timeout=30)
-        return [record.workers[f"{core.name}:{rank}"].info for rank in self._members]
+        shared = self._shared
+        record = shared.runtime.run_sync(shared.runtime.registry.lookup_group(shared.name),
+                                         timeout=30)
+        return [record.workers[f"{shared.name}:{rank}"].info for rank in self._members]
 
     def on_ranks(self, *ranks: int | list[int] | tuple[int, ...]) -> WorkerGroup[W]:
         """A view that calls only ``ranks`` (results in the order given); views are cached.
@@ -421,15 +424,15 @@ class WorkerGroup(Generic[W]):
             ```
         """
         flat = tuple(r for item in ranks for r in (item if isinstance(item, (list, tuple)) else [item]))
-        views = self._core.views
+        views = self._shared.views
         key = (self._epoch, flat)
         view = views.get(key)
         if view is None:
             for r in flat:
                 if r not in self._members:
-                    raise IndexError(f"rank {r} is not a member of group {self._core.name} "
+                    raise IndexError(f"rank {r} is not a member of group {self._shared.name} "
                                      f"at epoch {self._epoch} (members: {list(self._members)})")
-            view = WorkerGroup(self._core, flat)
+            view = WorkerGroup(self._shared, flat)
             view._members, view._epoch = self._members, self._epoch
             if len(views) >= self._VIEW_CACHE_SIZE:  # bounded: drop the oldest view
                 views.pop(next(iter(views)))
@@ -465,15 +468,15 @@ class WorkerGroup(Generic[W]):
         handle on the same group, as an actor handle does in Ray: by name, through the
         registry, with the class when that process has imported it. Its locks and its
         runtime stay here."""
-        core = self._core
+        shared = self._shared
         ranks = None if self._view_ranks == self._members else self._view_ranks
-        return (_group_arriving, (core.name, core.cls.__module__, core.cls.__qualname__,
-                                  core.world_size, ranks))
+        return (_group_arriving, (shared.name, shared.cls.__module__, shared.cls.__qualname__,
+                                  shared.world_size, ranks))
 
     def __getattr__(self, method: str) -> Callable[..., AsyncWork[list[Any]]]:
         if method.startswith("_"):
             raise AttributeError(f"{method!r} is private: only public worker methods can be called")
-        cls = self._core.cls
+        cls = self._shared.cls
         fn = getattr(cls, method, None)
         ray_remote = method == "remote" and getattr(fn, "__self__", None) is cls
         if fn is None or not callable(fn) or ray_remote:
@@ -483,8 +486,8 @@ class WorkerGroup(Generic[W]):
                     f"group.step(x), which calls every rank and returns an AsyncWork; "
                     f"Actor.remote(...) is {cls.__name__}.create_group(...).launch(cluster)")
             raise AttributeError(f"{cls.__name__} has no method {method!r}")
-        core = self._core
-        dispatch = core.dispatch_remembered if method in core.replayed else core.dispatch
+        calls = self._shared.calls
+        dispatch = calls.dispatch_remembered if method in calls.replayed else calls.dispatch
         call = functools.partial(self._call, dispatch, method)
         functools.update_wrapper(call, fn)
         # Ray's group.step.remote(x): the same call, answered with its spelling here.
@@ -515,18 +518,18 @@ class WorkerGroup(Generic[W]):
             event = events.get(timeout=10)   # GroupEvent(kind=EventKind.DIED, rank=2, ...)
             ```
         """
-        core = self._core
-        if core.runtime.on_loop_thread():
-            return core.subscribe()
+        shared = self._shared
+        if shared.runtime.on_loop_thread():
+            return shared.subscribe()
 
         async def subscribe() -> GroupEvents:
-            return core.subscribe()
+            return shared.subscribe()
 
-        return core.runtime.run_sync(subscribe(), timeout=10)
+        return shared.runtime.run_sync(subscribe(), timeout=10)
 
     def incarnation(self, rank: int) -> int:
         """Which process of ``rank`` the group calls now: 0, then one more per restart."""
-        return self._core.ranks[rank].incarnation
+        return self._shared.ranks[rank].incarnation
 
     # ------------------------------------------------------------------ membership
     def add_ranks(self, n: int, placement: PlacementStrategy | str | int | None = None,
@@ -543,27 +546,27 @@ class WorkerGroup(Generic[W]):
             PlacementError: the cluster cannot hold the placement.
             RuntimeError: this process did not launch the group.
         """
-        core = self._core
-        strategy = _strategy(core.session.spec, placement, None if placement is not None
-                             else n, core.name)
-        placements = strategy.get_placement(core.session.spec)
+        shared = self._shared
+        strategy = _strategy(shared.session.spec, placement, None if placement is not None
+                             else n, shared.name)
+        placements = strategy.get_placement(shared.session.spec)
         if len(placements) != n:
-            raise PlacementError(f"add_ranks({n}) of group {core.name}: the placement gives "
+            raise PlacementError(f"add_ranks({n}) of group {shared.name}: the placement gives "
                                  f"{len(placements)} ranks")
-        if core.runtime.on_loop_thread():
+        if shared.runtime.on_loop_thread():
             raise RuntimeError("add_ranks blocks; from the runtime loop use add_ranks_async")
-        core.runtime.run_sync(core.add_ranks(placements), timeout=60)
-        return WorkerGroup(core)
+        shared.runtime.run_sync(shared.add_ranks(placements), timeout=60)
+        return WorkerGroup(shared)
 
     async def add_ranks_async(self, n: int, placement: PlacementStrategy | str | int | None = None,
                               ) -> WorkerGroup[W]:
         """[`add_ranks`][aiorl.WorkerGroup.add_ranks] for coroutines on the runtime loop's
         thread."""
-        core = self._core
-        strategy = _strategy(core.session.spec, placement, None if placement is not None
-                             else n, core.name)
-        await core.add_ranks(strategy.get_placement(core.session.spec))
-        return WorkerGroup(core)
+        shared = self._shared
+        strategy = _strategy(shared.session.spec, placement, None if placement is not None
+                             else n, shared.name)
+        await shared.add_ranks(strategy.get_placement(shared.session.spec))
+        return WorkerGroup(shared)
 
     def remove_ranks(self, ranks: int | list[int] | tuple[int, ...]) -> WorkerGroup[W]:
         """Stop ``ranks`` and return a view of the new epoch's members.
@@ -575,48 +578,49 @@ class WorkerGroup(Generic[W]):
             IndexError: a rank is not a member now.
             RuntimeError: this process did not launch the group.
         """
-        core = self._core
+        shared = self._shared
         flat = (ranks,) if isinstance(ranks, int) else tuple(ranks)
 
         async def remove() -> None:
-            core.remove_ranks(flat)
+            shared.remove_ranks(flat)
 
-        if core.runtime.on_loop_thread():
-            core.remove_ranks(flat)
+        if shared.runtime.on_loop_thread():
+            shared.remove_ranks(flat)
         else:
-            core.runtime.run_sync(remove(), timeout=10)
-        return WorkerGroup(core)
+            shared.runtime.run_sync(remove(), timeout=10)
+        return WorkerGroup(shared)
 
     def refreshed(self) -> WorkerGroup[W]:
         """A view of the group's members at its newest epoch (this view if it is current)."""
-        core = self._core
-        return self if core.epoch == self._epoch and self._view_ranks == self._members else (
-            WorkerGroup(core))
+        shared = self._shared
+        return self if shared.epoch == self._epoch and self._view_ranks == self._members else (
+            WorkerGroup(shared))
 
     def close(self) -> None:
         """Stop the group's processes (all ranks, whatever the view).
 
         Pending and later calls fail with PeerLostError.
         """
-        core = self._core
-        if core.closed:
+        shared = self._shared
+        if shared.closed:
             return
-        core.closed = True
+        shared.closed = True
         try:
-            core.runtime.run_sync(core.close(), timeout=10)
+            shared.runtime.run_sync(shared.close(), timeout=10)
         except Exception as exc:  # the cluster may be closing too; the agents still kill everything
-            log.debug("closing group %s: %s", core.name, exc)
+            log.debug("closing group %s: %s", shared.name, exc)
 
     async def aclose(self) -> None:
         """[`close`][aiorl.WorkerGroup.close] for coroutines: ``await group.aclose()``."""
-        core = self._core
-        if core.closed:
+        shared = self._shared
+        if shared.closed:
             return
-        core.closed = True
-        if core.runtime.on_loop_thread():
-            await core.close()
+        shared.closed = True
+        if shared.runtime.on_loop_thread():
+            await shared.close()
         else:
-            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(core.close(), core.runtime.loop))
+            await asyncio.wrap_future(
+                asyncio.run_coroutine_threadsafe(shared.close(), shared.runtime.loop))
 
     @classmethod
     def from_group_name(cls, cluster: Session, worker_cls: type[W], name: str) -> WorkerGroup[W]:
@@ -644,23 +648,23 @@ class WorkerGroup(Generic[W]):
         thread (``async def`` worker methods): it awaits the registry instead of blocking the
             loop."""
         record = await cluster.runtime.registry.lookup_group(name)
-        core = GroupCore(cluster, worker_cls, name, record.world_size)
-        await core.watch()
-        return WorkerGroup(core)
+        shared = SharedGroup(cluster, worker_cls, name, record.world_size)
+        await shared.watch()
+        return WorkerGroup(shared)
 
     def __repr__(self) -> str:
-        core = self._core
+        shared = self._shared
         ranks = "" if self._view_ranks == self._members else f" ranks={list(self._view_ranks)}"
         epoch = f" epoch={self._epoch}" if self._epoch else ""
-        return (f"<WorkerGroup {core.name} x{len(self._members)}{ranks}{epoch} of "
-                f"{core.cls.__name__}>")
+        return (f"<WorkerGroup {shared.name} x{len(self._members)}{ranks}{epoch} of "
+                f"{shared.cls.__name__}>")
 
     # ------------------------------------------------------------------ calls
     def _call(self, dispatch: Callable[..., None], method: str, *args: Any,
               **kwargs: Any) -> AsyncWork[list[Any]]:
         # Serialize in the caller's thread: errors surface here, and the loop stays free.
         frames = serialization.dumps_arguments(method, args, kwargs) if args or kwargs else []
-        runtime = self._core.runtime
+        runtime = self._shared.runtime
         work: AsyncWork[list[Any]] = AsyncWork(runtime.loop)
         if runtime.on_loop_thread():
             dispatch(work, method, self._view_ranks, frames, False)
@@ -670,7 +674,7 @@ class WorkerGroup(Generic[W]):
         return work
 
     def _ready(self) -> AsyncWork[None]:
-        return self._core.ready(self._view_ranks)
+        return self._shared.ready(self._view_ranks)
 
 
 _GROUP_ATTRIBUTES = frozenset(
@@ -707,7 +711,7 @@ class WorkerClassNotHere(metaclass=_AnyMethod):
 
 
 #: Handles that arrived in this process, by (runtime, group name): one watch per group.
-_arrived: dict[tuple[int, str], GroupCore] = {}
+_arrived: dict[tuple[int, str], SharedGroup] = {}
 
 
 def _group_arriving(name: str, module: str, qualname: str, world_size: int,
@@ -728,27 +732,27 @@ def _group_arriving(name: str, module: str, qualname: str, world_size: int,
             f"Cls, {name!r})") from None
     runtime = session.runtime
     key = (id(runtime), name)
-    core = _arrived.get(key)
-    if core is None or core.closed or core.runtime is not runtime:
+    shared = _arrived.get(key)
+    if shared is None or shared.closed or shared.runtime is not runtime:
         cls: Any = sys.modules.get(module)
         for part in qualname.split("."):
             cls = getattr(cls, part, None)
         if not isinstance(cls, type):
             cls = WorkerClassNotHere
-        core = _arrived[key] = GroupCore(session, cls, name, world_size)
-        runtime.loop.call_soon_threadsafe(_start_watch, core)
-    group: WorkerGroup[Any] = WorkerGroup(core)
+        shared = _arrived[key] = SharedGroup(session, cls, name, world_size)
+        runtime.loop.call_soon_threadsafe(_start_watch, shared)
+    group: WorkerGroup[Any] = WorkerGroup(shared)
     return group if ranks is None else group.on_ranks(ranks)
 
 
-def _start_watch(core: GroupCore) -> None:
-    task = core.runtime.loop.create_task(core.watch())
-    core._tasks.add(task)
-    task.add_done_callback(functools.partial(_watch_started, core))
+def _start_watch(shared: SharedGroup) -> None:
+    task = shared.runtime.loop.create_task(shared.watch())
+    shared.tasks.add(task)
+    task.add_done_callback(functools.partial(_watch_started, shared))
 
 
-def _watch_started(core: GroupCore, task: asyncio.Task[None]) -> None:
-    core._tasks.discard(task)
+def _watch_started(shared: SharedGroup, task: asyncio.Task[None]) -> None:
+    shared.tasks.discard(task)
     if not task.cancelled() and task.exception() is not None:
         log.warning("a handle on group %s received from another process cannot watch it: %s",
-                    core.name, task.exception())
+                    shared.name, task.exception())

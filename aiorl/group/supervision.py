@@ -1,85 +1,34 @@
-"""What a group does when a rank dies, and how the driver hears of it.
+"""What a group does when a rank dies: the policy, and the mechanics that apply it.
 
 `Supervision` is the policy given to ``launch(restart=..., max_restarts=...,
-backoff=..., fate=..., on_restart=...)``; [`GroupEvent`][aiorl.GroupEvent] is one piece of news
-(a death, a restart, a give-up, a membership change) and `GroupEvents` the
-stream a driver subscribes to with ``group.events()``. The group core
-(`aiorl.group.core`) applies the policy on the runtime loop; this module holds
-no process logic.
+backoff=..., fate=..., on_restart=...)``; `Restarts` applies it on the runtime loop when
+the registry reports a rank dead: nothing more, a new process for the rank after a backoff
+(same name and rank, the next incarnation; calls made meanwhile wait for it), or, with
+``fate="group"``, the end (or a restart) of every rank. What the driver hears of it is a
+[`GroupEvent`][aiorl.GroupEvent] (`aiorl.group.events`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import enum
-import threading
-import time
-from collections.abc import Callable
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiorl.errors import WaitTimeout
+from aiorl.errors import PeerLostError
+from aiorl.group.calls import CallDispatch
+from aiorl.group.events import EventKind, GroupEvent
+from aiorl.group.launch import Launcher
+from aiorl.group.state import GroupState, RankSlot
 
-__all__ = ["EventKind", "GroupEvent", "GroupEvents", "Supervision"]
+__all__ = ["Restarts", "Supervision"]
 
-#: Events a group keeps for subscribers that arrive later (bounded: a long job's history).
-HISTORY = 1000
+log = logging.getLogger("aiorl.group")
+
 #: The longest pause between two restarts of one rank, however many failed before.
 MAX_BACKOFF_S = 30.0
-
-
-class EventKind(str, enum.Enum):
-    """What happened to a group (the ``kind`` of a [`GroupEvent`][aiorl.GroupEvent]).
-
-    Example:
-        ```python
-        if event.kind is aiorl.EventKind.GAVE_UP:
-            print(f"rank {event.rank} will not come back: {event.reason}")
-        ```
-    """
-
-    DIED = "died"  #: a rank's process ended (or its node was declared dead)
-    RESTARTING = "restarting"  #: a replacement for the rank is being started
-    RESTARTED = "restarted"  #: the replacement is ready; calls reach it again
-    GAVE_UP = "gave_up"  #: the rank will not be restarted (policy, or max_restarts reached)
-    TORN_DOWN = "torn_down"  #: ``fate="group"``: every rank stopped because one died
-    ADDED = "added"  #: ``add_ranks`` started a rank (epoch changed)
-    REMOVED = "removed"  #: ``remove_ranks`` stopped a rank (epoch changed)
-    CLOSED = "closed"  #: the group was closed; the stream ends after this event
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclass(frozen=True, slots=True)
-class GroupEvent:
-    """One piece of news about a group: which rank, which process of it, and why.
-
-    ``incarnation`` is the rank's process count: 0 for its first process, one more
-    for each restart (the registry's worker record carries the same number).
-    ``epoch`` is the group's membership epoch after the event.
-
-    Example:
-        ```python
-        for event in group.events():   # an aiorl.GroupEvent each; ends when the group closes
-            print(event)               # "rollout:2 died (incarnation 0, epoch 0): ..."
-        ```
-    """
-
-    kind: EventKind
-    group: str
-    rank: int | None
-    incarnation: int
-    epoch: int
-    reason: str
-    time: float
-
-    def __str__(self) -> str:
-        who = self.group if self.rank is None else f"{self.group}:{self.rank}"
-        first_line = self.reason.splitlines()[0] if self.reason else ""
-        return f"{who} {self.kind} (incarnation {self.incarnation}, epoch {self.epoch})" + (
-            f": {first_line}" if first_line else "")
 
 
 @dataclass(frozen=True)
@@ -132,77 +81,153 @@ class Supervision:
         return float(min(self.backoff * 2.0 ** failed_in_a_row, MAX_BACKOFF_S))
 
 
-class GroupEvents:
-    """A subscription to a group's events: iterate it (blocking) or ``async for`` it.
+class Restarts:
+    """Applies a group's `Supervision` to the deaths of its ranks (loop only).
 
-    It starts with the events the group already had (up to the last 1,000), then
-    follows new ones as they happen; it ends after the group's ``closed`` event.
-    `get` takes one event with a timeout. Thread-safe: events arrive on the
-    runtime loop, readers may be in any thread.
-
-    Example:
-        ```python
-        for event in group.events():           # in a thread of its own
-            print(event)                       # "rollout:2 died (incarnation 0, ...)"
-        ```
+    A rank's death has already failed what was pending on it (``PeerLostError``) when
+    `on_death` runs. Events whose incarnation is older than the rank's current one are news
+    of a process already replaced, and never reach here.
     """
 
-    def __init__(self, history: collections.deque[GroupEvent]) -> None:
-        self._items: collections.deque[GroupEvent] = collections.deque(history)
-        self._changed = threading.Condition()
-        self._ended = False  # set once the ``closed`` event has been taken
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+    def __init__(self, group: GroupState, calls: CallDispatch, launcher: Launcher,
+                 policy: Supervision | None = None) -> None:
+        self.group = group
+        self.calls = calls
+        self.launcher = launcher
+        self.policy = policy if policy is not None else Supervision()
+        self._group_restarts = 0
 
-    def _push(self, event: GroupEvent) -> None:
-        with self._changed:
-            self._items.append(event)
-            self._changed.notify_all()
-            waiters, self._waiters = self._waiters, []
-        for loop, fut in waiters:
-            loop.call_soon_threadsafe(_wake, fut)
+    def on_death(self, rank: int, st: RankSlot, reason: str, not_before: float = 0.0) -> None:
+        """Apply the supervision policy to a rank whose process ended (errors already set);
+        a restart waits at least ``not_before`` seconds."""
+        self.group.emit(EventKind.DIED, rank, reason)
+        sup = self.policy
+        if sup.fate == "group":
+            if sup.restarts and self._group_restarts < sup.max_restarts:
+                self._group_restarts += 1
+                self._restart_group(rank, reason, not_before)
+            else:
+                self.tear_down(rank, reason)
+        elif not sup.restarts:
+            return
+        elif st.restarts >= sup.max_restarts:
+            self.group.emit(EventKind.GAVE_UP, rank,
+                            f"restarted {st.restarts} time(s) already (max_restarts="
+                            f"{sup.max_restarts}); its calls fail with the last death's error")
+        else:
+            self._schedule([rank], max(sup.delay(st.streak), not_before), reason)
 
-    def get(self, timeout: float | None = None) -> GroupEvent:
-        """The next event; raises [`WaitTimeout`][aiorl.WaitTimeout] if none comes within
-        ``timeout`` seconds, and `StopIteration` once the stream has ended."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._changed:
-            while not self._items:
-                if self._ended:
-                    raise StopIteration
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise WaitTimeout(f"no group event within {timeout:g} s")
-                self._changed.wait(left)
-            return self._take()
+    def _schedule(self, ranks: Sequence[int], delay: float, reason: str) -> None:
+        """Each rank becomes its next incarnation: later calls wait for it (queued), and in
+        ``delay`` seconds its process is started again."""
+        group = self.group
+        for r in ranks:
+            st = group.ranks[r]
+            st.incarnation += 1
+            st.restarts += 1
+            st.streak += 1
+            st.restarting = True
+            st.error = None
+            st.address = None
+            group.emit(EventKind.RESTARTING, r, f"in {delay:.2f} s, after: {reason}")
+        task = group.runtime.loop.create_task(
+            self._respawn({r: group.ranks[r].incarnation for r in ranks}, delay, reason))
+        group.tasks.add(task)
+        task.add_done_callback(group.tasks.discard)
 
-    def _take(self) -> GroupEvent:
-        event = self._items.popleft()
-        if event.kind == EventKind.CLOSED:
-            self._ended = True
-        return event
+    async def _respawn(self, incarnations: dict[int, int], delay: float, reason: str) -> None:
+        await asyncio.sleep(delay)
+        group = self.group
+        ranks = [r for r, inc in incarnations.items()
+                 if not group.closed and group.ranks[r].member
+                 and group.ranks[r].incarnation == inc and group.ranks[r].restarting]
+        if not ranks:
+            return
+        try:
+            self._relocate(ranks)
+            await self.launcher.spawn(ranks)
+        except Exception as exc:  # noqa: BLE001 - the restart itself failed: a death of its own
+            self.launcher.kill_ranks(ranks)  # whatever the agent may still start for this attempt
+            self._respawn_failed(ranks, incarnations,
+                                 f"restarting it failed: {type(exc).__name__}: {exc} "
+                                 f"(after: {reason})")
 
-    def __iter__(self) -> GroupEvents:
-        return self
+    def _respawn_failed(self, ranks: list[int], incarnations: dict[int, int], why: str) -> None:
+        """Starting ``ranks`` again failed: a death of its own, under the same policy."""
+        group = self.group
+        for r in ranks:
+            st = group.ranks[r]
+            if st.incarnation != incarnations[r] or not st.restarting:
+                continue  # it came up after all, or was replaced again meanwhile
+            st.restarting = False
+            st.fail(PeerLostError(f"worker {group.name}:{r} {why}"))
+            if self.policy.fate == "rank":
+                self.on_death(r, st, why)
+        if self.policy.fate == "group":
+            self.on_death(ranks[0], group.ranks[ranks[0]], why)
 
-    def __next__(self) -> GroupEvent:
-        return self.get()
+    def _relocate(self, ranks: Sequence[int]) -> None:
+        """A rank whose node is gone restarts on the live node holding the fewest of this
+        group's ranks, if it needs no accelerator (one that does waits for its node)."""
+        group = self.group
+        nodes = group.nodes()
+        if not nodes:
+            raise RuntimeError("no node agent is alive")
+        load = {n: 0 for n in nodes}
+        for r in group.members:
+            node_rank = group.launches.get(r, (-1, None))[0]
+            if node_rank in load:
+                load[node_rank] += 1
+        for r in ranks:
+            node_rank, launch = group.launches[r]
+            if node_rank in nodes or launch.visible_accelerators:
+                continue
+            target = min(load, key=lambda n: (load[n], n))
+            load[target] += 1
+            log.warning("node %d of %s:%d is gone: restarting it on node %d", node_rank,
+                        group.name, r, target)
+            group.launches[r] = (target, dataclasses.replace(
+                launch, env={**launch.env, "NODE_RANK": str(target)}))
+            self.calls.relay.forget_placement()
 
-    def __aiter__(self) -> GroupEvents:
-        return self
+    def restarted(self, rank: int, st: RankSlot) -> None:
+        """A restarted rank is ready: tell the driver, let its hook speak first, then send
+        the replayed calls (``configure`` with its last arguments), then what waited."""
+        assert st.address is not None
+        group = self.group
+        event = group.emit(EventKind.RESTARTED, rank, f"ready at {st.address}")
+        self.calls.replay(rank, st.address)
+        hook = self.policy.on_restart
+        if hook is not None:
+            try:
+                hook(group.view_of((rank,)) if group.view_of else None, event)
+            except Exception:
+                log.exception("on_restart hook of group %s failed for rank %d", group.name, rank)
 
-    async def __anext__(self) -> GroupEvent:
-        loop = asyncio.get_running_loop()
-        while True:
-            with self._changed:
-                if self._items:
-                    return self._take()
-                if self._ended:
-                    raise StopAsyncIteration
-                fut: asyncio.Future[None] = loop.create_future()
-                self._waiters.append((loop, fut))
-            await fut
+    def _restart_group(self, rank: int, reason: str, not_before: float) -> None:
+        """``fate="group"`` with restarts: stop every rank, then start all of them again."""
+        group = self.group
+        why = f"group {group.name} restarts (fate='group') because rank {rank} died: {reason}"
+        self._fail_all(why)
+        self.launcher.kill_ranks([r for r in group.members if r != rank])
+        delay = max(self.policy.delay(self._group_restarts - 1), not_before)
+        self._schedule(group.members, delay, why)
 
+    def tear_down(self, rank: int, reason: str) -> None:
+        """``fate="group"``: one rank died, so no rank may go on; stop them all now."""
+        group = self.group
+        why = f"group {group.name} was torn down (fate='group') because rank {rank} died: {reason}"
+        self._fail_all(why)
+        group.emit(EventKind.TORN_DOWN, None, why)
+        group.closed = True
+        group.runtime.loop.create_task(group.close())
 
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
+    def _fail_all(self, why: str) -> None:
+        group = self.group
+        for r in group.members:
+            st = group.ranks[r]
+            if st.address is not None:
+                group.runtime.endpoint.mark_peer_lost(st.address, why)
+                st.address = None
+            if st.error is None:
+                st.fail(PeerLostError(why))

@@ -13,7 +13,7 @@ interrupted. What then goes on in the worker depends on the method, and the
 * a rank not ready yet (starting, restarting) has not been sent the call: it is sent once
   the process is ready.
 
-Only the timeout path runs this; a call pays for it with the few fields ``_GroupCall`` keeps
+Only the timeout path runs this; a call pays for it with the few fields ``GroupCall`` keeps
 (its group, method and ranks, and a bit per rank that has answered).
 """
 
@@ -30,27 +30,27 @@ _MAX_NAMED = 8
 
 def describe_timeout(call: Any, timeout: float | None) -> str:
     """The message of the [`WaitTimeout`][aiorl.WaitTimeout] of a wait on ``call`` (a
-    ``_GroupCall``) that expired; remembers it, on each rank that has not answered, as what
+    ``GroupCall``) that expired; remembers it, on each rank that has not answered, as what
     that rank's method thread is busy with when it is a plain call.
 
     Args:
-        call: The group call: ``core`` (its group), ``method``, ``ranks``, ``answered`` (bit
-            ``i`` set once rank ``i`` answered) and ``results`` (the request id of each rank
-            that has not answered).
+        call: The group call: ``group`` (its `GroupState`), ``method``, ``ranks``,
+            ``answered`` (bit ``i`` set once rank ``i`` answered) and ``results`` (the request
+            id of each rank that has not answered).
         timeout: The wait's timeout, in seconds.
 
     Returns:
         One paragraph: what was not done, where, and what goes on in the worker.
     """
-    core, method, ranks = call.core, call.method, call.ranks
+    group, method, ranks = call.group, call.method, call.ranks
     name = f"{method}()"
     pending = _pending(call) or list(range(len(ranks)))  # all answered as it expired: rare
     late = [ranks[i] for i in pending]
     where = (f"rank {ranks[0]}" if len(ranks) == 1 else
              f"{_rank_word(late)} {_ranks(late)}, of the {len(ranks)} ranks it went to")
-    parts = [f"{core.cls.__name__}.{name} on group {core.name!r} not done within {timeout} s "
+    parts = [f"{group.cls.__name__}.{name} on group {group.name!r} not done within {timeout} s "
              f"by {where} (cancelled here; cancellation is local, docs/cancellation.md)."]
-    states = core.ranks
+    states = group.ranks
     starting = [ranks[i] for i in pending
                 if states[ranks[i]].address is None and states[ranks[i]].error is None]
     if starting:
@@ -58,7 +58,7 @@ def describe_timeout(call: Any, timeout: float | None) -> str:
                      f"{'is' if len(starting) == 1 else 'are'} not ready yet "
                      f"(starting or restarting): {name} waits there for the process, and is "
                      "sent once it is ready.")
-    if inspect.iscoroutinefunction(getattr(core.cls, method, None)):
+    if inspect.iscoroutinefunction(getattr(group.cls, method, None)):
         parts.append(f"{name} is an async method: it keeps running on the worker's event "
                      "loop until it returns, and its answer is dropped.")
         return " ".join(parts)
@@ -103,7 +103,7 @@ def _stalled_before(call: Any, i: int) -> Any:
     """The earlier timed-out plain call that rank ``call.ranks[i]`` has not answered, which
     ``call`` (sent after it) waits behind there; None if there is none."""
     rank = call.ranks[i]
-    earlier = call.core.ranks[rank].stalled
+    earlier = call.group.ranks[rank].stalled
     if earlier is None or earlier is call:
         return None
     j = _index(earlier, rank)
@@ -115,7 +115,7 @@ def _stalled_before(call: Any, i: int) -> Any:
 def _remember(call: Any, pending: list[int]) -> None:
     """Note a plain call that a wait gave up on as what the method thread of each rank that
     has not answered it is busy with, unless that rank is known to be busy with an earlier one."""
-    states = call.core.ranks
+    states = call.group.ranks
     for i in pending:
         state = states[call.ranks[i]]
         earlier = state.stalled

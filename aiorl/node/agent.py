@@ -51,6 +51,7 @@ from typing import Any
 
 from aiorl.errors import AddressError, AiorlError, ProtocolError, RegistryUnavailable
 from aiorl.names import WorkerInfo
+from aiorl.node.call_relay import CallRelay
 from aiorl.node.logdirs import (  # noqa: F401 - KEPT_ENDED_AGENT_LOGS: read here too
     KEPT_ENDED_AGENT_LOGS,
     LANES,
@@ -58,7 +59,6 @@ from aiorl.node.logdirs import (  # noqa: F401 - KEPT_ENDED_AGENT_LOGS: read her
     remove_ended_agent_files,
 )
 from aiorl.node.p2p_relay import P2PRelay
-from aiorl.node.relay import CallRelay
 from aiorl.node.visible_devices import physical_visible_devices
 from aiorl.node.working_dirs import WorkingDirCache
 from aiorl.node.zygote import encode_message, read_message, write_message
@@ -206,8 +206,8 @@ class NodeAgent:
         self.endpoint.handle(AgentOp.FREE_PORT, lambda m: m.reply({"port": _free_port(self.host)}))
         self.endpoint.handle(AgentOp.PING, lambda m: m.reply({"node_id": self.node_id}))
         self.endpoint.handle(AgentOp.WORKER_READY, self._on_worker_ready)
-        self.relay = CallRelay(self.endpoint, self._serves)
-        self.endpoint.handle(AgentOp.RELAY_CALL, self.relay.on_relay_call)
+        self.call_relay = CallRelay(self.endpoint, self._serves)
+        self.endpoint.handle(AgentOp.RELAY_CALL, self.call_relay.on_relay_call)
         self.p2p_relay = P2PRelay(self.endpoint, self.node_id, self.registry.nodes,
                                   self.worker_endpoints.__contains__)
         self.endpoint.handle(AgentOp.RELAY_P2P, self.p2p_relay.on_relay_p2p)
@@ -235,7 +235,7 @@ class NodeAgent:
         last, trimmed = -1, True
         while True:
             await asyncio.sleep(TRIM_QUIET_S / 2)
-            moved = self.p2p_relay.moved + self.relay.moved
+            moved = self.p2p_relay.moved + self.call_relay.moved
             if moved != last:
                 last, trimmed, quiet_since = moved, False, time.monotonic()
             elif not trimmed and time.monotonic() - quiet_since >= TRIM_QUIET_S:
@@ -561,7 +561,7 @@ class NodeAgent:
         tail = tail_lines(child.log_path)
         how = f"killed by {signal.Signals(sig).name}" if sig else f"exited with code {exit_code}"
         log.info("worker %s (pid %d) %s", child.name, pid, how)
-        self.relay.worker_exited(child.name, child.info.endpoint if child.info else None,
+        self.call_relay.worker_exited(child.name, child.info.endpoint if child.info else None,
                                  f"worker {child.name} (pid {pid}) {how}")
         if child.info is not None:
             self.worker_endpoints.discard(child.info.endpoint)

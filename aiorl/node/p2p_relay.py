@@ -51,8 +51,8 @@ from aiorl.protocol.ops import AgentOp
 from aiorl.protocol.p2p_relay import P2P_CREDIT, P2P_VIA, RelayedP2P, envelope_bytes
 from aiorl.protocol.registry import NodeInfo
 from aiorl.transport.endpoint import Endpoint, Incoming
-from aiorl.util.environment import count_setting
 from aiorl.util.ratelimit import RateLimitedLog
+from aiorl.util.settings import count_setting
 
 __all__ = ["DEFAULT_DEST_BYTES", "DEFAULT_TOTAL_BYTES", "P2PRelay", "RelayBounds"]
 

@@ -37,7 +37,7 @@ import sys
 import traceback
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from aiorl.node.environment import merge_environment
+from aiorl.node.launch_env import merge_environment
 from aiorl.protocol.spawn import WorkerSpawn
 from aiorl.util.processes import python_module_command
 

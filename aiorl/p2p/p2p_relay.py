@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from aiorl.protocol.ops import AgentOp
 from aiorl.protocol.p2p_relay import envelope_bytes
-from aiorl.util.environment import count_setting
+from aiorl.util.settings import count_setting
 
 if TYPE_CHECKING:
     from aiorl.transport.endpoint import Endpoint

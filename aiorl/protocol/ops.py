@@ -61,7 +61,7 @@ class AgentOp(StrEnum):
     FREE_PORT = "free_port"
     PING = "ping"
     WORKER_READY = "worker_ready"
-    #: A group call to this node's ranks, answered once for all of them (protocol/relay.py).
+    #: A group call to this node's ranks, answered once for all of them (protocol/call_relay.py).
     RELAY_CALL = "relay_call"
     #: One-way: a p2p message to forward toward a worker of some node (protocol/p2p_relay.py).
     RELAY_P2P = "relay_p2p"

@@ -38,7 +38,7 @@ class WorkerLaunch:
     """One rank to start: its environment and the devices it may use.
 
     ``env`` is merged into the node's environment when the worker starts (path lists
-    such as ``PATH`` are prepended, see `aiorl.node.environment`). A worker with a
+    such as ``PATH`` are prepended, see `aiorl.node.launch_env`). A worker with a
     ``launcher`` (a profiler command such as ``nsys profile ...``) or an interpreter
     other than the zygote's cannot be forked from the warm zygote: it is started by
     exec, as ``launcher... python_interpreter -m aiorl.node.exec_worker``.

@@ -57,7 +57,7 @@ from aiorl.p2p.paths.base import PathSpec, Placed, RecvPathBase, SendPathBase
 from aiorl.p2p.proto import HOST, K_CUDA, TRACK_MIN
 from aiorl.transport.serialization import CudaUnavailableError, byte_view
 from aiorl.util.cuda_device import selected_device
-from aiorl.util.environment import count_setting
+from aiorl.util.settings import count_setting
 
 __all__ = ["CUDA_INLINE_BYTES", "PATH", "inline_limit", "stage", "staged_future"]
 

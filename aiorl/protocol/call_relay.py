@@ -10,7 +10,7 @@ data: a [`RemoteError`][aiorl.RemoteError] keeps its worker and rank).
 
 The endpoints come from the driver, which learned them from the registry. A worker tells
 its agent where it is before it tells the registry, but on another connection, so the
-agent checks them against its own table (`aiorl.node.relay`) without relying on it alone.
+agent checks them against its own table (`aiorl.node.call_relay`) without relying on it alone.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The node agent's half of a relayed group call (`aiorl.protocol.relay`).
+"""The node agent's half of a relayed group call (`aiorl.protocol.call_relay`).
 
 A driver calling a large group sends one ``relay_call`` per node instead of one ``call``
 per rank; the agent sends each of its ranks the ordinary worker ``call`` and answers the
@@ -25,8 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from aiorl.errors import PeerLostError, ProtocolError, to_wire
+from aiorl.protocol.call_relay import RelayedAnswers, RelayedCall
 from aiorl.protocol.ops import WorkerOp
-from aiorl.protocol.relay import RelayedAnswers, RelayedCall
 from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.util.ratelimit import RateLimitedLog
 

@@ -1,8 +1,8 @@
 """Group calls through the node agents: the driver's cost grows with nodes, not workers.
 
 A call to at least `RELAY_MIN_RANKS` ranks on at least two nodes goes out as one
-``relay_call`` per node agent (`aiorl.protocol.relay`); each agent calls its own ranks and
-answers once for all of them (`aiorl.node.relay`). The driver sends and reads one message
+``relay_call`` per node agent (`aiorl.protocol.call_relay`); each agent calls its own ranks and
+answers once for all of them (`aiorl.node.call_relay`). The driver sends and reads one message
 per node instead of one per rank: at 256 ranks that was ~35 µs of the driver's CPU per
 rank (docs/scale.md), and the agents do their part at the same time, each on its own
 machine. Smaller calls keep the direct path, where the extra hop costs more than it
@@ -26,8 +26,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiorl.errors import PeerLostError, ProtocolError, from_wire
+from aiorl.group.state import GroupState
+from aiorl.protocol.call_relay import RelayedAnswers, RelayedCall
 from aiorl.protocol.ops import AgentOp
-from aiorl.protocol.relay import RelayedAnswers, RelayedCall
 
 __all__ = ["RELAY_MIN_RANKS", "RelayPath", "settle_relayed"]
 
@@ -84,14 +85,14 @@ class _Pending:
 
 
 class RelayPath:
-    """A group core's relayed calls: the rank lists split by node, and the agents in use.
+    """A group's relayed calls: the rank lists split by node, and the agents in use.
 
-    ``core`` is the `GroupCore` (on the loop, as everything here); ``send_direct(call, i,
-    state, method, frames)`` is its direct send of one rank.
+    ``group`` is the group's `GroupState` (on the loop, as everything here);
+    ``send_direct(call, i, slot, method, frames)`` is its direct send of one rank.
     """
 
-    def __init__(self, core: Any, send_direct: Callable[..., Any]) -> None:
-        self.core = core
+    def __init__(self, group: GroupState, send_direct: Callable[..., Any]) -> None:
+        self.group = group
         self.send_direct = send_direct
         self._plans: dict[tuple[int, ...], Plan | None] = {}
         #: node rank -> the parts of relayed calls its agent has not answered yet.
@@ -107,7 +108,7 @@ class RelayPath:
         plan = self._plans.get(ranks, False)
         if plan is not False:
             return plan  # type: ignore[return-value]  # a Plan or None, from the cache
-        launches = self.core.launches
+        launches = self.group.launches
         by_node: dict[int, list[int]] = {}
         for i, r in enumerate(ranks):
             launch = launches.get(r)
@@ -124,12 +125,12 @@ class RelayPath:
     def dispatch(self, call: Any, method: str, ranks: tuple[int, ...],
                  frames: list[Any]) -> bool:
         """Send ``call`` through the agents; False when the direct path must take it."""
-        core = self.core
-        if not core.launched_here:
+        group = self.group
+        if not group.launched_here:
             return False  # a view attached by name: only the owner knows where ranks run
-        if core.launches and self._plan(ranks) is None:
+        if group.launches and self._plan(ranks) is None:
             return False
-        states = core.ranks
+        states = group.ranks
         waiting = [states[r] for r in ranks
                    if states[r].address is None and states[r].error is None]
         if len(waiting) < len(ranks):
@@ -153,11 +154,11 @@ class RelayPath:
 
     def _send(self, call: Any, method: str, ranks: tuple[int, ...], frames: list[Any]) -> None:
         plan = self._plan(ranks)
-        core = self.core
-        states = core.ranks
-        nodes = core.nodes_by_rank()
+        group = self.group
+        states = group.ranks
+        nodes = group.nodes()
         send_direct = self.send_direct
-        request = core.runtime.endpoint.request_then
+        request = group.runtime.endpoint.request_then
         if plan is None:  # one node after all, or not planned: each rank directly
             for i, r in enumerate(ranks):
                 st = states[r]
@@ -169,10 +170,12 @@ class RelayPath:
         for node_rank, indices in plan:
             node = nodes.get(node_rank)
             relayed: list[int] = []
+            addresses: list[str] = []
             for i in indices:
                 st = states[ranks[i]]
                 if st.address is not None and st.error is None and node is not None:
                     relayed.append(i)
+                    addresses.append(st.address)
                 elif st.address is None and st.error is None:  # gone again: wait for it
                     st.queued.append(functools.partial(send_direct, call, i, st, method, frames))
                 else:  # failed (fails at once), or its node left the list (direct to it)
@@ -182,8 +185,8 @@ class RelayPath:
                     send_direct(call, i, states[ranks[i]], method, frames)
                 continue
             assert node is not None
-            wire = RelayedCall(core.name, method, tuple(ranks[i] for i in relayed),
-                               tuple(states[ranks[i]].address for i in relayed)).to_wire()
+            wire = RelayedCall(group.name, method, tuple(ranks[i] for i in relayed),
+                               tuple(addresses)).to_wire()
             pending = _Pending(call, relayed)
             waiting_here = self._pending.get(node_rank)
             if waiting_here is None:
@@ -211,7 +214,7 @@ class RelayPath:
         process end, but a worker that died before its agent learnt its endpoint would
         leave the agent waiting. (An answer the rank gave its agent just before it died is
         lost with it: the call fails, as any call does that one of its ranks died in.)"""
-        launch = self.core.launches.get(rank)
+        launch = self.group.launches.get(rank)
         for pending in self._pending.get(launch[0], ()) if launch is not None else ():
             if pending.done:
                 continue
@@ -224,7 +227,7 @@ class RelayPath:
         """Rank ``rank`` died with its node (the registry's news): what its agent has not
         answered fails now, each of that node's ranks with ``reason``. The agent's address
         stays usable: a node declared dead while cut off comes back with the same agent."""
-        launch = self.core.launches.get(rank)
+        launch = self.group.launches.get(rank)
         lost = self._pending.pop(launch[0], set()) if launch is not None else set()
         for pending in lost:
             if not pending.done:
