@@ -324,14 +324,14 @@ def test_relay_tree_is_one_relay_per_other_node() -> None:
 def test_a_bug_inside_a_broadcast_is_not_taken_for_a_missing_member() -> None:
     """An IndexError or KeyError is a LookupError too: taken for a member that never
     existed, it failed the whole set with only "list index out of range" (issue 26)."""
-    from aiorl.collective.broadcast import _member_gone
+    from aiorl.collective.rounds import member_gone
     from aiorl.errors import PeerLostError
 
-    assert _member_gone(PeerLostError("worker g:1 is gone"))
-    assert _member_gone(LookupError("broadcast failed: no worker g:9"))
-    assert not _member_gone(IndexError("list index out of range"))
-    assert not _member_gone(KeyError("k"))
-    assert not _member_gone(ValueError("v"))
+    assert member_gone(PeerLostError("worker g:1 is gone"))
+    assert member_gone(LookupError("broadcast failed: no worker g:9"))
+    assert not member_gone(IndexError("list index out of range"))
+    assert not member_gone(KeyError("k"))
+    assert not member_gone(ValueError("v"))
 
 
 class _RecordingEndpoint:
@@ -374,13 +374,14 @@ def test_source_on_one_gpu_sends_no_ipc_for_an_all_empty_cuda_payload() -> None:
     from aiorl.collective.nccl_broadcast import CudaBroadcast
     from aiorl.p2p.message import OutMessage
     from aiorl.p2p.proto import K_CUDA
+    from aiorl.protocol.broadcast import CudaPlan
 
     host = _CudaHost()
     try:
         cuda = CudaBroadcast(host)  # type: ignore[arg-type]
         out = OutMessage(K_CUDA, ["float32", [0], False], None, [], [torch.empty(0)])
         followers = {"g:1": "g:0", "g:2": "g:0"}
-        desc = ["key", None, ["g:0"], 0, followers, [["float32", [0]]]]
+        desc = CudaPlan("key", None, ("g:0",), 0, followers, (("float32", (0,)),))
         cuda.send("set", 1, out, desc)  # raised IndexError before the fix
         assert host.endpoint.sent == []
         with pytest.raises(ValueError, match="no CUDA tensor"):

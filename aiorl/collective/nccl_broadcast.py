@@ -14,8 +14,8 @@ pair them up.
 Importable without CUDA: torch is imported inside functions; nothing here runs unless a CUDA
 tensor is broadcast. Completion of a transfer is a CUDA event polled by the runtime's waiter.
 
-``cudadesc``: ``[communicator key, store [host, port] or None, representatives, root index,
-{follower: representative}, [[dtype, shape], ...]]``.
+The source's decision travels in each broadcast message as its
+`aiorl.protocol.broadcast.CudaPlan`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import pickle
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from aiorl.collective.proto import OP_GPU, OP_IPC
+from aiorl.collective.oneway import read_oneway
 from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.names import WorkerAddress
 from aiorl.p2p.gpu import (
@@ -45,6 +45,8 @@ from aiorl.p2p.gpu import (
     wait_events,
 )
 from aiorl.p2p.message import InMessage, OutMessage, dtype_name, dtype_of
+from aiorl.protocol.broadcast import CudaPlan, GpuInfo, IpcHandles
+from aiorl.protocol.ops import BroadcastOp
 from aiorl.runtime.waiter import BlockingWaiter
 from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.util.cuda_device import selected_device
@@ -154,7 +156,7 @@ class _Communicator:
             done.record(stream)
         return done, works, tensors
 
-    def receive(self, inc: InMessage, specs: list[Any],
+    def receive(self, inc: InMessage, specs: Sequence[Any],
                 root: int) -> tuple[Any, list[Any], list[Any]]:
         """Lane: allocate the tensors of ``inc`` on the lane's stream, then broadcast into
         them (a representative's receive)."""
@@ -188,19 +190,21 @@ class CudaBroadcast:
         self._ipc: dict[tuple[str, int], Any] = {}
         self._copier: CudaLane | None = None
         self._serve_stream: Any = None  # the loop thread's stream for IPC exports
-        host.endpoint.handle(OP_GPU, self._on_gpu)
-        host.endpoint.handle(OP_IPC, self._on_ipc)
+        host.endpoint.handle(BroadcastOp.GPU, self._on_gpu)
+        host.endpoint.handle(BroadcastOp.IPC, self._on_ipc)
 
     # ------------------------------------------------------------------ source
     async def plan(self, plan: BroadcastPlan, out: OutMessage,
-                   infos: Mapping[str, Mapping[str, Any]]) -> list[Any]:
+                   infos: Mapping[str, Mapping[str, Any]]) -> CudaPlan:
         """Source: who joins NCCL and who copies by IPC, and the communicator to use."""
         others = [n for n in plan.members if n != self.host.name]
         missing = [n for n in others if n not in self._gpus]
         replies = await asyncio.gather(*(
-            self.host.endpoint.request(infos[n]["endpoint"], OP_GPU, None) for n in missing))
+            self.host.endpoint.request(infos[n]["endpoint"], BroadcastOp.GPU, None)
+            for n in missing))
         for name, (meta, _frames) in zip(missing, replies, strict=True):
-            self._gpus[name] = {**meta, "node": infos[name].get("node_id")}
+            self._gpus[name] = {**GpuInfo.from_wire(meta).to_wire(),
+                                "node": infos[name].get("node_id")}
         live = [t for t in out.cuda if t.numel()]
         device = live[0].device.index if live else None
         mine = {**_current_gpu(device), "node": self.host.node_id}
@@ -219,14 +223,15 @@ class CudaBroadcast:
         store = None
         if len(reps) > 1 and key not in self._comms:
             comm = self._communicator(key, reps, int(mine["index"]))
-            store = comm.open_store(self.host.endpoint.ip)
-        specs = [[dtype_name(t.dtype), list(t.shape)] for t in out.cuda]
-        return [key, store, reps, reps.index(self.host.name), followers, specs]
+            comm.open_store(self.host.endpoint.ip)
+            store = comm.store_address
+        specs = tuple((dtype_name(t.dtype), tuple(t.shape)) for t in out.cuda)
+        return CudaPlan(key, store, tuple(reps), reps.index(self.host.name), followers, specs)
 
-    def send(self, set_id: str, seq: int, out: OutMessage, desc: Sequence[Any]) -> None:
+    def send(self, set_id: str, seq: int, out: OutMessage, desc: CudaPlan) -> None:
         """Source, after the control messages left: issue NCCL, hand its own GPU's followers
         IPC handles. The source's tensors stay alive (its round keeps them) until done."""
-        key, _store, reps, root, followers, _specs = desc
+        key, reps, root, followers = desc.key, desc.reps, desc.root, desc.followers
         live = [t for t in out.cuda if t.numel()]
         if len(reps) > 1 and live:
             comm = self._comms[key]
@@ -237,11 +242,12 @@ class CudaBroadcast:
 
     # ------------------------------------------------------------------ members
     def receive(self, set_id: str, seq: int, inc: InMessage,
-                desc: Sequence[Any]) -> asyncio.Future[None]:
+                desc: CudaPlan) -> asyncio.Future[None]:
         """Member: land the CUDA tensors of ``inc`` on this process's selected device (NCCL
         as a representative, IPC as a follower), allocated off the loop; the future
         completes when they are on the GPU."""
-        key, store, reps, root, followers, specs = desc
+        key, store, reps, root = desc.key, desc.store, desc.reps, desc.root
+        followers, specs = desc.followers, desc.specs
         device = selected_device()
         fut: asyncio.Future[None] = self.host.loop.create_future()
         if all(not _numel(shape) for _dt, shape in specs):
@@ -306,19 +312,23 @@ class CudaBroadcast:
             address = self.host.address_of(name)
             if address is not None:
                 try:
-                    endpoint.send_oneway(address, OP_IPC, [set_id, seq], [handles])
+                    endpoint.send_oneway(address, BroadcastOp.IPC,
+                                         IpcHandles(set_id, seq).to_wire(), [handles])
                 except PeerLostError:
                     pass  # its death fails the broadcast
 
     def _on_ipc(self, msg: Incoming) -> None:
-        key = (msg.meta[0], msg.meta[1])
+        ipc = read_oneway(IpcHandles, msg, self.host.name)
+        if ipc is None:
+            return
+        key = (ipc.set_id, ipc.seq)
         waiting = self._ipc.pop(key, None)
         if waiting is None:
             self._ipc[key] = msg.frames[0]
         else:
             waiting(msg.frames[0])
 
-    def _await_ipc(self, key: tuple[str, int], inc: InMessage, specs: list[Any], device: int,
+    def _await_ipc(self, key: tuple[str, int], inc: InMessage, specs: Sequence[Any], device: int,
                    fut: asyncio.Future[None]) -> None:
         """Follower: once the representative's handles arrive, copy from them on the copier
         lane (allocation included); completion is an event polled by the waiter."""
@@ -341,7 +351,7 @@ class CudaBroadcast:
             copy(handles)
 
     def _on_gpu(self, msg: Incoming) -> None:
-        msg.reply(_current_gpu())
+        msg.reply(GpuInfo(**_current_gpu()).to_wire())
 
     # ------------------------------------------------------------------ loss
     def lost(self, name: str) -> None:
@@ -370,7 +380,7 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def _ipc_copy(lane: CudaLane, handles: bytes, inc: InMessage, specs: list[Any],
+def _ipc_copy(lane: CudaLane, handles: bytes, inc: InMessage, specs: Sequence[Any],
               device: int) -> tuple[Any, list[Any]]:
     """Copier lane: allocate ``inc``'s tensors on ``device``, open the representative's CUDA
     IPC handles (torch makes our stream wait for its event) and copy on the lane's stream;

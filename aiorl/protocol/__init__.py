@@ -9,6 +9,7 @@ the registry included, can parse messages without pulling in the runtime.
 * `spawn`: what a driver asks an agent to start, and what
   the agent hands each new worker process;
 * `relay`, `p2p_relay`: group calls and point-to-point messages relayed by node agents;
+* `broadcast`: what the members of a broadcast send each other;
 * `fields`: the checked reading every ``from_wire`` uses.
 """
 

@@ -20,8 +20,8 @@ else:  # Python 3.10: the same behaviour for our use (value as str, str() gives 
         def __str__(self) -> str:
             return str(self.value)
 
-__all__ = ["AgentOp", "DirectoryOp", "DriverOp", "RegistryEvent", "RegistryOp", "WeightsOp",
-           "WorkerOp", "WorkerState"]
+__all__ = ["AgentOp", "BroadcastOp", "DirectoryOp", "DriverOp", "RegistryEvent", "RegistryOp",
+           "WeightsOp", "WorkerOp", "WorkerState"]
 
 
 class RegistryOp(StrEnum):
@@ -127,3 +127,23 @@ class WeightsOp(StrEnum):
     GPU_ROUND = "weights.gpu.round"
     #: Publisher -> member: round n ended, intact or not.
     GPU_END = "weights.gpu.end"
+
+
+class BroadcastOp(StrEnum):
+    """Messages members of a broadcast send each other, served by every worker process's
+    broadcaster (``aiorl.collective``; their messages: `aiorl.protocol.broadcast`)."""
+
+    #: Parent -> member, one-way: a broadcast's payload (`BroadcastData`).
+    BCAST = "coll.bcast"
+    #: Member -> source, one-way: the member called and holds the object (`BroadcastAck`).
+    ACK = "coll.ack"
+    #: Source -> members, one-way: the broadcast completes or fails everywhere (`BroadcastDone`).
+    DONE = "coll.done"
+    #: Reader -> segment owner, one-way: the reader's views are gone (`SegmentRelease`).
+    RELEASE = "coll.release"
+    #: Source -> member, request with no fields: which GPU do you use? (`GpuInfo`; CUDA
+    #: payloads only.)
+    GPU = "coll.gpu"
+    #: Representative -> member on its GPU, one-way: CUDA IPC handles of its copy
+    #: (`IpcHandles`).
+    IPC = "coll.ipc"
