@@ -52,6 +52,7 @@ GPU_TESTS = [
     "tests/test_weights_cuda.py",
     "tests/test_gpu_multi.py",
     "tests/test_gpu_node.py",
+    "tests/test_p2p_relay.py::test_tensors_small_and_mib",  # its CUDA cases
 ]
 #: Tensors of the weights benchmark's state dict (the size is split evenly among them).
 WEIGHT_TENSORS = 64
