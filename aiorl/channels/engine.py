@@ -1,4 +1,4 @@
-"""The per-process engine behind every [`Channel`][aiorl.Channel] handle (`_ClientCore`).
+"""The per-process engine behind every [`Channel`][aiorl.Channel] handle (`ClientEngine`).
 
 Threads
     A handle can be used from any thread of a process that has an aiorl runtime
@@ -21,7 +21,7 @@ Pipelining
     reports it in the queue, so many puts in flight cost a few messages, and a put
     that returned is in the channel. Credits come back as the worker accepts items,
     and a full queue grants none, so backpressure holds. Gets that follow each
-    other closely prefetch items already queued (`_GetStream`), so a loop of
+    other closely prefetch items already queued (`GetStream`), so a loop of
     ``await ch.get()`` streams without a round trip per item.
 
 Ordering
@@ -30,7 +30,7 @@ Ordering
     the order they were made, and requests that observe the queue (``qsize``)
     see the puts issued before them and the items this process prefetched. The
     gets of one process on a queue receive items in queue order, in call order,
-    prefetch or not (`_GetStream` says how). docs/ordering.md has the
+    prefetch or not (`GetStream` says how). docs/ordering.md has the
     whole contract.
 
 Failure
@@ -43,12 +43,12 @@ Failure
 Keys and distributed channels
     Each queue is named by a key: a ``str`` travels as it is, any other hashable
     as its canonical bytes (`wire_key`). Every channel worker has its own
-    `_ChannelState`; a plain channel has one, a distributed channel one per
+    `ChannelState`; a plain channel has one, a distributed channel one per
     replica, and everything below (outboxes, credits, prefetch, failure) works
     per replica unchanged. Replica 0's state also knows the channel's replicas
     and caches which replica holds each key; an operation on a key it does not
     know yet waits (in call order with the others on that key) for replica 0's
-    answer to a ``ROUTE`` (`_ClientCore.submit_routed`).
+    answer to a ``ROUTE`` (`ClientEngine.submit_routed`).
 
 Cancellation
     Cancelling a pending put or get (``work.cancel()``, ``wait(timeout)``
@@ -58,7 +58,7 @@ Cancellation
     this process made after the cancellation take it first.
 """
 
-# HOT PATH: _ClientCore.submit/_accept/_enqueue/_on_done run per item.
+# HOT PATH: ClientEngine.submit/accept/enqueue/_on_done run per item.
 
 from __future__ import annotations
 
@@ -73,20 +73,20 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from aiorl.channels import _protocol as P
-from aiorl.channels._gets import Gets
-from aiorl.channels._items import decode_item, key_from_wire, received_items
-from aiorl.channels._ops import (
-    _CREDITED,
-    _SEES_PREFETCH,
-    _TAKES,
-    _USER_GET,
+from aiorl.channels.client_state import (
+    CREDITED,
+    SEES_PREFETCH,
+    TAKES,
+    USER_GET,
+    ChannelState,
+    Op,
+    Outbox,
     Received,
-    _ChannelState,
-    _Op,
-    _Outbox,
 )
-from aiorl.channels._queue import QueuedItem, QueueStats
-from aiorl.channels._server import ChannelHost, QueueKey
+from aiorl.channels.gets import Gets
+from aiorl.channels.host import ChannelHost, QueueKey
+from aiorl.channels.items import decode_item, key_from_wire, received_items
+from aiorl.channels.weighted_queue import QueuedItem, QueueStats
 from aiorl.errors import (
     GroupExistsError,
     GroupNotFoundError,
@@ -110,6 +110,9 @@ from aiorl.runtime.promise import (
 )
 from aiorl.util.tokens import TokenTable
 
+__all__ = ["DEFAULT_CONNECT_TIMEOUT", "ClientEngine", "Combine", "NodeChoice", "channel_waits",
+           "engine_for", "warn_exists"]
+
 log = logging.getLogger("aiorl.channels")
 
 #: How long connecting waits for a channel to exist and be ready, by default.
@@ -118,7 +121,7 @@ DEFAULT_CONNECT_TIMEOUT = 60.0
 #: Gives the node ranks of a new channel's workers, one per replica, for a session.
 NodeChoice = Callable[[Session], Coroutine[Any, Any, list[int]]]
 #: Combines the answers of every replica (in replica order) to a fanned-out operation.
-Combine = Callable[[list["_ChannelState"], list[Any]], Any]
+Combine = Callable[[list["ChannelState"], list[Any]], Any]
 
 
 def _process_node_rank() -> int:
@@ -133,20 +136,20 @@ def _process_node_rank() -> int:
         return 0
 
 
-class _ClientCore:
+class ClientEngine:
     """The per-process engine behind every [`Channel`][aiorl.Channel] handle (one per runtime)."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.loop = runtime.loop
         self.endpoint = runtime.endpoint
-        self._states: dict[tuple[str, int], _ChannelState] = {}
+        self._states: dict[tuple[str, int], ChannelState] = {}
         #: this process's node, which a distributed channel assigns new keys by
         self.node_rank = _process_node_rank()
         self._states_lock = threading.Lock()
-        self._by_address: dict[str, _ChannelState] = {}
-        self._pending: TokenTable[_Op] = TokenTable()
-        self._outboxes: dict[str, _Outbox] = {}
+        self._by_address: dict[str, ChannelState] = {}
+        self._pending: TokenTable[Op] = TokenTable()
+        self._outboxes: dict[str, Outbox] = {}
         self._flush_scheduled = False
         self.gets = Gets(self)  # user gets, per queue, and their slots
         # Before any operation can be posted (call_soon keeps FIFO order).
@@ -176,41 +179,41 @@ class _ClientCore:
                             "queue": op.queue, "peer": state.worker, "unresolved": True})
         return out
 
-    def state(self, name: str, rank: int = 0) -> _ChannelState:
+    def state(self, name: str, rank: int = 0) -> ChannelState:
         """This process's state of replica ``rank`` of channel ``name`` (0: the channel)."""
         with self._states_lock:
             st = self._states.get((name, rank))
             if st is None:
-                st = self._states[name, rank] = _ChannelState(name, rank)
+                st = self._states[name, rank] = ChannelState(name, rank)
             return st
 
     # ------------------------------------------------------------------ any thread
-    def submit(self, state: _ChannelState, kind: int, queue: QueueKey, number: Any, payload: Any = 0,
+    def submit(self, state: ChannelState, kind: int, queue: QueueKey, number: Any, payload: Any = 0,
                frames: Sequence[Any] = ()) -> AsyncChannelWork[Any]:
         on_loop = self.runtime.on_loop_thread()
-        if on_loop:  # the fast path of a get served from prefetched items: no _Op
-            if kind == _USER_GET:
+        if on_loop:  # the fast path of a get served from prefetched items: no Op
+            if kind == USER_GET:
                 stream = state.streams.get(queue)
                 if stream is not None and stream.can_serve():
                     fut: asyncio.Future[Any] = self.loop.create_future()
                     self.gets.serve_ready(stream, fut)
                     return AsyncChannelWork(self.loop, fut)
-        op = _Op(self, state, kind, queue, number, payload, frames)
+        op = Op(self, state, kind, queue, number, payload, frames)
         work: AsyncChannelWork[Any] = AsyncChannelWork(self.loop, op)
         if on_loop:
-            self._accept(op)
+            self.accept(op)
         else:
             prepare_threads(work)  # this thread will likely wait(): mirror ready, no lock
             self.runtime.submit(self._accept_from_thread, op, work)
         return work
 
-    def submit_routed(self, st: _ChannelState, kind: int, key: QueueKey, number: Any,
+    def submit_routed(self, st: ChannelState, kind: int, key: QueueKey, number: Any,
                       payload: Any = 0, frames: Sequence[Any] = ()) -> AsyncChannelWork[Any]:
         """`submit` an operation on ``key`` of channel ``st`` (replica 0's state)
         whose replica this process does not know yet: the channel is not resolved, or
         it is distributed and ``key`` is new here. The operation waits, in call order
         with the others on ``key``, until the replica is known (`_route`)."""
-        op = _Op(self, st, kind, key, number, payload, frames)
+        op = Op(self, st, kind, key, number, payload, frames)
         work: AsyncChannelWork[Any] = AsyncChannelWork(self.loop, op)
         if self.runtime.on_loop_thread():
             self._route(op)
@@ -219,7 +222,7 @@ class _ClientCore:
             self.runtime.submit(self._route_from_thread, op, work)
         return work
 
-    def fan_out(self, st: _ChannelState, kind: int, combine: Combine) -> AsyncChannelWork[Any]:
+    def fan_out(self, st: ChannelState, kind: int, combine: Combine) -> AsyncChannelWork[Any]:
         """``kind`` (``STATS`` or ``FLUSH``) sent to every replica of channel ``st``, once the
         channel is resolved and the routes this process asked for are known (so it comes
         after every earlier operation); the work gives ``combine(replicas, answers)``."""
@@ -241,11 +244,11 @@ class _ClientCore:
         return work
 
     # ------------------------------------------------------------------ loop thread
-    def _route_from_thread(self, op: _Op, work: AsyncChannelWork[Any]) -> None:
+    def _route_from_thread(self, op: Op, work: AsyncChannelWork[Any]) -> None:
         link_threads(work)
         self._route(op)
 
-    def _route(self, op: _Op) -> None:
+    def _route(self, op: Op) -> None:
         """Accept ``op`` at the replica that holds its key, or keep it until that is known."""
         if op.done():  # cancelled before it could leave
             return
@@ -253,7 +256,7 @@ class _ClientCore:
         rank = 0 if st.world_size == 1 else st.key_ranks.get(op.queue)
         if rank is not None:
             op.state = st.replicas[rank]
-            self._accept(op)
+            self.accept(op)
             return
         waiting = st.unrouted.get(op.queue)
         if waiting is None:
@@ -264,14 +267,14 @@ class _ClientCore:
         elif op.queue not in st.routing:
             self._ask_route(st, op.queue)
 
-    def _ask_route(self, st: _ChannelState, key: QueueKey) -> None:
+    def _ask_route(self, st: ChannelState, key: QueueKey) -> None:
         """Ask replica 0, the one authority, which replica holds ``key`` (assigning it)."""
-        ask = _Op(self, st, P.ROUTE, key, self.node_rank, 0, ())
+        ask = Op(self, st, P.ROUTE, key, self.node_rank, 0, ())
         st.routing[key] = ask
         ask.add_done_callback(functools.partial(self._route_failed, st, key))
-        self._issue(ask)
+        self.issue(ask)
 
-    def _routed(self, ask: _Op, rank: int) -> None:
+    def _routed(self, ask: Op, rank: int) -> None:
         """The answer to a ``ROUTE``: cache it and send what waited for it, in order."""
         st, key = ask.state, ask.queue
         if st.routing.get(key) is ask:
@@ -286,10 +289,10 @@ class _ClientCore:
         for op in st.unrouted.pop(key, ()):
             if not op.done():
                 op.state = replica
-                self._accept(op)
+                self.accept(op)
         ask.set_result(rank)
 
-    def _route_failed(self, st: _ChannelState, key: QueueKey, ask: _Op) -> None:
+    def _route_failed(self, st: ChannelState, key: QueueKey, ask: Op) -> None:
         if ask.cancelled() or ask.exception() is None:
             return
         if st.routing.get(key) is ask:
@@ -300,7 +303,7 @@ class _ClientCore:
             if not op.done():
                 op.set_exception(exc)
 
-    def _route_waiting(self, st: _ChannelState) -> None:
+    def _route_waiting(self, st: ChannelState) -> None:
         """Replica 0 was just resolved: route the operations that waited for it."""
         if st.world_size != 1:
             for key in st.unrouted:
@@ -311,27 +314,27 @@ class _ClientCore:
         for ops in waiting.values():
             for op in ops:
                 if not op.done():
-                    self._accept(op)
+                    self.accept(op)
 
-    def _accept_from_thread(self, op: _Op, work: AsyncChannelWork[Any]) -> None:
+    def _accept_from_thread(self, op: Op, work: AsyncChannelWork[Any]) -> None:
         link_threads(work)  # link the thread-side mirror now: wait() then needs no extra hop
-        self._accept(op)
+        self.accept(op)
 
-    def _accept(self, op: _Op) -> None:
+    def accept(self, op: Op) -> None:
         if op.done():  # cancelled before it could leave
             return
         st = op.state
         kind = op.kind
-        if kind == _USER_GET:
+        if kind == USER_GET:
             self.gets.accept_get(op)
             return
-        if kind in _SEES_PREFETCH:
+        if kind in SEES_PREFETCH:
             stream = st.streams.get(op.queue)
             if stream is not None:
                 if not self.gets.prefetch_returned(stream, op):
                     return
-                if kind in _TAKES:
-                    self._issue(op)
+                if kind in TAKES:
+                    self.issue(op)
                     if stream.waiting:  # no prefetch is out: they have a GET slot each
                         stream.fences.append([op.token, len(stream.waiting)])
                     return
@@ -339,11 +342,11 @@ class _ClientCore:
             for stream in st.streams.values():
                 if not self.gets.prefetch_returned(stream, op):
                     return  # held: accepted again (and the other queues checked) once settled
-        elif kind in _CREDITED and self._put_credited(op):
+        elif kind in CREDITED and self._put_credited(op):
             return
-        self._issue(op)
+        self.issue(op)
 
-    def _put_credited(self, op: _Op) -> bool:
+    def _put_credited(self, op: Op) -> bool:
         """Send put ``op`` with a credit, without waiting for anything; False without one.
 
         Its work completes once the channel worker reports it in its queue (a ``CREDIT``
@@ -366,35 +369,35 @@ class _ClientCore:
         if admitting is None:
             admitting = st.admitting[op.queue] = collections.deque()
         admitting.append(op)
-        self._enqueue(address, op)
+        self.enqueue(address, op)
         return True
 
-    def _issue(self, op: _Op) -> None:
+    def issue(self, op: Op) -> None:
         """Send ``op`` (or keep it until its channel is resolved); its answer is awaited."""
         op.token = self._pending.issue(op)
         st = op.state
         if st.address is not None:
-            self._enqueue(st.address, op)
+            self.enqueue(st.address, op)
         else:
             st.backlog.append(op)
             self._ensure_resolving(st)
 
-    def _enqueue(self, address: str, op: _Op) -> None:
+    def enqueue(self, address: str, op: Op) -> None:
         op.address = address
         box = self._box(address)
         box.ops.append(op)
         self._add(address, box, (op.kind, op.token, op.queue, op.number, op.payload), op.frames)
 
-    def _box(self, address: str) -> _Outbox:
+    def _box(self, address: str) -> Outbox:
         box = self._outboxes.get(address)
         if box is None:
-            box = self._outboxes[address] = _Outbox()
+            box = self._outboxes[address] = Outbox()
             if not self._flush_scheduled:
                 self._flush_scheduled = True
                 self.loop.call_soon(self._flush)
         return box
 
-    def _add(self, address: str, box: _Outbox, entry: tuple[Any, ...],
+    def _add(self, address: str, box: Outbox, entry: tuple[Any, ...],
              frames: Sequence[Any]) -> None:
         """Add one wire entry to ``box``; send the box now once it is full."""
         box.meta.append(entry)
@@ -413,7 +416,7 @@ class _ClientCore:
         for address, box in boxes.items():
             self._send(address, box)
 
-    def _send(self, address: str, box: _Outbox) -> None:
+    def _send(self, address: str, box: Outbox) -> None:
         try:
             self.endpoint.send_oneway(address, P.OPS, box.meta, box.frames)
         except Exception as exc:  # PeerLostError for a dead channel; anything else is ours
@@ -422,7 +425,7 @@ class _ClientCore:
             for op in box.ops:
                 self._fail(op, lost)
 
-    def _fail(self, op: _Op, exc: BaseException) -> None:
+    def _fail(self, op: Op, exc: BaseException) -> None:
         if self._pending.pop(op.token) is None:
             return
         if op.kind == P.PUT_CREDITED:
@@ -432,29 +435,29 @@ class _ClientCore:
         elif not op.done():
             op.set_exception(exc)
 
-    def _not_admitted(self, op: _Op) -> None:
+    def _not_admitted(self, op: Op) -> None:
         """Credited put ``op`` failed: it will never be counted admitted (see _on_credit)."""
         admitting = op.state.admitting.get(op.queue)
         if admitting is not None and op in admitting:
             admitting.remove(op)
 
-    def _withdraw_get(self, op: _Op) -> None:
-        """A user get was cancelled (`_Op.cancel`)."""
+    def withdraw_get(self, op: Op) -> None:
+        """A user get was cancelled (`Op.cancel`)."""
         self.gets.withdraw_get(op)
 
-    def _on_cancel(self, op: _Op) -> None:
+    def on_cancel(self, op: Op) -> None:
         """A parkable operation was cancelled locally: withdraw it at the channel worker."""
         if op.token not in self._pending:
-            return  # not accepted yet (``_accept`` drops it) or already answered
+            return  # not accepted yet (``accept`` drops it) or already answered
         if op.address is None:  # still in the backlog: it never left
             self._pending.pop(op.token)
             if op in op.state.backlog:
                 op.state.backlog.remove(op)
             return
         # The answer (CANCELLED, or the result if it was already sent) clears _pending.
-        cancel = _Op(self, op.state, P.CANCEL, op.queue, 0, 0, ())
+        cancel = Op(self, op.state, P.CANCEL, op.queue, 0, 0, ())
         cancel.token = op.token
-        self._enqueue(op.address, cancel)
+        self.enqueue(op.address, cancel)
         if op.kind == P.GET_BATCH:
             # Items it may have taken come back with its answer; until then this
             # process's gets on the queue must not take the items behind them.
@@ -553,18 +556,18 @@ class _ClientCore:
                 if not op.done():  # a cancelled one only stopped waiting
                     op.set_result(None)
 
-    def _refused(self, peer: str, op: _Op | None, token: int, items: list[Received]) -> None:
+    def _refused(self, peer: str, op: Op | None, token: int, items: list[Received]) -> None:
         """Items arrived for a get nobody waits for (it was cancelled): send them back."""
         if op is None:
             log.error("channel answer for unknown operation %s: %d item(s) dropped",
                       token, len(items))
             return
         if items and not self.endpoint.is_lost(peer):
-            self._unget(peer, op.state, op.queue, items)
+            self.unget(peer, op.state, op.queue, items)
 
-    def _unget(self, address: str, st: _ChannelState, queue: QueueKey, items: Sequence[Received]) -> None:
+    def unget(self, address: str, st: ChannelState, queue: QueueKey, items: Sequence[Received]) -> None:
         frames = [f for _, _, fs in items for f in fs]
-        self._enqueue(address, _Op(self, st, P.UNGET, queue, [place for _, place, _ in items],
+        self.enqueue(address, Op(self, st, P.UNGET, queue, [place for _, place, _ in items],
                                    [p for p, _, _ in items], frames))
 
     def _on_lost(self, address: str, exc: BaseException) -> None:
@@ -591,16 +594,16 @@ class _ClientCore:
             st.admitting.clear()
 
     # ------------------------------------------------------------------ resolution (loop)
-    def _ensure_resolving(self, st: _ChannelState) -> None:
+    def _ensure_resolving(self, st: ChannelState) -> None:
         if st.address is None and st.task is None:
             self._start(st, self._connect(st, DEFAULT_CONNECT_TIMEOUT))
 
-    def _start(self, st: _ChannelState, coro: Coroutine[Any, Any, dict[str, Any]]) -> None:
+    def _start(self, st: ChannelState, coro: Coroutine[Any, Any, dict[str, Any]]) -> None:
         task = self.loop.create_task(coro)
         st.task = task
         task.add_done_callback(functools.partial(self._resolved, st))
 
-    def _resolved(self, st: _ChannelState, task: asyncio.Task[dict[str, Any]]) -> None:
+    def _resolved(self, st: ChannelState, task: asyncio.Task[dict[str, Any]]) -> None:
         exc = task.exception() if not task.cancelled() else PeerLostError("resolution cancelled")
         if exc is None:
             if st.address is None:
@@ -616,7 +619,7 @@ class _ClientCore:
                 self._route_waiting(st)
             backlog, st.backlog = st.backlog, []
             for op in backlog:
-                self._enqueue(st.address, op)
+                self.enqueue(st.address, op)
             waiters, st.ready_waiters = st.ready_waiters, []
             for w in waiters:
                 resolve(w, None)
@@ -636,13 +639,13 @@ class _ClientCore:
         for w in waiters:
             reject(w, exc)
 
-    def _learn_replicas(self, st: _ChannelState, world_size: int) -> None:
+    def _learn_replicas(self, st: ChannelState, world_size: int) -> None:
         """Replica 0 of channel ``st`` says the channel has ``world_size`` replicas."""
         if len(st.replicas) != world_size:
             st.replicas = [st] + [self.state(st.name, r) for r in range(1, world_size)]
         st.world_size = world_size
 
-    def ready(self, st: _ChannelState) -> AsyncChannelWork[None]:
+    def ready(self, st: ChannelState) -> AsyncChannelWork[None]:
         """A work done once ``st`` is resolved (starting a connect if nothing is under way)."""
         work: AsyncChannelWork[None] = AsyncChannelWork(self.loop)
 
@@ -656,7 +659,7 @@ class _ClientCore:
         self.runtime.submit(check)
         return work
 
-    async def _connect(self, st: _ChannelState, timeout: float,
+    async def _connect(self, st: ChannelState, timeout: float,
                        launched: bool = False) -> dict[str, Any]:
         """The registry's info on the channel worker of ``st`` once it is ready."""
         name = st.worker
@@ -697,7 +700,7 @@ class _ClientCore:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
-    async def _create(self, st: _ChannelState, session: Session, maxsize: int,
+    async def _create(self, st: ChannelState, session: Session, maxsize: int,
                       where: NodeChoice, distributed: bool, timeout: float,
                       policy: dict[str, Any] | None = None) -> dict[str, Any]:
         """Launch the channel's worker group (one rank per node ``where`` gives), or
@@ -716,7 +719,7 @@ class _ClientCore:
             except GroupExistsError:
                 pass  # another creator won the race: connect to its channel
         if not launched:
-            _warn_exists(st.name)
+            warn_exists(st.name)
         return await self._connect(st, timeout, launched)
 
     async def _group_exists(self, group: str) -> bool:
@@ -727,29 +730,29 @@ class _ClientCore:
         return True
 
 
-def _warn_exists(name: str) -> None:
+def warn_exists(name: str) -> None:
     log.warning("channel %r already exists; connecting to it (its maxsize and replicas stay "
                 "as they are)", name)
 
 
-#: The operations `_ClientCore.waits` lists while pending, and every kind's name.
+#: The operations `ClientEngine.waits` lists while pending, and every kind's name.
 _WAITING_KINDS = {P.PUT: "put", P.PUT_CREDITED: "put", P.GET_BATCH: "get_batch"}
-_KIND_NAMES = {**_WAITING_KINDS, P.GET: "get", _USER_GET: "get"}
+_KIND_NAMES = {**_WAITING_KINDS, P.GET: "get", USER_GET: "get"}
 
-_cores: weakref.WeakKeyDictionary[Runtime, _ClientCore] = weakref.WeakKeyDictionary()
+_cores: weakref.WeakKeyDictionary[Runtime, ClientEngine] = weakref.WeakKeyDictionary()
 _cores_lock = threading.Lock()
 
 
 def channel_waits(runtime: Runtime) -> list[dict[str, Any]]:
-    """The channel operations of ``runtime``'s process still waiting (`_ClientCore.waits`;
+    """The channel operations of ``runtime``'s process still waiting (`ClientEngine.waits`;
     none where it never used a channel)."""
     core = _cores.get(runtime)
     return [] if core is None else core.waits()
 
 
-def _core_for(runtime: Runtime) -> _ClientCore:
+def engine_for(runtime: Runtime) -> ClientEngine:
     with _cores_lock:
         core = _cores.get(runtime)
         if core is None:
-            core = _cores[runtime] = _ClientCore(runtime)
+            core = _cores[runtime] = ClientEngine(runtime)
         return core

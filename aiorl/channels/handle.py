@@ -1,6 +1,6 @@
 """The [`Channel`][aiorl.Channel] handle: what users call.
 
-Every handle of a process forwards to that process's engine, `aiorl.channels._core`
+Every handle of a process forwards to that process's engine, `aiorl.channels.engine`
 (one per runtime); see its docstring for threads, batching, pipelining, ordering,
 failure and cancellation, and docs/ordering.md for the contract.
 """
@@ -16,8 +16,18 @@ from collections.abc import Generator, Hashable, Sequence
 from typing import Any, Literal, NamedTuple, overload
 
 from aiorl.channels import _protocol as P
-from aiorl.channels._queue import QueuedItem, QueueStats
-from aiorl.channels._server import ChannelHost, QueueKey, group_name_for
+from aiorl.channels.client_state import USER_GET, ChannelState
+from aiorl.channels.engine import (
+    DEFAULT_CONNECT_TIMEOUT,
+    ClientEngine,
+    Combine,
+    NodeChoice,
+    engine_for,
+    warn_exists,
+)
+from aiorl.channels.host import ChannelHost, QueueKey, group_name_for
+from aiorl.channels.items import encode_item, key_from_wire, wire_key
+from aiorl.channels.weighted_queue import QueuedItem, QueueStats
 from aiorl.errors import (
     AiorlError,
     GroupNotFoundError,
@@ -40,16 +50,6 @@ __all__ = [
     "create_channel_from_worker",
 ]
 
-from aiorl.channels._core import (
-    DEFAULT_CONNECT_TIMEOUT,
-    Combine,
-    NodeChoice,
-    _ClientCore,
-    _core_for,
-    _warn_exists,
-)
-from aiorl.channels._items import encode_item, key_from_wire, wire_key
-from aiorl.channels._ops import _USER_GET, _ChannelState
 
 log = logging.getLogger("aiorl.channels")
 
@@ -61,7 +61,7 @@ STR_ITEMS_PER_QUEUE = 8
 STR_TIMEOUT = 10.0
 
 #: Operations recorded as spans while tracing is on, and their span names.
-_TRACED_KINDS = {P.PUT: "put", P.PUT_NOWAIT: "put_nowait", _USER_GET: "get",
+_TRACED_KINDS = {P.PUT: "put", P.PUT_NOWAIT: "put_nowait", USER_GET: "get",
                  P.GET_NOWAIT: "get_nowait", P.GET_BATCH: "get_batch"}
 
 
@@ -159,8 +159,8 @@ class Channel:
         self._runtime = runtime
         self._session = session  # the cluster it was created or connected through, if any
         self._group: WorkerGroup[ChannelHost] | None = None  # worker_group, once asked for
-        self._core: _ClientCore | None = None
-        self._state: _ChannelState | None = None
+        self._core: ClientEngine | None = None
+        self._state: ChannelState | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -228,7 +228,7 @@ class Channel:
         ch._start_connect(timeout)
         return ch._settle()
 
-    def _bind(self) -> tuple[_ClientCore, _ChannelState]:
+    def _bind(self) -> tuple[ClientEngine, ChannelState]:
         core = self._core
         if core is None:
             runtime = self._runtime or current_runtime()
@@ -236,7 +236,7 @@ class Channel:
                 raise RuntimeError(
                     f"channel {self._name!r} is used in a process without an aiorl runtime; "
                     "use it in a driver that created a Cluster, or inside a worker")
-            core = _core_for(runtime)
+            core = engine_for(runtime)
             self._state = core.state(self._name)
             self._core = core
         assert self._state is not None
@@ -254,7 +254,7 @@ class Channel:
                 core._start(st, core._create(st, session, maxsize, where, distributed, timeout,
                                              policy))
             else:
-                _warn_exists(st.name)
+                warn_exists(st.name)
 
         core.runtime.submit(start)
 
@@ -454,7 +454,7 @@ class Channel:
         is the queue's one consumer; with several, each get is one request, and every
         consumer receives each producer's items in put order (docs/ordering.md).
         """
-        work = self._submit(_USER_GET, _queue_key(key, queue_name), 0)
+        work = self._submit(USER_GET, _queue_key(key, queue_name), 0)
         return work if async_op else work.wait()
 
     def flush(self) -> AsyncChannelWork[None]:
