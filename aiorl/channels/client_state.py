@@ -15,9 +15,10 @@ from typing import Any, Protocol
 
 from aiorl.channels import _protocol as P
 from aiorl.channels.host import QueueKey, group_name_for
-from aiorl.runtime import AsyncChannelWork
+from aiorl.runtime import AsyncChannelWork, Runtime
 
-__all__ = ["CREDITED", "SEES_PREFETCH", "TAKES", "USER_GET", "ChannelState", "Engine", "GetStream", "Op", "Outbox", "Received"]
+__all__ = ["CREDITED", "SEES_PREFETCH", "TAKES", "USER_GET", "ChannelState", "Engine", "GetStream",
+           "Op", "Outbox", "Received"]
 
 _PARKABLE = frozenset((P.PUT, P.GET, P.GET_BATCH))  # kinds the channel worker may hold back
 #: Client-side only, never on the wire: a user's ``get``, served by its queue's GetStream.
@@ -34,17 +35,26 @@ Received = tuple[Any, tuple[float, int], Sequence[Any]]  # (payload, (weight, se
 
 
 class Engine(Protocol):
-    """What operations and the gets need of the per-process engine
-    (`aiorl.channels.engine.ClientEngine`), which this module cannot import."""
+    """What operations, the gets, the resolver and the router need of the per-process
+    engine (`aiorl.channels.engine.ClientEngine`), which their modules cannot import (it
+    imports them)."""
 
+    runtime: Runtime
     loop: asyncio.AbstractEventLoop
+    #: the state of each resolved channel worker, by its address
+    by_address: dict[str, ChannelState]
+
+    def state(self, name: str, rank: int = 0) -> ChannelState: ...
+
+    def submit(self, state: ChannelState, kind: int, queue: QueueKey, number: Any,
+               payload: Any = 0, frames: Sequence[Any] = ()) -> AsyncChannelWork[Any]: ...
 
     def issue(self, op: Op) -> None: ...
 
     def accept(self, op: Op) -> None: ...
 
     def unget(self, address: str, st: ChannelState, queue: QueueKey,
-               items: Sequence[Received]) -> None: ...
+              items: Sequence[Received]) -> None: ...
 
     def enqueue(self, address: str, op: Op) -> None: ...
 
@@ -52,6 +62,9 @@ class Engine(Protocol):
 
     def withdraw_get(self, op: Op) -> None: ...
 
+    def release(self, st: ChannelState) -> None: ...
+
+    def abandon(self, st: ChannelState, exc: BaseException) -> None: ...
 
 
 class Op(asyncio.Future):  # type: ignore[type-arg]
@@ -66,14 +79,14 @@ class Op(asyncio.Future):  # type: ignore[type-arg]
     ``PREFETCH`` slots of a `GetStream`) are never completed.
     """
 
-    __slots__ = ("core", "state", "kind", "queue", "number", "payload", "frames", "token",
+    __slots__ = ("engine", "state", "kind", "queue", "number", "payload", "frames", "token",
                  "address", "stream")
 
-    def __init__(self, core: Engine, state: ChannelState, kind: int, queue: QueueKey,
+    def __init__(self, engine: Engine, state: ChannelState, kind: int, queue: QueueKey,
                  number: Any, payload: Any, frames: Sequence[Any],
                  stream: GetStream | None = None) -> None:
-        super().__init__(loop=core.loop)
-        self.core = core
+        super().__init__(loop=engine.loop)
+        self.engine = engine
         self.state = state  # replica 0's until a routed operation knows its replica
         self.kind = kind
         self.queue = queue
@@ -90,9 +103,9 @@ class Op(asyncio.Future):  # type: ignore[type-arg]
         if not super().cancel(msg=msg):
             return False
         if self.kind == USER_GET:
-            self.core.withdraw_get(self)
+            self.engine.withdraw_get(self)
         elif self.kind in _PARKABLE:
-            self.core.on_cancel(self)
+            self.engine.on_cancel(self)
         return True
 
 
@@ -209,7 +222,7 @@ class ChannelState:
         #: per queue: credited puts sent and not yet reported admitted, oldest first
         self.admitting: dict[QueueKey, collections.deque[Op]] = {}
         self.streams: dict[QueueKey, GetStream] = {}
-        # ---- replica 0 only: the channel as a whole (see Engine.submit_routed)
+        # ---- replica 0 only: the channel as a whole (see `aiorl.channels.routing`)
         #: replicas of the channel, learnt when replica 0 is resolved (None: not yet)
         self.world_size: int | None = None
         self.replicas: list[ChannelState] = [self]

@@ -24,9 +24,9 @@ __all__ = ["Gets"]
 class Gets:
     """User gets of one process, per queue (loop thread only)."""
 
-    def __init__(self, core: Engine) -> None:
-        self.core = core
-        self.loop = core.loop
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.loop = engine.loop
 
     def stream(self, st: ChannelState, queue: QueueKey) -> GetStream:
         stream = st.streams.get(queue)
@@ -67,22 +67,22 @@ class Gets:
 
         Nothing is sent while withdrawn requests are ``settling``: an item one of them
         took goes back to the queue when its answer arrives, and a slot sent before
-        that would take the items behind it (``_slot_withdrawn`` tops up then).
+        that would take the items behind it (`slot_withdrawn` tops up then).
         """
         if stream.settling:
             return
         for _ in range(len(stream.waiting) - len(stream.demand) - stream.requested_total):
-            slot = Op(self.core, stream.state, P.GET, stream.queue, 0, 0, (), stream)
+            slot = Op(self.engine, stream.state, P.GET, stream.queue, 0, 0, (), stream)
             stream.demand.append(slot)
-            self.core.issue(slot)
+            self.engine.issue(slot)
         if not stream.depth:
             return
         wanted = stream.depth - len(stream.ready) - stream.in_flight()
         if wanted >= max(1, stream.depth // 2):  # ask in chunks: fewer, fuller messages
-            slot = Op(self.core, stream.state, P.PREFETCH, stream.queue, wanted, 0, (), stream)
+            slot = Op(self.engine, stream.state, P.PREFETCH, stream.queue, wanted, 0, (), stream)
             stream.requested[slot] = wanted
             stream.requested_total += wanted
-            self.core.issue(slot)
+            self.engine.issue(slot)
         if stream.timer is None:
             stream.timer = self.loop.call_later(P.PREFETCH_IDLE, self.idle, stream)
 
@@ -133,8 +133,8 @@ class Gets:
         if (stream.lent and not stream.ready and not stream.requested
                 and stream.state.address is not None):
             stream.lent = False
-            self.core.enqueue(stream.state.address,
-                               Op(self.core, stream.state, P.DRAINED, stream.queue, 0, 0, ()))
+            self.engine.enqueue(stream.state.address,
+                               Op(self.engine, stream.state, P.DRAINED, stream.queue, 0, 0, ()))
 
     def item_arrived(self, stream: GetStream, item: Received) -> None:
         waiting = stream.waiting
@@ -150,7 +150,7 @@ class Gets:
             if stream.timer is None:
                 stream.timer = self.loop.call_later(P.PREFETCH_IDLE, self.idle, stream)
         elif stream.state.address is not None:  # held operations must see it in the queue
-            self.core.unget(stream.state.address, stream.state, stream.queue, [item])
+            self.engine.unget(stream.state.address, stream.state, stream.queue, [item])
 
     def slot_answered(self, slot: Op, status: int, info: Any) -> None:
         """A slot's answer without items (ERROR): the oldest waiting user get fails."""
@@ -171,7 +171,7 @@ class Gets:
         """A withdrawn request was answered (its items, if any, are on their way back)."""
         stream.settling -= 1
         if not stream.settling and stream.held is None and stream.waiting:
-            self.top_up(stream)  # the slots held back while it settled (see _top_up)
+            self.top_up(stream)  # the slots held back while it settled (see top_up)
         self.settled(stream)
 
     def withdraw_get(self, op: Op) -> None:
@@ -238,7 +238,7 @@ class Gets:
         if stream.ready:
             items, stream.ready = list(stream.ready), collections.deque()
             if stream.state.address is not None:
-                self.core.unget(stream.state.address, stream.state, stream.queue, items)
+                self.engine.unget(stream.state.address, stream.state, stream.queue, items)
         self.drained(stream)
 
     def prefetch_returned(self, stream: GetStream, op: Op) -> bool:
@@ -270,7 +270,7 @@ class Gets:
         # first (a prefetch that was to serve them may have come back short).
         self.top_up(stream)
         for op in held:
-            self.core.accept(op)
+            self.engine.accept(op)
 
     def idle(self, stream: GetStream) -> None:
         stream.timer = None
