@@ -1,6 +1,6 @@
 """Channels (issue 5): weighted FIFO queues hosted by a channel worker.
 
-The first part tests the pure queue logic (:mod:`aiorl.channels._queue`) in this
+The first part tests the pure queue logic (:mod:`aiorl.channels.weighted_queue`) in this
 process; the rest runs real processes on one module-scoped embedded cluster of
 two nodes, each test with its own channel and group names.
 """
@@ -21,8 +21,8 @@ import torch
 
 import aiorl
 from aiorl.channels import Channel, QueuedItem, QueueStats
-from aiorl.channels._items import key_from_wire, wire_key
-from aiorl.channels._queue import Done, WeightedQueue
+from aiorl.channels.items import key_from_wire, wire_key
+from aiorl.channels.weighted_queue import Done, WeightedQueue
 from aiorl.errors import PeerLostError, QueueEmpty, QueueFull
 from aiorl.placement import NodePlacementStrategy
 from aiorl.transport.serialization import SerializationError

@@ -420,7 +420,7 @@ def test_ctrl_c_in_a_terminal_reaches_the_driver_alone(tmp_path) -> None:
 
 def test_a_channel_client_leaving_with_nothing_in_flight_is_not_a_warning(caplog) -> None:
     """Every worker death logged "re-queueing 0 undelivered answer(s)" in the channel's host."""
-    from aiorl.channels._server import ChannelServer
+    from aiorl.channels.host import ChannelServer
 
     class Endpoint:
         loop = asyncio.new_event_loop()

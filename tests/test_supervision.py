@@ -308,7 +308,7 @@ def test_node_cut_off_from_the_registry_stops_its_workers_after_the_expiry(proce
 
 
 def test_channel_restart_on_failure_fails_pending_gets_and_comes_back_empty(cluster):
-    from aiorl.channels._server import group_name_for
+    from aiorl.channels.host import group_name_for
 
     channel = aiorl.Channel.create(cluster, "phoenix_items", restart="on_failure")
     worker = f"{group_name_for('phoenix_items')}:0"

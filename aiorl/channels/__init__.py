@@ -16,15 +16,15 @@ there to the consumer's, over ZMQ, with tensors as zero-copy out-of-band frames.
 See ``docs/channels.md`` for the semantics (ordering, backpressure, failure).
 """
 
-from aiorl.channels._client import (
+from aiorl.channels.engine import channel_waits
+from aiorl.channels.handle import (
     Channel,
     ReplicaStatistics,
     connect_channel_from_worker,
     create_channel_from_worker,
 )
-from aiorl.channels._core import channel_waits
-from aiorl.channels._queue import QueuedItem, QueueStats
-from aiorl.channels._server import ChannelHost
+from aiorl.channels.host import ChannelHost
+from aiorl.channels.weighted_queue import QueuedItem, QueueStats
 
 __all__ = [
     "Channel",

@@ -34,7 +34,7 @@ name -> counters; for ``INFO`` ``[qsize, maxsize]``; for ``ROUTE`` a replica ran
 Queue names (*keys*) travel as ``str`` when they are strings, the common case, and
 otherwise as bytes: the key's msgpack form (tuples as arrays, other objects as
 their pickle in an extension type), so equal keys of the plain types meet in one
-queue; see `aiorl.channels._client.wire_key`.
+queue; see `aiorl.channels.handle.wire_key`.
 
 Every parked operation is answered exactly once: with its result, or with
 ``CANCELLED`` after a ``CANCEL`` found it still parked. A ``CANCEL`` that finds

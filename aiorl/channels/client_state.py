@@ -1,9 +1,9 @@
 """What the channel client keeps per operation, per channel worker and per queue.
 
-`_Op` is one operation (and the future its work wraps), `_Outbox` what leaves for one
-channel worker this loop turn, `_GetStream` the gets of this process on one queue, and
-`_ChannelState` what this process knows about one channel worker. The engine that moves
-them is `aiorl.channels._core`; the gets' rules are in `aiorl.channels._gets`.
+`Op` is one operation (and the future its work wraps), `Outbox` what leaves for one
+channel worker this loop turn, `GetStream` the gets of this process on one queue, and
+`ChannelState` what this process knows about one channel worker. The engine that moves
+them is `aiorl.channels.engine`; the gets' rules are in `aiorl.channels.gets`.
 """
 
 from __future__ import annotations
@@ -14,45 +14,60 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from aiorl.channels import _protocol as P
-from aiorl.channels._server import QueueKey, group_name_for
-from aiorl.runtime import AsyncChannelWork
+from aiorl.channels.host import QueueKey, group_name_for
+from aiorl.runtime import AsyncChannelWork, Runtime
+
+__all__ = ["CREDITED", "SEES_PREFETCH", "TAKES", "USER_GET", "ChannelState", "Engine", "GetStream",
+           "Op", "Outbox", "Received"]
 
 _PARKABLE = frozenset((P.PUT, P.GET, P.GET_BATCH))  # kinds the channel worker may hold back
-#: Client-side only, never on the wire: a user's ``get``, served by its queue's _GetStream.
-_USER_GET = -1
+#: Client-side only, never on the wire: a user's ``get``, served by its queue's GetStream.
+USER_GET = -1
 #: Operations that must see the items this process prefetched back in their queue first
 #: (``STATS`` too, for every queue of the channel).
-_SEES_PREFETCH = frozenset((P.GET_NOWAIT, P.GET_BATCH, P.INFO, P.PEEK))
+SEES_PREFETCH = frozenset((P.GET_NOWAIT, P.GET_BATCH, P.INFO, P.PEEK))
 #: Of those, the ones that take items: a queue's gets made after one are served after it.
-_TAKES = frozenset((P.GET_NOWAIT, P.GET_BATCH))
+TAKES = frozenset((P.GET_NOWAIT, P.GET_BATCH))
 #: Puts that complete at once while their queue's credits last (see _protocol, Credits).
-_CREDITED = frozenset((P.PUT, P.PUT_NOWAIT))
+CREDITED = frozenset((P.PUT, P.PUT_NOWAIT))
 
 Received = tuple[Any, tuple[float, int], Sequence[Any]]  # (payload, (weight, seq), frames)
 
 
 class Engine(Protocol):
-    """What operations and the gets need of the per-process engine
-    (`aiorl.channels._core._ClientCore`), which this module cannot import."""
+    """What operations, the gets, the resolver and the router need of the per-process
+    engine (`aiorl.channels.engine.ClientEngine`), which their modules cannot import (it
+    imports them)."""
 
+    runtime: Runtime
     loop: asyncio.AbstractEventLoop
+    #: the state of each resolved channel worker, by its address
+    by_address: dict[str, ChannelState]
 
-    def _issue(self, op: _Op) -> None: ...
+    def state(self, name: str, rank: int = 0) -> ChannelState: ...
 
-    def _accept(self, op: _Op) -> None: ...
+    def submit(self, state: ChannelState, kind: int, queue: QueueKey, number: Any,
+               payload: Any = 0, frames: Sequence[Any] = ()) -> AsyncChannelWork[Any]: ...
 
-    def _unget(self, address: str, st: _ChannelState, queue: QueueKey,
-               items: Sequence[Received]) -> None: ...
+    def issue(self, op: Op) -> None: ...
 
-    def _enqueue(self, address: str, op: _Op) -> None: ...
+    def accept(self, op: Op) -> None: ...
 
-    def _on_cancel(self, op: _Op) -> None: ...
+    def unget(self, address: str, st: ChannelState, queue: QueueKey,
+              items: Sequence[Received]) -> None: ...
 
-    def _withdraw_get(self, op: _Op) -> None: ...
+    def enqueue(self, address: str, op: Op) -> None: ...
+
+    def on_cancel(self, op: Op) -> None: ...
+
+    def withdraw_get(self, op: Op) -> None: ...
+
+    def release(self, st: ChannelState) -> None: ...
+
+    def abandon(self, st: ChannelState, exc: BaseException) -> None: ...
 
 
-
-class _Op(asyncio.Future):  # type: ignore[type-arg]
+class Op(asyncio.Future):  # type: ignore[type-arg]
     """One operation: the future its [`AsyncChannelWork`][aiorl.AsyncChannelWork] wraps, and its
     wire data.
 
@@ -61,17 +76,17 @@ class _Op(asyncio.Future):  # type: ignore[type-arg]
     gets cancelled (``work.cancel()``, ``wait(timeout)`` expiring, a task
     cancelled while awaiting it) without a done callback per operation.
     Operations that nobody awaits (``CANCEL``, ``UNGET``, the ``GET`` and
-    ``PREFETCH`` slots of a `_GetStream`) are never completed.
+    ``PREFETCH`` slots of a `GetStream`) are never completed.
     """
 
-    __slots__ = ("core", "state", "kind", "queue", "number", "payload", "frames", "token",
+    __slots__ = ("engine", "state", "kind", "queue", "number", "payload", "frames", "token",
                  "address", "stream")
 
-    def __init__(self, core: Engine, state: _ChannelState, kind: int, queue: QueueKey,
+    def __init__(self, engine: Engine, state: ChannelState, kind: int, queue: QueueKey,
                  number: Any, payload: Any, frames: Sequence[Any],
-                 stream: _GetStream | None = None) -> None:
-        super().__init__(loop=core.loop)
-        self.core = core
+                 stream: GetStream | None = None) -> None:
+        super().__init__(loop=engine.loop)
+        self.engine = engine
         self.state = state  # replica 0's until a routed operation knows its replica
         self.kind = kind
         self.queue = queue
@@ -87,14 +102,14 @@ class _Op(asyncio.Future):  # type: ignore[type-arg]
     def cancel(self, msg: Any = None) -> bool:
         if not super().cancel(msg=msg):
             return False
-        if self.kind == _USER_GET:
-            self.core._withdraw_get(self)
+        if self.kind == USER_GET:
+            self.engine.withdraw_get(self)
         elif self.kind in _PARKABLE:
-            self.core._on_cancel(self)
+            self.engine.on_cancel(self)
         return True
 
 
-class _Outbox:
+class Outbox:
     """What leaves for one channel worker at the end of this loop turn."""
 
     __slots__ = ("meta", "frames", "ops", "nbytes", "inline")
@@ -102,12 +117,12 @@ class _Outbox:
     def __init__(self) -> None:
         self.meta: list[Any] = []
         self.frames: list[Any] = []
-        self.ops: list[_Op] = []  # the operations that await an answer, or are withdrawn
+        self.ops: list[Op] = []  # the operations that await an answer, or are withdrawn
         self.nbytes = 0
         self.inline = 0
 
 
-class _GetStream:
+class GetStream:
     """The gets of this process on one queue of one channel (loop thread only).
 
     User gets wait in ``waiting``; the channel worker sees *slots* instead:
@@ -150,13 +165,13 @@ class _GetStream:
                  "settling", "depth", "last_get", "held", "timer", "fences", "lent",
                  "prefetch_off_until")
 
-    def __init__(self, state: _ChannelState, queue: QueueKey) -> None:
+    def __init__(self, state: ChannelState, queue: QueueKey) -> None:
         self.state = state
         self.queue = queue
-        self.waiting: collections.deque[_Op] = collections.deque()  # user gets, in call order
+        self.waiting: collections.deque[Op] = collections.deque()  # user gets, in call order
         self.ready: collections.deque[Received] = collections.deque()  # prefetched items
-        self.demand: collections.deque[_Op] = collections.deque()  # GET slots not answered
-        self.requested: dict[_Op, int] = {}  # PREFETCH slots not answered -> items asked for
+        self.demand: collections.deque[Op] = collections.deque()  # GET slots not answered
+        self.requested: dict[Op, int] = {}  # PREFETCH slots not answered -> items asked for
         self.requested_total = 0
         #: withdrawn requests (CANCEL sent: GET slots, cancelled get_batches) whose answer
         #: (CANCELLED, or items that go back) has not arrived
@@ -165,7 +180,7 @@ class _GetStream:
         self.last_get = -1e9  # when a user get was last issued or served
         #: Operations on this queue held back until withdrawn and in-flight slots are
         #: answered, so that they see the prefetched items back in the queue.
-        self.held: list[_Op] | None = None
+        self.held: list[Op] | None = None
         self.timer: asyncio.TimerHandle | None = None
         #: ``[token, gets]`` of each get_batch or get_nowait sent for this queue while user
         #: gets waited, oldest first: ``gets`` of the oldest waiting user gets were made
@@ -185,7 +200,7 @@ class _GetStream:
         return len(self.demand) + self.requested_total - len(self.waiting)
 
 
-class _ChannelState:
+class ChannelState:
     """What one process knows about one channel worker (a plain channel's, or one replica
     of a distributed channel), shared by all its handles to that channel.
 
@@ -200,18 +215,18 @@ class _ChannelState:
         self.worker = f"{self.group}:{rank}"
         self.address: str | None = None  # the channel worker's endpoint, once resolved
         self.node_rank: int | None = None  # the channel worker's node, once resolved
-        self.backlog: list[_Op] = []  # operations issued before the address was known
+        self.backlog: list[Op] = []  # operations issued before the address was known
         self.task: asyncio.Task[dict[str, Any]] | None = None  # the resolution whose outcome counts
         self.ready_waiters: list[AsyncChannelWork[Any]] = []
         self.credits: dict[QueueKey, int] = {}  # queue -> puts that may complete at once
         #: per queue: credited puts sent and not yet reported admitted, oldest first
-        self.admitting: dict[QueueKey, collections.deque[_Op]] = {}
-        self.streams: dict[QueueKey, _GetStream] = {}
-        # ---- replica 0 only: the channel as a whole (see Engine.submit_routed)
+        self.admitting: dict[QueueKey, collections.deque[Op]] = {}
+        self.streams: dict[QueueKey, GetStream] = {}
+        # ---- replica 0 only: the channel as a whole (see `aiorl.channels.routing`)
         #: replicas of the channel, learnt when replica 0 is resolved (None: not yet)
         self.world_size: int | None = None
-        self.replicas: list[_ChannelState] = [self]
+        self.replicas: list[ChannelState] = [self]
         self.key_ranks: dict[QueueKey, int] = {}  # the routing cache: key -> replica rank
         #: operations on keys whose replica is not known yet, in call order per key
-        self.unrouted: dict[QueueKey, list[_Op]] = {}
-        self.routing: dict[QueueKey, _Op] = {}  # ROUTE requests in flight, per key
+        self.unrouted: dict[QueueKey, list[Op]] = {}
+        self.routing: dict[QueueKey, Op] = {}  # ROUTE requests in flight, per key

@@ -1,4 +1,9 @@
-"""The per-process engine behind every [`Channel`][aiorl.Channel] handle (`_ClientCore`).
+"""The per-process engine behind every [`Channel`][aiorl.Channel] handle (`ClientEngine`).
+
+The engine sends operations and reads their answers; two helpers it owns do the rest:
+`aiorl.channels.resolution` finds (or creates) the channel workers by name, and
+`aiorl.channels.routing` sends each operation of a distributed channel to the replica
+that holds its key. The gets' own rules are in `aiorl.channels.gets`.
 
 Threads
     A handle can be used from any thread of a process that has an aiorl runtime
@@ -21,7 +26,7 @@ Pipelining
     reports it in the queue, so many puts in flight cost a few messages, and a put
     that returned is in the channel. Credits come back as the worker accepts items,
     and a full queue grants none, so backpressure holds. Gets that follow each
-    other closely prefetch items already queued (`_GetStream`), so a loop of
+    other closely prefetch items already queued (`GetStream`), so a loop of
     ``await ch.get()`` streams without a round trip per item.
 
 Ordering
@@ -30,12 +35,12 @@ Ordering
     the order they were made, and requests that observe the queue (``qsize``)
     see the puts issued before them and the items this process prefetched. The
     gets of one process on a queue receive items in queue order, in call order,
-    prefetch or not (`_GetStream` says how). docs/ordering.md has the
+    prefetch or not (`GetStream` says how). docs/ordering.md has the
     whole contract.
 
 Failure
     The process watches the channel worker through the registry
-    (`resolve_worker`); when it dies the
+    (`resolve_worker`, in `aiorl.channels.resolution`); when it dies the
     endpoint marks it lost and every pending operation fails with
     [`PeerLostError`][aiorl.PeerLostError], puts sent on credits and not yet
     reported in their queue included.
@@ -43,12 +48,12 @@ Failure
 Keys and distributed channels
     Each queue is named by a key: a ``str`` travels as it is, any other hashable
     as its canonical bytes (`wire_key`). Every channel worker has its own
-    `_ChannelState`; a plain channel has one, a distributed channel one per
+    `ChannelState`; a plain channel has one, a distributed channel one per
     replica, and everything below (outboxes, credits, prefetch, failure) works
     per replica unchanged. Replica 0's state also knows the channel's replicas
     and caches which replica holds each key; an operation on a key it does not
     know yet waits (in call order with the others on that key) for replica 0's
-    answer to a ``ROUTE`` (`_ClientCore.submit_routed`).
+    answer to a ``ROUTE`` (`aiorl.channels.routing`).
 
 Cancellation
     Cancelling a pending put or get (``work.cancel()``, ``wait(timeout)``
@@ -58,97 +63,63 @@ Cancellation
     this process made after the cancellation take it first.
 """
 
-# HOT PATH: _ClientCore.submit/_accept/_enqueue/_on_done run per item.
+# HOT PATH: ClientEngine.submit/accept/enqueue/_on_done run per item.
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
-import os
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from aiorl.channels import _protocol as P
-from aiorl.channels._gets import Gets
-from aiorl.channels._items import decode_item, key_from_wire, received_items
-from aiorl.channels._ops import (
-    _CREDITED,
-    _SEES_PREFETCH,
-    _TAKES,
-    _USER_GET,
+from aiorl.channels.client_state import (
+    CREDITED,
+    SEES_PREFETCH,
+    TAKES,
+    USER_GET,
+    ChannelState,
+    Op,
+    Outbox,
     Received,
-    _ChannelState,
-    _Op,
-    _Outbox,
 )
-from aiorl.channels._queue import QueuedItem, QueueStats
-from aiorl.channels._server import ChannelHost, QueueKey
-from aiorl.errors import (
-    GroupExistsError,
-    GroupNotFoundError,
-    NotFoundError,
-    PeerLostError,
-    QueueEmpty,
-    QueueFull,
-    RemoteError,
-    WorkerInitError,
-)
-from aiorl.group import WorkerGroupBuilder
-from aiorl.placement import NodePlacementStrategy
-from aiorl.protocol.ops import WorkerState
-from aiorl.runtime import AsyncChannelWork, Runtime, Session, WorkerSession
-from aiorl.runtime.promise import (
-    link_threads,
-    prepare_threads,
-    reject,
-    resolve,
-    settle_from,
-)
+from aiorl.channels.gets import Gets
+from aiorl.channels.host import QueueKey
+from aiorl.channels.items import decode_item, key_from_wire, received_items
+from aiorl.channels.resolution import Resolver
+from aiorl.channels.routing import KeyRouter
+from aiorl.channels.weighted_queue import QueuedItem, QueueStats
+from aiorl.errors import PeerLostError, QueueEmpty, QueueFull, RemoteError
+from aiorl.runtime import AsyncChannelWork, Runtime
+from aiorl.runtime.promise import link_threads, prepare_threads
 from aiorl.util.tokens import TokenTable
+
+__all__ = ["ClientEngine", "channel_waits", "engine_for"]
 
 log = logging.getLogger("aiorl.channels")
 
-#: How long connecting waits for a channel to exist and be ready, by default.
-DEFAULT_CONNECT_TIMEOUT = 60.0
 
-#: Gives the node ranks of a new channel's workers, one per replica, for a session.
-NodeChoice = Callable[[Session], Coroutine[Any, Any, list[int]]]
-#: Combines the answers of every replica (in replica order) to a fanned-out operation.
-Combine = Callable[[list["_ChannelState"], list[Any]], Any]
-
-
-def _process_node_rank() -> int:
-    """The node this process runs on, which a distributed channel assigns new keys by:
-    a worker's is the ``NODE_RANK`` its group launched it with; the driver counts as
-    node 0, as in RLinf."""
-    if "AIORL_WORKER_NAME" not in os.environ:
-        return 0
-    try:
-        return int(os.environ.get("NODE_RANK", "0"))
-    except ValueError:
-        return 0
-
-
-class _ClientCore:
+class ClientEngine:
     """The per-process engine behind every [`Channel`][aiorl.Channel] handle (one per runtime)."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.loop = runtime.loop
         self.endpoint = runtime.endpoint
-        self._states: dict[tuple[str, int], _ChannelState] = {}
-        #: this process's node, which a distributed channel assigns new keys by
-        self.node_rank = _process_node_rank()
+        self._states: dict[tuple[str, int], ChannelState] = {}
         self._states_lock = threading.Lock()
-        self._by_address: dict[str, _ChannelState] = {}
-        self._pending: TokenTable[_Op] = TokenTable()
-        self._outboxes: dict[str, _Outbox] = {}
+        #: the state of each resolved channel worker, by its address (answers and losses
+        #: name the peer)
+        self.by_address: dict[str, ChannelState] = {}
+        self._pending: TokenTable[Op] = TokenTable()
+        self._outboxes: dict[str, Outbox] = {}
         self._flush_scheduled = False
         self.gets = Gets(self)  # user gets, per queue, and their slots
+        self.resolver = Resolver(self)  # channel workers by name
+        self.router = KeyRouter(self, self.resolver)  # keys to the replicas that hold them
         # Before any operation can be posted (call_soon keeps FIFO order).
         runtime.submit(self._install)
 
@@ -176,162 +147,53 @@ class _ClientCore:
                             "queue": op.queue, "peer": state.worker, "unresolved": True})
         return out
 
-    def state(self, name: str, rank: int = 0) -> _ChannelState:
+    def state(self, name: str, rank: int = 0) -> ChannelState:
         """This process's state of replica ``rank`` of channel ``name`` (0: the channel)."""
         with self._states_lock:
             st = self._states.get((name, rank))
             if st is None:
-                st = self._states[name, rank] = _ChannelState(name, rank)
+                st = self._states[name, rank] = ChannelState(name, rank)
             return st
 
     # ------------------------------------------------------------------ any thread
-    def submit(self, state: _ChannelState, kind: int, queue: QueueKey, number: Any, payload: Any = 0,
+    def submit(self, state: ChannelState, kind: int, queue: QueueKey, number: Any, payload: Any = 0,
                frames: Sequence[Any] = ()) -> AsyncChannelWork[Any]:
         on_loop = self.runtime.on_loop_thread()
-        if on_loop:  # the fast path of a get served from prefetched items: no _Op
-            if kind == _USER_GET:
+        if on_loop:  # the fast path of a get served from prefetched items: no Op
+            if kind == USER_GET:
                 stream = state.streams.get(queue)
                 if stream is not None and stream.can_serve():
                     fut: asyncio.Future[Any] = self.loop.create_future()
                     self.gets.serve_ready(stream, fut)
                     return AsyncChannelWork(self.loop, fut)
-        op = _Op(self, state, kind, queue, number, payload, frames)
+        op = Op(self, state, kind, queue, number, payload, frames)
         work: AsyncChannelWork[Any] = AsyncChannelWork(self.loop, op)
         if on_loop:
-            self._accept(op)
+            self.accept(op)
         else:
             prepare_threads(work)  # this thread will likely wait(): mirror ready, no lock
             self.runtime.submit(self._accept_from_thread, op, work)
         return work
 
-    def submit_routed(self, st: _ChannelState, kind: int, key: QueueKey, number: Any,
-                      payload: Any = 0, frames: Sequence[Any] = ()) -> AsyncChannelWork[Any]:
-        """`submit` an operation on ``key`` of channel ``st`` (replica 0's state)
-        whose replica this process does not know yet: the channel is not resolved, or
-        it is distributed and ``key`` is new here. The operation waits, in call order
-        with the others on ``key``, until the replica is known (`_route`)."""
-        op = _Op(self, st, kind, key, number, payload, frames)
-        work: AsyncChannelWork[Any] = AsyncChannelWork(self.loop, op)
-        if self.runtime.on_loop_thread():
-            self._route(op)
-        else:
-            prepare_threads(work)
-            self.runtime.submit(self._route_from_thread, op, work)
-        return work
-
-    def fan_out(self, st: _ChannelState, kind: int, combine: Combine) -> AsyncChannelWork[Any]:
-        """``kind`` (``STATS`` or ``FLUSH``) sent to every replica of channel ``st``, once the
-        channel is resolved and the routes this process asked for are known (so it comes
-        after every earlier operation); the work gives ``combine(replicas, answers)``."""
-        work: AsyncChannelWork[Any] = AsyncChannelWork(self.loop)
-
-        async def run() -> Any:
-            await self.ready(st)
-            while st.routing:  # operations waiting for their route go out first
-                await asyncio.gather(*st.routing.values(), return_exceptions=True)
-            replicas = list(st.replicas)
-            works = [self.submit(replica, kind, "", 0) for replica in replicas]
-            return combine(replicas, [await w for w in works])
-
-        def start() -> None:
-            task = self.loop.create_task(run())
-            task.add_done_callback(lambda t: settle_from(work, t))
-
-        self.runtime.submit(start)
-        return work
-
-    # ------------------------------------------------------------------ loop thread
-    def _route_from_thread(self, op: _Op, work: AsyncChannelWork[Any]) -> None:
-        link_threads(work)
-        self._route(op)
-
-    def _route(self, op: _Op) -> None:
-        """Accept ``op`` at the replica that holds its key, or keep it until that is known."""
-        if op.done():  # cancelled before it could leave
-            return
-        st = op.state
-        rank = 0 if st.world_size == 1 else st.key_ranks.get(op.queue)
-        if rank is not None:
-            op.state = st.replicas[rank]
-            self._accept(op)
-            return
-        waiting = st.unrouted.get(op.queue)
-        if waiting is None:
-            waiting = st.unrouted[op.queue] = []
-        waiting.append(op)
-        if st.world_size is None:
-            self._ensure_resolving(st)  # _resolved routes what waits here
-        elif op.queue not in st.routing:
-            self._ask_route(st, op.queue)
-
-    def _ask_route(self, st: _ChannelState, key: QueueKey) -> None:
-        """Ask replica 0, the one authority, which replica holds ``key`` (assigning it)."""
-        ask = _Op(self, st, P.ROUTE, key, self.node_rank, 0, ())
-        st.routing[key] = ask
-        ask.add_done_callback(functools.partial(self._route_failed, st, key))
-        self._issue(ask)
-
-    def _routed(self, ask: _Op, rank: int) -> None:
-        """The answer to a ``ROUTE``: cache it and send what waited for it, in order."""
-        st, key = ask.state, ask.queue
-        if st.routing.get(key) is ask:
-            del st.routing[key]
-        if not 0 <= rank < len(st.replicas):
-            ask.set_exception(RemoteError(st.worker, 0, "ChannelError",
-                                          f"key routed to replica {rank} of {len(st.replicas)}",
-                                          ""))
-            return
-        st.key_ranks[key] = rank
-        replica = st.replicas[rank]
-        for op in st.unrouted.pop(key, ()):
-            if not op.done():
-                op.state = replica
-                self._accept(op)
-        ask.set_result(rank)
-
-    def _route_failed(self, st: _ChannelState, key: QueueKey, ask: _Op) -> None:
-        if ask.cancelled() or ask.exception() is None:
-            return
-        if st.routing.get(key) is ask:
-            del st.routing[key]
-        exc = ask.exception()
-        assert exc is not None
-        for op in st.unrouted.pop(key, ()):
-            if not op.done():
-                op.set_exception(exc)
-
-    def _route_waiting(self, st: _ChannelState) -> None:
-        """Replica 0 was just resolved: route the operations that waited for it."""
-        if st.world_size != 1:
-            for key in st.unrouted:
-                if key not in st.routing:
-                    self._ask_route(st, key)
-            return
-        waiting, st.unrouted = st.unrouted, {}
-        for ops in waiting.values():
-            for op in ops:
-                if not op.done():
-                    self._accept(op)
-
-    def _accept_from_thread(self, op: _Op, work: AsyncChannelWork[Any]) -> None:
+    def _accept_from_thread(self, op: Op, work: AsyncChannelWork[Any]) -> None:
         link_threads(work)  # link the thread-side mirror now: wait() then needs no extra hop
-        self._accept(op)
+        self.accept(op)
 
-    def _accept(self, op: _Op) -> None:
+    def accept(self, op: Op) -> None:
         if op.done():  # cancelled before it could leave
             return
         st = op.state
         kind = op.kind
-        if kind == _USER_GET:
+        if kind == USER_GET:
             self.gets.accept_get(op)
             return
-        if kind in _SEES_PREFETCH:
+        if kind in SEES_PREFETCH:
             stream = st.streams.get(op.queue)
             if stream is not None:
                 if not self.gets.prefetch_returned(stream, op):
                     return
-                if kind in _TAKES:
-                    self._issue(op)
+                if kind in TAKES:
+                    self.issue(op)
                     if stream.waiting:  # no prefetch is out: they have a GET slot each
                         stream.fences.append([op.token, len(stream.waiting)])
                     return
@@ -339,11 +201,11 @@ class _ClientCore:
             for stream in st.streams.values():
                 if not self.gets.prefetch_returned(stream, op):
                     return  # held: accepted again (and the other queues checked) once settled
-        elif kind in _CREDITED and self._put_credited(op):
+        elif kind in CREDITED and self._put_credited(op):
             return
-        self._issue(op)
+        self.issue(op)
 
-    def _put_credited(self, op: _Op) -> bool:
+    def _put_credited(self, op: Op) -> bool:
         """Send put ``op`` with a credit, without waiting for anything; False without one.
 
         Its work completes once the channel worker reports it in its queue (a ``CREDIT``
@@ -366,35 +228,35 @@ class _ClientCore:
         if admitting is None:
             admitting = st.admitting[op.queue] = collections.deque()
         admitting.append(op)
-        self._enqueue(address, op)
+        self.enqueue(address, op)
         return True
 
-    def _issue(self, op: _Op) -> None:
+    def issue(self, op: Op) -> None:
         """Send ``op`` (or keep it until its channel is resolved); its answer is awaited."""
         op.token = self._pending.issue(op)
         st = op.state
         if st.address is not None:
-            self._enqueue(st.address, op)
+            self.enqueue(st.address, op)
         else:
             st.backlog.append(op)
-            self._ensure_resolving(st)
+            self.resolver.ensure_resolving(st)
 
-    def _enqueue(self, address: str, op: _Op) -> None:
+    def enqueue(self, address: str, op: Op) -> None:
         op.address = address
         box = self._box(address)
         box.ops.append(op)
         self._add(address, box, (op.kind, op.token, op.queue, op.number, op.payload), op.frames)
 
-    def _box(self, address: str) -> _Outbox:
+    def _box(self, address: str) -> Outbox:
         box = self._outboxes.get(address)
         if box is None:
-            box = self._outboxes[address] = _Outbox()
+            box = self._outboxes[address] = Outbox()
             if not self._flush_scheduled:
                 self._flush_scheduled = True
                 self.loop.call_soon(self._flush)
         return box
 
-    def _add(self, address: str, box: _Outbox, entry: tuple[Any, ...],
+    def _add(self, address: str, box: Outbox, entry: tuple[Any, ...],
              frames: Sequence[Any]) -> None:
         """Add one wire entry to ``box``; send the box now once it is full."""
         box.meta.append(entry)
@@ -413,7 +275,7 @@ class _ClientCore:
         for address, box in boxes.items():
             self._send(address, box)
 
-    def _send(self, address: str, box: _Outbox) -> None:
+    def _send(self, address: str, box: Outbox) -> None:
         try:
             self.endpoint.send_oneway(address, P.OPS, box.meta, box.frames)
         except Exception as exc:  # PeerLostError for a dead channel; anything else is ours
@@ -422,7 +284,23 @@ class _ClientCore:
             for op in box.ops:
                 self._fail(op, lost)
 
-    def _fail(self, op: _Op, exc: BaseException) -> None:
+    def release(self, st: ChannelState) -> None:
+        """Channel worker ``st`` was resolved: send what waited for it, in call order."""
+        if st.unrouted:  # before the backlog: they were issued first, or concern other keys
+            self.router.route_waiting(st)
+        assert st.address is not None
+        backlog, st.backlog = st.backlog, []
+        for op in backlog:
+            self.enqueue(st.address, op)
+
+    def abandon(self, st: ChannelState, exc: BaseException) -> None:
+        """Channel worker ``st`` could not be resolved: what waited for it fails with ``exc``."""
+        self.router.fail_waiting(st, exc)
+        backlog, st.backlog = st.backlog, []
+        for op in backlog:
+            self._fail(op, exc)
+
+    def _fail(self, op: Op, exc: BaseException) -> None:
         if self._pending.pop(op.token) is None:
             return
         if op.kind == P.PUT_CREDITED:
@@ -432,29 +310,29 @@ class _ClientCore:
         elif not op.done():
             op.set_exception(exc)
 
-    def _not_admitted(self, op: _Op) -> None:
+    def _not_admitted(self, op: Op) -> None:
         """Credited put ``op`` failed: it will never be counted admitted (see _on_credit)."""
         admitting = op.state.admitting.get(op.queue)
         if admitting is not None and op in admitting:
             admitting.remove(op)
 
-    def _withdraw_get(self, op: _Op) -> None:
-        """A user get was cancelled (`_Op.cancel`)."""
+    def withdraw_get(self, op: Op) -> None:
+        """A user get was cancelled (`Op.cancel`)."""
         self.gets.withdraw_get(op)
 
-    def _on_cancel(self, op: _Op) -> None:
+    def on_cancel(self, op: Op) -> None:
         """A parkable operation was cancelled locally: withdraw it at the channel worker."""
         if op.token not in self._pending:
-            return  # not accepted yet (``_accept`` drops it) or already answered
+            return  # not accepted yet (``accept`` drops it) or already answered
         if op.address is None:  # still in the backlog: it never left
             self._pending.pop(op.token)
             if op in op.state.backlog:
                 op.state.backlog.remove(op)
             return
         # The answer (CANCELLED, or the result if it was already sent) clears _pending.
-        cancel = _Op(self, op.state, P.CANCEL, op.queue, 0, 0, ())
+        cancel = Op(self, op.state, P.CANCEL, op.queue, 0, 0, ())
         cancel.token = op.token
-        self._enqueue(op.address, cancel)
+        self.enqueue(op.address, cancel)
         if op.kind == P.GET_BATCH:
             # Items it may have taken come back with its answer; until then this
             # process's gets on the queue must not take the items behind them.
@@ -520,7 +398,7 @@ class _ClientCore:
                         for q, v in info.items()
                     })
                 elif op.kind == P.ROUTE:
-                    self._routed(op, int(info))
+                    self.router.routed(op, int(info))
                 elif op.kind == P.INFO:
                     op.set_result((int(info[0]), int(info[1])))
                 else:
@@ -536,7 +414,7 @@ class _ClientCore:
                     op.state.worker, op.state.rank, "ChannelError", str(info), ""))
 
     def _on_credit(self, peer: str, info: Any) -> None:
-        st = self._by_address.get(peer)
+        st = self.by_address.get(peer)
         if st is None:
             return  # from a channel worker this process no longer uses
         queue, granted, admitted = info
@@ -553,23 +431,23 @@ class _ClientCore:
                 if not op.done():  # a cancelled one only stopped waiting
                     op.set_result(None)
 
-    def _refused(self, peer: str, op: _Op | None, token: int, items: list[Received]) -> None:
+    def _refused(self, peer: str, op: Op | None, token: int, items: list[Received]) -> None:
         """Items arrived for a get nobody waits for (it was cancelled): send them back."""
         if op is None:
             log.error("channel answer for unknown operation %s: %d item(s) dropped",
                       token, len(items))
             return
         if items and not self.endpoint.is_lost(peer):
-            self._unget(peer, op.state, op.queue, items)
+            self.unget(peer, op.state, op.queue, items)
 
-    def _unget(self, address: str, st: _ChannelState, queue: QueueKey, items: Sequence[Received]) -> None:
+    def unget(self, address: str, st: ChannelState, queue: QueueKey, items: Sequence[Received]) -> None:
         frames = [f for _, _, fs in items for f in fs]
-        self._enqueue(address, _Op(self, st, P.UNGET, queue, [place for _, place, _ in items],
+        self.enqueue(address, Op(self, st, P.UNGET, queue, [place for _, place, _ in items],
                                    [p for p, _, _ in items], frames))
 
     def _on_lost(self, address: str, exc: BaseException) -> None:
         self._outboxes.pop(address, None)
-        st = self._by_address.pop(address, None)
+        st = self.by_address.pop(address, None)
         if st is not None:
             # Resolve again on the next operation: that fails with PeerLostError while
             # the channel is dead, and finds a channel re-created under the same name.
@@ -590,166 +468,26 @@ class _ClientCore:
         if st is not None:
             st.admitting.clear()
 
-    # ------------------------------------------------------------------ resolution (loop)
-    def _ensure_resolving(self, st: _ChannelState) -> None:
-        if st.address is None and st.task is None:
-            self._start(st, self._connect(st, DEFAULT_CONNECT_TIMEOUT))
-
-    def _start(self, st: _ChannelState, coro: Coroutine[Any, Any, dict[str, Any]]) -> None:
-        task = self.loop.create_task(coro)
-        st.task = task
-        task.add_done_callback(functools.partial(self._resolved, st))
-
-    def _resolved(self, st: _ChannelState, task: asyncio.Task[dict[str, Any]]) -> None:
-        exc = task.exception() if not task.cancelled() else PeerLostError("resolution cancelled")
-        if exc is None:
-            if st.address is None:
-                info = task.result()
-                st.address = str(info["endpoint"])
-                st.node_rank = int(info["node_rank"])
-                self._by_address[st.address] = st
-                if st.rank == 0:
-                    self._learn_replicas(st, int(info["group_world_size"]))
-            if st.task is task:
-                st.task = None
-            if st.unrouted:  # before the backlog: they were issued first, or concern other keys
-                self._route_waiting(st)
-            backlog, st.backlog = st.backlog, []
-            for op in backlog:
-                self._enqueue(st.address, op)
-            waiters, st.ready_waiters = st.ready_waiters, []
-            for w in waiters:
-                resolve(w, None)
-            return
-        if st.task is not task or st.address is not None:
-            return  # a newer attempt decides (or another attempt already succeeded)
-        st.task = None
-        unrouted, st.unrouted = st.unrouted, {}
-        for ops in unrouted.values():
-            for op in ops:
-                if not op.done():
-                    op.set_exception(exc)
-        backlog, st.backlog = st.backlog, []
-        for op in backlog:
-            self._fail(op, exc)
-        waiters, st.ready_waiters = st.ready_waiters, []
-        for w in waiters:
-            reject(w, exc)
-
-    def _learn_replicas(self, st: _ChannelState, world_size: int) -> None:
-        """Replica 0 of channel ``st`` says the channel has ``world_size`` replicas."""
-        if len(st.replicas) != world_size:
-            st.replicas = [st] + [self.state(st.name, r) for r in range(1, world_size)]
-        st.world_size = world_size
-
-    def ready(self, st: _ChannelState) -> AsyncChannelWork[None]:
-        """A work done once ``st`` is resolved (starting a connect if nothing is under way)."""
-        work: AsyncChannelWork[None] = AsyncChannelWork(self.loop)
-
-        def check() -> None:
-            if st.address is not None:
-                resolve(work, None)
-                return
-            st.ready_waiters.append(work)
-            self._ensure_resolving(st)
-
-        self.runtime.submit(check)
-        return work
-
-    async def _connect(self, st: _ChannelState, timeout: float,
-                       launched: bool = False) -> dict[str, Any]:
-        """The registry's info on the channel worker of ``st`` once it is ready."""
-        name = st.worker
-        try:
-            # Also makes this runtime watch the channel worker: when it dies, the endpoint
-            # marks it lost and _on_lost fails what waits on it.
-            info = await self.runtime.resolve_worker(name, timeout, wait_for_group=True)
-        except PeerLostError:
-            # This process may remember an earlier channel worker of this name that died
-            # (the channel was destroyed and created again): ask the registry, which knows
-            # the newest one; after our own launch, wait for it.
-            newest = await self._lookup_ready(name, timeout if launched else 0.0)
-            if newest is None or self.endpoint.is_lost(str(newest["endpoint"])):
-                raise
-            info = newest
-        return info
-
-    async def _lookup_ready(self, name: str, wait: float) -> dict[str, Any] | None:
-        """The registry's info on worker ``name`` once ready (None if not within ``wait`` s).
-
-        Raises [`WorkerInitError`][aiorl.WorkerInitError] if it failed to start.
-        """
-        deadline = self.loop.time() + wait
-        delay = 0.01
-        while True:
-            try:
-                record = await self.runtime.registry.lookup(name)
-            except NotFoundError:
-                record = None  # not registered (yet)
-            if record is not None and record.state == WorkerState.READY:
-                return record.info.to_wire()
-            if record is not None and record.state == WorkerState.FAILED:
-                d = record.detail
-                raise WorkerInitError(name, record.info.rank, str(d.get("type", "Exception")),
-                                      str(d.get("message", "")), str(d.get("traceback", "")))
-            if self.loop.time() + delay > deadline:
-                return None
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.2)
-
-    async def _create(self, st: _ChannelState, session: Session, maxsize: int,
-                      where: NodeChoice, distributed: bool, timeout: float,
-                      policy: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Launch the channel's worker group (one rank per node ``where`` gives), or
-        connect to the channel of that name if it exists, as RLinf does, with a warning."""
-        launched = False
-        if not await self._group_exists(st.group):
-            if isinstance(session, WorkerSession):
-                await session.refresh()  # its node list must be current for the placement
-            nodes = await where(session)
-            args = (st.name, maxsize, nodes) if distributed else (st.name, maxsize)
-            builder = WorkerGroupBuilder(ChannelHost, args, {})
-            try:
-                await builder.launch_async(session, NodePlacementStrategy(nodes), st.group,
-                                           **(policy or {}))
-                launched = True
-            except GroupExistsError:
-                pass  # another creator won the race: connect to its channel
-        if not launched:
-            _warn_exists(st.name)
-        return await self._connect(st, timeout, launched)
-
-    async def _group_exists(self, group: str) -> bool:
-        try:
-            await self.runtime.registry.lookup_group(group)
-        except GroupNotFoundError:
-            return False
-        return True
 
 
-def _warn_exists(name: str) -> None:
-    log.warning("channel %r already exists; connecting to it (its maxsize and replicas stay "
-                "as they are)", name)
-
-
-#: The operations `_ClientCore.waits` lists while pending, and every kind's name.
+#: The operations `ClientEngine.waits` lists while pending, and every kind's name.
 _WAITING_KINDS = {P.PUT: "put", P.PUT_CREDITED: "put", P.GET_BATCH: "get_batch"}
-_KIND_NAMES = {**_WAITING_KINDS, P.GET: "get", _USER_GET: "get"}
+_KIND_NAMES = {**_WAITING_KINDS, P.GET: "get", USER_GET: "get"}
 
-_cores: weakref.WeakKeyDictionary[Runtime, _ClientCore] = weakref.WeakKeyDictionary()
-_cores_lock = threading.Lock()
+_engines: weakref.WeakKeyDictionary[Runtime, ClientEngine] = weakref.WeakKeyDictionary()
+_engines_lock = threading.Lock()
 
 
 def channel_waits(runtime: Runtime) -> list[dict[str, Any]]:
-    """The channel operations of ``runtime``'s process still waiting (`_ClientCore.waits`;
+    """The channel operations of ``runtime``'s process still waiting (`ClientEngine.waits`;
     none where it never used a channel)."""
-    core = _cores.get(runtime)
-    return [] if core is None else core.waits()
+    engine = _engines.get(runtime)
+    return [] if engine is None else engine.waits()
 
 
-def _core_for(runtime: Runtime) -> _ClientCore:
-    with _cores_lock:
-        core = _cores.get(runtime)
-        if core is None:
-            core = _cores[runtime] = _ClientCore(runtime)
-        return core
+def engine_for(runtime: Runtime) -> ClientEngine:
+    with _engines_lock:
+        engine = _engines.get(runtime)
+        if engine is None:
+            engine = _engines[runtime] = ClientEngine(runtime)
+        return engine

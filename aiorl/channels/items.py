@@ -9,9 +9,11 @@ from typing import Any
 import msgpack
 
 from aiorl.channels import _protocol as P
-from aiorl.channels._ops import Received
-from aiorl.channels._server import QueueKey
+from aiorl.channels.client_state import Received
+from aiorl.channels.host import QueueKey
 from aiorl.transport import serialization
+
+__all__ = ["decode_item", "encode_item", "key_from_wire", "received_items", "wire_key"]
 
 
 def encode_item(item: Any) -> tuple[Any, list[Any]]:

@@ -12,7 +12,7 @@ unpickled here: the server stores and forwards the producer's frames (pickle
 stream plus out-of-band tensor buffers) as they arrived.
 
 All state lives on the worker's event loop; the queue rules themselves are in
-`aiorl.channels._queue`. Besides answering operations, the server grants
+`aiorl.channels.weighted_queue`. Besides answering operations, the server grants
 producers *credits* (room it promises to accept) so that their puts complete
 without a round trip each; see `ChannelServer`.
 
@@ -34,13 +34,13 @@ import os
 from typing import Any, cast
 
 from aiorl.channels import _protocol as P
-from aiorl.channels._queue import Done, Entry, WeightedQueue
+from aiorl.channels.weighted_queue import Done, Entry, WeightedQueue
 from aiorl.errors import QueueEmpty, QueueFull
 from aiorl.names import WorkerAddress
 from aiorl.runtime import current_runtime
 from aiorl.transport.endpoint import Endpoint, Incoming
 
-__all__ = ["GROUP_PREFIX", "ChannelHost", "ChannelServer", "group_name_for"]
+__all__ = ["GROUP_PREFIX", "ChannelHost", "ChannelServer", "QueueKey", "group_name_for"]
 
 log = logging.getLogger("aiorl.channels")
 

@@ -1,6 +1,6 @@
 """The [`Channel`][aiorl.Channel] handle: what users call.
 
-Every handle of a process forwards to that process's engine, `aiorl.channels._core`
+Every handle of a process forwards to that process's engine, `aiorl.channels.engine`
 (one per runtime); see its docstring for threads, batching, pipelining, ordering,
 failure and cancellation, and docs/ordering.md for the contract.
 """
@@ -16,8 +16,13 @@ from collections.abc import Generator, Hashable, Sequence
 from typing import Any, Literal, NamedTuple, overload
 
 from aiorl.channels import _protocol as P
-from aiorl.channels._queue import QueuedItem, QueueStats
-from aiorl.channels._server import ChannelHost, QueueKey, group_name_for
+from aiorl.channels.client_state import USER_GET, ChannelState
+from aiorl.channels.engine import ClientEngine, engine_for
+from aiorl.channels.host import ChannelHost, QueueKey, group_name_for
+from aiorl.channels.items import encode_item, key_from_wire, wire_key
+from aiorl.channels.resolution import DEFAULT_CONNECT_TIMEOUT, NodeChoice, warn_exists
+from aiorl.channels.routing import Combine
+from aiorl.channels.weighted_queue import QueuedItem, QueueStats
 from aiorl.errors import (
     AiorlError,
     GroupNotFoundError,
@@ -40,17 +45,6 @@ __all__ = [
     "create_channel_from_worker",
 ]
 
-from aiorl.channels._core import (
-    DEFAULT_CONNECT_TIMEOUT,
-    Combine,
-    NodeChoice,
-    _ClientCore,
-    _core_for,
-    _warn_exists,
-)
-from aiorl.channels._items import encode_item, key_from_wire, wire_key
-from aiorl.channels._ops import _USER_GET, _ChannelState
-
 log = logging.getLogger("aiorl.channels")
 
 #: The queue of operations that name no key (RLinf's is ``"default_queue"``).
@@ -61,7 +55,7 @@ STR_ITEMS_PER_QUEUE = 8
 STR_TIMEOUT = 10.0
 
 #: Operations recorded as spans while tracing is on, and their span names.
-_TRACED_KINDS = {P.PUT: "put", P.PUT_NOWAIT: "put_nowait", _USER_GET: "get",
+_TRACED_KINDS = {P.PUT: "put", P.PUT_NOWAIT: "put_nowait", USER_GET: "get",
                  P.GET_NOWAIT: "get_nowait", P.GET_BATCH: "get_batch"}
 
 
@@ -159,8 +153,8 @@ class Channel:
         self._runtime = runtime
         self._session = session  # the cluster it was created or connected through, if any
         self._group: WorkerGroup[ChannelHost] | None = None  # worker_group, once asked for
-        self._core: _ClientCore | None = None
-        self._state: _ChannelState | None = None
+        self._engine: ClientEngine | None = None
+        self._state: ChannelState | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -228,48 +222,49 @@ class Channel:
         ch._start_connect(timeout)
         return ch._settle()
 
-    def _bind(self) -> tuple[_ClientCore, _ChannelState]:
-        core = self._core
-        if core is None:
+    def _bind(self) -> tuple[ClientEngine, ChannelState]:
+        engine = self._engine
+        if engine is None:
             runtime = self._runtime or current_runtime()
             if runtime is None:
                 raise RuntimeError(
                     f"channel {self._name!r} is used in a process without an aiorl runtime; "
                     "use it in a driver that created a Cluster, or inside a worker")
-            core = _core_for(runtime)
-            self._state = core.state(self._name)
-            self._core = core
+            engine = engine_for(runtime)
+            self._state = engine.state(self._name)
+            self._engine = engine
         assert self._state is not None
-        return core, self._state
+        return engine, self._state
 
     def _start_create(self, session: Session, maxsize: int, where: NodeChoice,
                       distributed: bool, timeout: float,
                       policy: dict[str, Any] | None = None) -> None:
         """Create from a driver or a worker; ``policy``: the channel group's supervision
         (``restart``, ``max_restarts``, ``backoff`` of ``launch``)."""
-        core, st = self._bind()
+        engine, st = self._bind()
 
         def start() -> None:
             if st.address is None:
-                core._start(st, core._create(st, session, maxsize, where, distributed, timeout,
-                                             policy))
+                resolver = engine.resolver
+                resolver.start(st, resolver.create(st, session, maxsize, where, distributed,
+                                                   timeout, policy))
             else:
-                _warn_exists(st.name)
+                warn_exists(st.name)
 
-        core.runtime.submit(start)
+        engine.runtime.submit(start)
 
     def _start_connect(self, timeout: float) -> None:
-        core, st = self._bind()
+        engine, st = self._bind()
 
         def start() -> None:
             if st.address is None and st.task is None:
-                core._start(st, core._connect(st, timeout))
+                engine.resolver.start(st, engine.resolver.connect(st, timeout))
 
-        core.runtime.submit(start)
+        engine.runtime.submit(start)
 
     def _settle(self) -> Channel:
-        core, _ = self._bind()
-        if not core.runtime.on_loop_thread():
+        engine, _ = self._bind()
+        if not engine.runtime.on_loop_thread():
             self.wait_ready().wait()
         return self
 
@@ -279,8 +274,8 @@ class Channel:
         ``await channel`` does the same and gives the channel back, so
         ``ch = await self.create_channel("x")`` works in ``async`` worker methods.
         """
-        core, st = self._bind()
-        return core.ready(st)
+        engine, st = self._bind()
+        return engine.resolver.ready(st)
 
     def __await__(self) -> Generator[Any, None, Channel]:
         yield from self.wait_ready().__await__()
@@ -325,8 +320,8 @@ class Channel:
         """A readable snapshot of what is queued (counts, weights, the first items of every
         queue), taken without removing anything. On the runtime loop's thread, where
         nothing may block, and if the channel cannot answer, it is ``repr(channel)``."""
-        core, _ = self._bind()
-        if core.runtime.on_loop_thread():
+        engine, _ = self._bind()
+        if engine.runtime.on_loop_thread():
             return repr(self)
         try:
             replicas = self.replica_statistics().wait(STR_TIMEOUT)
@@ -341,13 +336,13 @@ class Channel:
     def _submit(self, kind: int, key: QueueKey, number: Any, payload: Any = 0,
                 frames: Sequence[Any] = ()) -> AsyncChannelWork[Any]:
         """Submit an operation on queue ``key`` to the replica that holds it."""
-        core, st = self._bind()
+        engine, st = self._bind()
         if st.world_size == 1:  # a plain channel: everything goes to its one worker
-            work = core.submit(st, kind, key, number, payload, frames)
+            work = engine.submit(st, kind, key, number, payload, frames)
         elif (rank := st.key_ranks.get(key) if st.world_size is not None else None) is None:
-            work = core.submit_routed(st, kind, key, number, payload, frames)
+            work = engine.router.submit_routed(st, kind, key, number, payload, frames)
         else:
-            work = core.submit(st.replicas[rank], kind, key, number, payload, frames)
+            work = engine.submit(st.replicas[rank], kind, key, number, payload, frames)
         if _trace.ON and kind in _TRACED_KINDS:
             span = _trace.begin("channel", f"{_TRACED_KINDS[kind]} {self._name}",
                                 f"channel {self._name}", queue=key_from_wire(key))
@@ -359,10 +354,10 @@ class Channel:
     def _everywhere(self, kind: int, combine: Combine) -> AsyncChannelWork[Any]:
         """``kind`` (``STATS``, ``FLUSH``) at every replica, answers combined by ``combine``;
         a plain channel's one answer as it is."""
-        core, st = self._bind()
+        engine, st = self._bind()
         if st.world_size == 1:
-            return core.submit(st, kind, "", 0)
-        return core.fan_out(st, kind, combine)
+            return engine.submit(st, kind, "", 0)
+        return engine.router.fan_out(st, kind, combine)
 
     @overload
     def put(self, item: Any, weight: float = 0, key: Hashable = DEFAULT_KEY,
@@ -420,11 +415,11 @@ class Channel:
         On the runtime loop's thread (``async`` worker methods) it returns an
         [`AsyncChannelWork`][aiorl.AsyncChannelWork] to await, which raises ``QueueFull``.
         """
-        core, _ = self._bind()
+        engine, _ = self._bind()
         payload, frames = encode_item(item)
         work = self._submit(P.PUT_NOWAIT, _queue_key(key, queue_name),
                             _check_weight(weight, "weight"), payload, frames)
-        return work if core.runtime.on_loop_thread() else work.wait()
+        return work if engine.runtime.on_loop_thread() else work.wait()
 
     @overload
     def get(self, key: Hashable = DEFAULT_KEY, async_op: Literal[True] = True, *,
@@ -454,7 +449,7 @@ class Channel:
         is the queue's one consumer; with several, each get is one request, and every
         consumer receives each producer's items in put order (docs/ordering.md).
         """
-        work = self._submit(_USER_GET, _queue_key(key, queue_name), 0)
+        work = self._submit(USER_GET, _queue_key(key, queue_name), 0)
         return work if async_op else work.wait()
 
     def flush(self) -> AsyncChannelWork[None]:
@@ -470,9 +465,9 @@ class Channel:
         item; on the runtime loop's thread it returns an
         [`AsyncChannelWork`][aiorl.AsyncChannelWork] to await.
         """
-        core, _ = self._bind()
+        engine, _ = self._bind()
         work = self._submit(P.GET_NOWAIT, _queue_key(key, queue_name), 0)
-        return work if core.runtime.on_loop_thread() else work.wait()
+        return work if engine.runtime.on_loop_thread() else work.wait()
 
     @overload
     def get_batch(self, batch_weight: float | None = None, key: Hashable = DEFAULT_KEY,
@@ -527,8 +522,8 @@ class Channel:
     def replica_statistics(self) -> AsyncChannelWork[list[ReplicaStatistics]]:
         """[`statistics`][aiorl.Channel.statistics] per channel worker, in replica order, with the
         node each runs on: where the keys of a distributed channel live (one entry when plain)."""
-        core, st = self._bind()
-        return core.fan_out(st, P.STATS, lambda replicas, answers: [
+        engine, st = self._bind()
+        return engine.router.fan_out(st, P.STATS, lambda replicas, answers: [
             ReplicaStatistics(replica.rank, replica.node_rank or 0, answer)
             for replica, answer in zip(replicas, answers, strict=True)])
 
@@ -543,16 +538,16 @@ class Channel:
         and returns the list; on the runtime loop's thread it returns an
         [`AsyncChannelWork`][aiorl.AsyncChannelWork] to await.
         """
-        core, _ = self._bind()
+        engine, _ = self._bind()
         work = self._peek(_queue_key(key, queue_name), -1 if limit is None else max(0, int(limit)))
-        return work if core.runtime.on_loop_thread() else work.wait()
+        return work if engine.runtime.on_loop_thread() else work.wait()
 
     def _peek(self, key: QueueKey, limit: int) -> AsyncChannelWork[list[QueuedItem]]:
         return self._submit(P.PEEK, key, limit)
 
     def _info(self, key: Hashable, queue_name: Hashable | None, what: str) -> tuple[int, int]:
-        core, _ = self._bind()
-        if core.runtime.on_loop_thread():
+        engine, _ = self._bind()
+        if engine.runtime.on_loop_thread():
             raise RuntimeError(
                 f"Channel.{what}() blocks and cannot run on the aiorl event loop's thread; "
                 "in async code use 'stats = await channel.statistics()'")
@@ -575,24 +570,24 @@ class Channel:
     def destroy(self) -> AsyncChannelWork[None]:
         """Stop the channel's workers: pending and later operations, everywhere, fail with
         [`PeerLostError`][aiorl.PeerLostError]. Items still queued are dropped."""
-        core, st = self._bind()
-        work: AsyncChannelWork[None] = AsyncChannelWork(core.loop)
+        engine, st = self._bind()
+        work: AsyncChannelWork[None] = AsyncChannelWork(engine.loop)
 
         async def destroy() -> None:
             try:
-                await core.runtime.registry.close_group(st.group)
+                await engine.runtime.registry.close_group(st.group)
             except GroupNotFoundError:
                 pass  # destroyed already
             for replica in st.replicas:
                 if replica.address is not None:
-                    core.endpoint.mark_peer_lost(replica.address,
+                    engine.endpoint.mark_peer_lost(replica.address,
                                                  f"channel {st.name!r} was destroyed")
 
         def start() -> None:
-            task = core.loop.create_task(destroy())
+            task = engine.loop.create_task(destroy())
             task.add_done_callback(lambda t: settle_from(work, t))
 
-        core.runtime.submit(start)
+        engine.runtime.submit(start)
         return work
 
 

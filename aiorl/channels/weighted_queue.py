@@ -2,7 +2,7 @@
 
 Nothing here does I/O or knows about asyncio: every operation mutates the
 queue and returns the list of waiters it completed (`Done`), and the
-caller (the channel worker, `aiorl.channels._server`) delivers them. That
+caller (the channel worker, `aiorl.channels.host`) delivers them. That
 keeps the rules testable in one process and the server free of races.
 
 The rules
@@ -34,7 +34,7 @@ from typing import Generic, NamedTuple, TypeVar
 
 from aiorl.errors import QueueEmpty, QueueFull
 
-__all__ = ["Done", "QueueStats", "QueuedItem", "WeightedQueue"]
+__all__ = ["Done", "Entry", "QueueStats", "QueuedItem", "WeightedQueue"]
 
 T = TypeVar("T")
 

@@ -1,8 +1,8 @@
 """The gets of one process: user gets per queue, served by slots and prefetching.
 
-`Gets` is the half of the per-process channel engine (`aiorl.channels._core`) that turns
+`Gets` is the half of the per-process channel engine (`aiorl.channels.engine`) that turns
 user ``get`` calls into the slots the channel worker sees (``GET`` and ``PREFETCH``) and
-keeps the order docs/ordering.md promises; `_GetStream` (in `aiorl.channels._ops`) is
+keeps the order docs/ordering.md promises; `GetStream` (in `aiorl.channels.client_state`) is
 its state for one queue, and its docstring gives the rules.
 """
 
@@ -13,26 +13,28 @@ import collections
 from typing import Any
 
 from aiorl.channels import _protocol as P
-from aiorl.channels._items import decode_item
-from aiorl.channels._ops import Engine, Received, _ChannelState, _GetStream, _Op
-from aiorl.channels._server import QueueKey
+from aiorl.channels.client_state import ChannelState, Engine, GetStream, Op, Received
+from aiorl.channels.host import QueueKey
+from aiorl.channels.items import decode_item
 from aiorl.errors import RemoteError
+
+__all__ = ["Gets"]
 
 
 class Gets:
     """User gets of one process, per queue (loop thread only)."""
 
-    def __init__(self, core: Engine) -> None:
-        self.core = core
-        self.loop = core.loop
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.loop = engine.loop
 
-    def stream(self, st: _ChannelState, queue: QueueKey) -> _GetStream:
+    def stream(self, st: ChannelState, queue: QueueKey) -> GetStream:
         stream = st.streams.get(queue)
         if stream is None:
-            stream = st.streams[queue] = _GetStream(st, queue)
+            stream = st.streams[queue] = GetStream(st, queue)
         return stream
 
-    def accept_get(self, op: _Op) -> None:
+    def accept_get(self, op: Op) -> None:
         stream = self.stream(op.state, op.queue)
         if stream.held is not None:
             stream.held.append(op)
@@ -48,14 +50,14 @@ class Gets:
         stream.waiting.append(op)
         self.top_up(stream)
 
-    def serve_ready(self, stream: _GetStream, fut: asyncio.Future[Any]) -> None:
-        """Complete a user get with the oldest prefetched item (see _GetStream.can_serve)."""
+    def serve_ready(self, stream: GetStream, fut: asyncio.Future[Any]) -> None:
+        """Complete a user get with the oldest prefetched item (see GetStream.can_serve)."""
         stream.last_get = self.loop.time()
         self.resolve(fut, stream.ready.popleft())
         self.top_up(stream)
         self.drained(stream)
 
-    def top_up(self, stream: _GetStream) -> None:
+    def top_up(self, stream: GetStream) -> None:
         """Cover every waiting user get by a slot, and prefetch up to ``depth`` items.
 
         A user get is covered by a prefetch in flight, or else by a parkable GET of its
@@ -65,22 +67,22 @@ class Gets:
 
         Nothing is sent while withdrawn requests are ``settling``: an item one of them
         took goes back to the queue when its answer arrives, and a slot sent before
-        that would take the items behind it (``_slot_withdrawn`` tops up then).
+        that would take the items behind it (`slot_withdrawn` tops up then).
         """
         if stream.settling:
             return
         for _ in range(len(stream.waiting) - len(stream.demand) - stream.requested_total):
-            slot = _Op(self.core, stream.state, P.GET, stream.queue, 0, 0, (), stream)
+            slot = Op(self.engine, stream.state, P.GET, stream.queue, 0, 0, (), stream)
             stream.demand.append(slot)
-            self.core._issue(slot)
+            self.engine.issue(slot)
         if not stream.depth:
             return
         wanted = stream.depth - len(stream.ready) - stream.in_flight()
         if wanted >= max(1, stream.depth // 2):  # ask in chunks: fewer, fuller messages
-            slot = _Op(self.core, stream.state, P.PREFETCH, stream.queue, wanted, 0, (), stream)
+            slot = Op(self.engine, stream.state, P.PREFETCH, stream.queue, wanted, 0, (), stream)
             stream.requested[slot] = wanted
             stream.requested_total += wanted
-            self.core._issue(slot)
+            self.engine.issue(slot)
         if stream.timer is None:
             stream.timer = self.loop.call_later(P.PREFETCH_IDLE, self.idle, stream)
 
@@ -93,7 +95,7 @@ class Gets:
             return
         op.set_result(value)
 
-    def slot_items(self, slot: _Op, items: list[Received]) -> None:
+    def slot_items(self, slot: Op, items: list[Received]) -> None:
         stream = slot.stream
         assert stream is not None
         if slot.kind == P.GET:
@@ -111,7 +113,7 @@ class Gets:
         self.settled(stream)
         self.drained(stream)
 
-    def prefetch_refused(self, slot: _Op) -> None:
+    def prefetch_refused(self, slot: Op) -> None:
         """``NO_PREFETCH``: another process takes from the queue too. Stop prefetching
         for `SHARED_WINDOW` s; gets take one request each meanwhile."""
         stream = slot.stream
@@ -124,17 +126,17 @@ class Gets:
         self.settled(stream)
         self.drained(stream)
 
-    def drained(self, stream: _GetStream) -> None:
+    def drained(self, stream: GetStream) -> None:
         """Tell the channel worker once no prefetched item is here or on its way: it holds
         the gets of other processes until then (see `_protocol`, Prefetch). An ``UNGET``
         of the items given back, if any, was sent before (one outbox, in order)."""
         if (stream.lent and not stream.ready and not stream.requested
                 and stream.state.address is not None):
             stream.lent = False
-            self.core._enqueue(stream.state.address,
-                               _Op(self.core, stream.state, P.DRAINED, stream.queue, 0, 0, ()))
+            self.engine.enqueue(stream.state.address,
+                               Op(self.engine, stream.state, P.DRAINED, stream.queue, 0, 0, ()))
 
-    def item_arrived(self, stream: _GetStream, item: Received) -> None:
+    def item_arrived(self, stream: GetStream, item: Received) -> None:
         waiting = stream.waiting
         if waiting:
             stream.last_get = self.loop.time()  # waiting for an item is not being idle
@@ -148,9 +150,9 @@ class Gets:
             if stream.timer is None:
                 stream.timer = self.loop.call_later(P.PREFETCH_IDLE, self.idle, stream)
         elif stream.state.address is not None:  # held operations must see it in the queue
-            self.core._unget(stream.state.address, stream.state, stream.queue, [item])
+            self.engine.unget(stream.state.address, stream.state, stream.queue, [item])
 
-    def slot_answered(self, slot: _Op, status: int, info: Any) -> None:
+    def slot_answered(self, slot: Op, status: int, info: Any) -> None:
         """A slot's answer without items (ERROR): the oldest waiting user get fails."""
         stream = slot.stream
         assert stream is not None
@@ -165,14 +167,14 @@ class Gets:
                 stream.state.worker, stream.state.rank, "ChannelError", str(info), ""))
         self.settled(stream)
 
-    def slot_withdrawn(self, stream: _GetStream) -> None:
+    def slot_withdrawn(self, stream: GetStream) -> None:
         """A withdrawn request was answered (its items, if any, are on their way back)."""
         stream.settling -= 1
         if not stream.settling and stream.held is None and stream.waiting:
-            self.top_up(stream)  # the slots held back while it settled (see _top_up)
+            self.top_up(stream)  # the slots held back while it settled (see top_up)
         self.settled(stream)
 
-    def withdraw_get(self, op: _Op) -> None:
+    def withdraw_get(self, op: Op) -> None:
         """A user get was cancelled: forget it, and withdraw a GET slot it no longer needs."""
         stream = op.state.streams.get(op.queue)
         if stream is None:
@@ -193,7 +195,7 @@ class Gets:
             elif not stream.depth:
                 self.withdraw_slots(stream)
 
-    def passed_fences(self, stream: _GetStream, place: int) -> int:
+    def passed_fences(self, stream: GetStream, place: int) -> int:
         """The waiting user get at ``place`` left (served, failed or cancelled): count it
         out of the fences it was made before. Returns the token of the oldest of them
         (0: none)."""
@@ -206,13 +208,13 @@ class Gets:
             stream.fences.popleft()
         return oldest
 
-    def withdraw_slot(self, stream: _GetStream, slot: _Op) -> None:
+    def withdraw_slot(self, stream: GetStream, slot: Op) -> None:
         """Cancel GET slot ``slot`` (just taken out of ``demand``) at the channel worker."""
         if slot.address is not None:
             stream.settling += 1  # its answer (CANCELLED or the item) is still to come
         slot.cancel()
 
-    def withdraw_slots(self, stream: _GetStream) -> None:
+    def withdraw_slots(self, stream: GetStream) -> None:
         """Cancel the newest GET slots beyond what the waiting user gets need.
 
         Only GET slots sent after every prefetch still out: a withdrawn slot's item goes
@@ -225,7 +227,7 @@ class Gets:
                and len(stream.demand) + stream.requested_total > len(stream.waiting)):
             self.withdraw_slot(stream, stream.demand.pop())
 
-    def return_prefetch(self, stream: _GetStream) -> None:
+    def return_prefetch(self, stream: GetStream) -> None:
         """Stop prefetching; prefetched items go back to their places in the queue.
 
         Only when no prefetch is out, or with ``held`` set: a prefetch still out brings
@@ -236,10 +238,10 @@ class Gets:
         if stream.ready:
             items, stream.ready = list(stream.ready), collections.deque()
             if stream.state.address is not None:
-                self.core._unget(stream.state.address, stream.state, stream.queue, items)
+                self.engine.unget(stream.state.address, stream.state, stream.queue, items)
         self.drained(stream)
 
-    def prefetch_returned(self, stream: _GetStream, op: _Op) -> bool:
+    def prefetch_returned(self, stream: GetStream, op: Op) -> bool:
         """Before ``op`` (get_nowait, get_batch, qsize, statistics) sees the queue: return
         prefetched items.
 
@@ -259,7 +261,7 @@ class Gets:
             return False
         return True
 
-    def settled(self, stream: _GetStream) -> None:
+    def settled(self, stream: GetStream) -> None:
         if stream.held is None or stream.settling or stream.requested:
             return
         held, stream.held = stream.held, None
@@ -268,9 +270,9 @@ class Gets:
         # first (a prefetch that was to serve them may have come back short).
         self.top_up(stream)
         for op in held:
-            self.core._accept(op)
+            self.engine.accept(op)
 
-    def idle(self, stream: _GetStream) -> None:
+    def idle(self, stream: GetStream) -> None:
         stream.timer = None
         if stream.waiting:
             return  # nothing is prefetched; the next arrival or get arms the timer again
@@ -289,7 +291,7 @@ class Gets:
             return
         self.return_prefetch(stream)
 
-    def stream_failed(self, stream: _GetStream, exc: BaseException) -> None:
+    def stream_failed(self, stream: GetStream, exc: BaseException) -> None:
         """Its channel is lost (or cannot be resolved): every user get waiting fails."""
         stream.demand.clear()
         stream.requested.clear()
