@@ -10,6 +10,7 @@ import pytest
 
 from aiorl.errors import WaitTimeout
 from aiorl.runtime import AsyncCollWork, AsyncWork
+from aiorl.runtime.work import _WAITER
 from aiorl.runtime.loop import LoopThread, loop_thread_of
 from aiorl.runtime.promise import is_settled, link_threads, prepare_threads, reject, resolve
 from aiorl.runtime.waiter import BlockingWaiter, Job
@@ -103,6 +104,7 @@ class _FakeTorchWork:
 
 
 def test_coll_works_share_one_waiter_and_do_not_block_each_other(home):
+    before = _WAITER.pending()
     slow = AsyncCollWork(home.loop, [_FakeTorchWork(5.0)], result="slow")
     fast = AsyncCollWork(home.loop, [_FakeTorchWork(0.01)], result="fast")
     broken = AsyncCollWork(home.loop, [_FakeTorchWork(0.0, RuntimeError("nccl error"))])
@@ -113,6 +115,11 @@ def test_coll_works_share_one_waiter_and_do_not_block_each_other(home):
     names = [t.name for t in threading.enumerate()]
     assert names.count("aiorl-waiter") == 1
     slow.cancel()
+    # Cancelled: its torch work (due in 5 s) is no longer polled.
+    deadline = time.monotonic() + 2
+    while _WAITER.pending() > before and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert _WAITER.pending() <= before
 
 
 def test_real_gloo_work_completes_through_the_waiter(home, tmp_path):

@@ -416,10 +416,16 @@ class AsyncCollWork(AsyncWork[T]):
     ) -> None:
         super().__init__(loop)
 
+        # A work that ended before its torch works did (cancelled, or failed by its owner)
+        # stops being polled: a work that never completes must not keep the waiter busy.
         def ready() -> bool:
+            if self.done():
+                return True
             return all(w.is_completed() for w in works) and all(ev.query() for ev in cuda_events)
 
         def report(error: BaseException | None) -> None:
+            if self.done():
+                return  # nothing to tell; a blocking wait() on its works would hang here
             value: Any = None
             if error is None:
                 try:
