@@ -10,10 +10,10 @@ import pytest
 
 from aiorl.errors import WaitTimeout
 from aiorl.runtime import AsyncCollWork, AsyncWork
-from aiorl.runtime.work import _WAITER
 from aiorl.runtime.loop import LoopThread, loop_thread_of
 from aiorl.runtime.promise import is_settled, link_threads, prepare_threads, reject, resolve
 from aiorl.runtime.waiter import BlockingWaiter, Job
+from aiorl.runtime.work import _WAITER
 
 pytestmark = pytest.mark.timeout(30)
 
