@@ -1,7 +1,8 @@
-"""Process checks shared by the tests that verify nothing is left running."""
+"""Process checks shared by the tests that start programs and verify nothing is left running."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterable
 
@@ -33,3 +34,19 @@ def gone_within(pids: Iterable[int], within: float) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def wait_listening(address: str, within: float = 60.0) -> None:
+    """Until something accepts TCP connections at ``address`` (``tcp://host:port``): a
+    registry started as a program listens only once its imports ran, which takes seconds on
+    a loaded machine, and a driver gives up on a port that refuses everything for 3 s."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens at {address} after {within:g} s") from None
+            time.sleep(0.05)

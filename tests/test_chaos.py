@@ -39,7 +39,7 @@ import torch
 import aiorl
 from aiorl.transport.security import ClusterKeys
 from aiorl.weights import host_directory
-from tests._processes import gone_within
+from tests._processes import gone_within, wait_listening
 from tests.test_failures import free_port, stop_processes
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800)]
@@ -129,6 +129,11 @@ class Supervisor:
         self.address = f"tcp://127.0.0.1:{free_port()}"
         self.port = self.address.rsplit(":", 1)[1]
         self.registry = self._registry()
+        try:
+            wait_listening(self.address)
+        except TimeoutError:
+            self.registry.kill()
+            raise
         self.agents = [self._agent(r) for r in range(2)]
         self.kills: Counter[str] = Counter()
         #: The weights directory's pid now (None while it is unknown): killed on purpose too.
