@@ -19,16 +19,13 @@ PIP = $(PYTHON) -m pip install --progress-bar on -c $(LOCK)
 # Parallel test processes: tests start real clusters and mostly wait on them, so two per core
 # (at least two) shorten the suite without starving it; TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -lt 2 ] && n=2; echo $$((n * 2)))
-# The fast tests (`make test-fast`): in-process units, plus one real traced cluster drawn with
-# matplotlib (test_trace_render), about half a minute in one process. CI runs them on every
-# supported Python besides the one that runs the whole suite (.ci/pythons); this list is the one
-# place that says which they are.
-FAST_TESTS = tests/test_units.py tests/test_runtime_units.py tests/test_util.py \
-  tests/test_protocol.py tests/test_placement.py tests/test_rlinf_placement.py \
-  tests/test_rlinf_env.py tests/test_rlinf_example.py tests/test_exports.py \
-  tests/test_lifecycle.py tests/test_trace_render.py
+# The unit tests (`make test-unit`): everything under tests/unit/, in-process, no cluster,
+# no subprocess; under a minute on a 2-core machine. `make test-fast` adds the import smoke
+# test and one real traced cluster drawn with matplotlib (test_trace_render); CI runs it on
+# every supported Python besides the one that runs the whole suite (.ci/pythons).
+UNIT_TESTS = tests/unit
 
-.PHONY: torch setup demo test test-fast smoke test-stress lock chaos bench gpu-check lint docs docs-build
+.PHONY: torch setup demo test test-unit test-fast smoke test-stress lock chaos bench gpu-check lint docs docs-build
 
 # torch alone from its index, with one short try (no retries: an unreachable index costs
 # seconds, not minutes of retry warnings; PyPI instead, said in one line), then its
@@ -59,9 +56,13 @@ smoke: setup
 	  '| numpy', numpy.__version__, '| aiorl imports')"
 	$(PYTHON) -m aiorl.cli.main --help >/dev/null
 
-# The smoke test, then FAST_TESTS in one process.
+# The unit tests alone, in one process.
+test-unit:
+	$(PYTHON) -m pytest -q -p no:cacheprovider $(UNIT_TESTS)
+
+# The smoke test, then the unit tests and the traced cluster in one process.
 test-fast: smoke
-	$(PYTHON) -m pytest -q -p no:cacheprovider $(FAST_TESTS)
+	$(PYTHON) -m pytest -q -p no:cacheprovider $(UNIT_TESTS) tests/system/test_trace_render.py
 
 # The suite while two busy processes hog the CPUs (what a shared CI machine does to it).
 test-stress: setup
@@ -77,7 +78,7 @@ lock:
 # The long chaos run (docs/failures.md, invariant 32): >= 200 SIGKILLs of workers, node agents
 # and the registry while a pipeline runs; the normal suite runs a short one.
 chaos:
-	AIORL_CHAOS_KILLS=200 AIORL_CHAOS_STEPS=50 $(PYTHON) -m pytest -q -s -m chaos tests/test_chaos.py
+	AIORL_CHAOS_KILLS=200 AIORL_CHAOS_STEPS=50 $(PYTHON) -m pytest -q -s -m chaos tests/system/test_chaos.py
 
 # Issue 26's GPU targets on one GPU, no network, about six minutes: the GPU tests, CUDA IPC,
 # small CUDA messages, weights on the GPU, idle CPU; one table, and

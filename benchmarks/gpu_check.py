@@ -3,7 +3,7 @@
 Run: ``python benchmarks/gpu_check.py [--quick] [--skip-tests] [--out DIR]``. Needs no
 network. In order, within about four minutes on one H200:
 
-1. the GPU tests (``tests/test_gpu_*.py``, ``test_p2p_cuda``, ``test_p2p_cuda_small``,
+1. the GPU tests (``tests/gpu/``: ``test_gpu_*.py``, ``test_p2p_cuda``, ``test_p2p_cuda_small``,
    ``test_broadcast_cuda``, ``test_weights_cuda``; two-GPU tests skip on one GPU), their
    pytest summary line kept;
 2. CUDA IPC between two workers on GPU 0 (``benchmarks/bench_gpu.py``'s measurement): one-way
@@ -45,14 +45,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_TESTS = [
-    "tests/test_gpu_single.py",
-    "tests/test_p2p_cuda.py",
-    "tests/test_p2p_cuda_small.py",
-    "tests/test_broadcast_cuda.py",
-    "tests/test_weights_cuda.py",
-    "tests/test_gpu_multi.py",
-    "tests/test_gpu_node.py",
-    "tests/test_p2p_relay.py::test_tensors_small_and_mib",  # its CUDA cases
+    "tests/gpu/test_gpu_single.py",
+    "tests/gpu/test_p2p_cuda.py",
+    "tests/gpu/test_p2p_cuda_small.py",
+    "tests/gpu/test_broadcast_cuda.py",
+    "tests/gpu/test_weights_cuda.py",
+    "tests/gpu/test_gpu_multi.py",
+    "tests/gpu/test_gpu_node.py",
+    "tests/system/test_p2p_relay.py::test_tensors_small_and_mib",  # its CUDA cases
 ]
 #: Tensors of the weights benchmark's state dict (the size is split evenly among them).
 WEIGHT_TENSORS = 64

@@ -14,7 +14,7 @@ import os
 __all__ = ["DESCRIPTORS_PER_PEER", "DescriptorLimitError", "check_descriptors_for",
            "open_descriptors"]
 
-#: Descriptors one peer of an endpoint holds, measured (tests/test_scale.py): the DEALER
+#: Descriptors one peer of an endpoint holds, measured (tests/system/test_scale.py): the DEALER
 #: (its mailbox and its connection) and the handshake monitor (a PAIR of sockets).
 DESCRIPTORS_PER_PEER = 4
 #: Kept free for everything else a process opens (logs, libraries, pipes).

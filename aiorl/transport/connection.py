@@ -4,7 +4,7 @@ An endpoint talks to a peer through one `Connection` at a time: a ZMQ link (`Zmq
 DEALER; a ROUTER serves many clients through one) or, on the same machine, a lane
 (`aiorl.transport.lane.LaneConnection`, a Unix stream its loop reads itself). Both keep one
 contract (docs/reference/contract.md, "Connections"), tested once against both
-(tests/test_connection_contract.py):
+(tests/system/test_connection_contract.py):
 
 * **Sending.** `send` (from the loop: the first message of a turn at once, the rest of the
   turn together at its end), `send_direct` (now, after what the turn held) and

@@ -14,7 +14,7 @@ them on its current stream, then synchronises before it checks the sequence numb
 device-to-device copy instead of host -> device.
 
 Importable without CUDA (torch is imported inside functions); the tests that need a GPU
-(``tests/test_weights_cuda.py``) skip without one.
+(``tests/gpu/test_weights_cuda.py``) skip without one.
 """
 
 from __future__ import annotations
