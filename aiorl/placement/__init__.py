@@ -17,8 +17,8 @@ Typical use::
 from __future__ import annotations
 
 from aiorl.errors import PlacementError
-from aiorl.placement._component import ComponentPlacement
-from aiorl.placement._hardware import (
+from aiorl.placement.component import ComponentPlacement
+from aiorl.placement.hardware import (
     HARDWARE_KINDS,
     CustomHardwareConfig,
     FrankaConfig,
@@ -29,21 +29,21 @@ from aiorl.placement._hardware import (
     hardware_types,
     register_hardware,
 )
-from aiorl.placement._model_parallel import (
+from aiorl.placement.model_parallel import (
     HybridComponentPlacement,
     ModelParallelComponentPlacement,
     PlacementMode,
 )
-from aiorl.placement._profiling import ProfilerLaunch, ProfilingConfig, parse_profiling
-from aiorl.placement._ranks import format_ranks, parse_rank_config
-from aiorl.placement._render import render_placements, render_plan
-from aiorl.placement._spec import (
+from aiorl.placement.profiling import ProfilerLaunch, ProfilingConfig, parse_profiling
+from aiorl.placement.ranks import format_ranks, parse_rank_config
+from aiorl.placement.render import render_placements, render_plan
+from aiorl.placement.spec import (
     RESERVED_GROUP_LABELS,
     ClusterSpec,
     EnvConfig,
     NodeGroup,
 )
-from aiorl.placement._strategies import (
+from aiorl.placement.strategies import (
     FlexiblePlacementStrategy,
     NodePlacementStrategy,
     PackedPlacementStrategy,

@@ -30,9 +30,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from aiorl.errors import PlacementError
-from aiorl.placement._component import ComponentPlacement
-from aiorl.placement._spec import to_plain
-from aiorl.placement._strategies import PackedPlacementStrategy, Placement, PlacementStrategy
+from aiorl.placement.component import ComponentPlacement
+from aiorl.placement.spec import to_plain
+from aiorl.placement.strategies import PackedPlacementStrategy, Placement, PlacementStrategy
 
 __all__ = ["HybridComponentPlacement", "ModelParallelComponentPlacement", "PlacementMode"]
 

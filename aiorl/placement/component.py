@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from aiorl.errors import PlacementError
-from aiorl.placement._spec import ClusterSpec, cluster_section
-from aiorl.placement._strategies import Placement, RankStringPlacementStrategy, resolve_spec
+from aiorl.placement.spec import ClusterSpec, cluster_section
+from aiorl.placement.strategies import Placement, RankStringPlacementStrategy, resolve_spec
 
 __all__ = ["ComponentPlacement"]
 

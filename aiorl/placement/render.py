@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from aiorl.placement._component import ComponentPlacement
-from aiorl.placement._profiling import ProfilingConfig
-from aiorl.placement._ranks import format_ranks
-from aiorl.placement._spec import ACCELERATOR, NODE, ClusterSpec
-from aiorl.placement._strategies import Placement
+from aiorl.placement.component import ComponentPlacement
+from aiorl.placement.profiling import ProfilingConfig
+from aiorl.placement.ranks import format_ranks
+from aiorl.placement.spec import ACCELERATOR, NODE, ClusterSpec
+from aiorl.placement.strategies import Placement
 
 __all__ = ["render_placements", "render_plan"]
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiorl.errors import PlacementError
-from aiorl.placement._hardware import NodeHardware, build_hardware_config
-from aiorl.placement._profiling import ProfilingConfig, parse_profiling
-from aiorl.placement._ranks import format_ranks, parse_rank_config, rank_out_of_range_message
+from aiorl.placement.hardware import NodeHardware, build_hardware_config
+from aiorl.placement.profiling import ProfilingConfig, parse_profiling
+from aiorl.placement.ranks import format_ranks, parse_rank_config, rank_out_of_range_message
 
 __all__ = [
     "ACCELERATOR",
@@ -169,7 +169,7 @@ class NodeGroup:
             ``ignore_hardware``).
         hardware: the typed view of the hardware: one config object per unit, built
             from the schema registered for ``hardware_type`` (set when the group is
-            built; see `aiorl.placement._hardware`).
+            built; see `aiorl.placement.hardware`).
         profiling: this group's ``profiling:`` section; it applies to every worker placed
             through the group and takes precedence over the cluster-level section.
     """

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiorl.errors import PlacementError
-from aiorl.placement._profiling import ProfilerLaunch, ProfilingConfig
-from aiorl.placement._ranks import format_ranks, parse_range
-from aiorl.placement._spec import ACCELERATOR, NODE, ClusterSpec, NodeGroup
+from aiorl.placement.profiling import ProfilerLaunch, ProfilingConfig
+from aiorl.placement.ranks import format_ranks, parse_range
+from aiorl.placement.spec import ACCELERATOR, NODE, ClusterSpec, NodeGroup
 
 __all__ = [
     "FlexiblePlacementStrategy",
