@@ -323,11 +323,11 @@ def device_copy_s(nbytes: int, reps: int, device: str, pieces: int = 1) -> float
 
 def copies_s(nbytes: int, tensors: int, reps: int, device: str) -> dict[str, float]:
     """Median seconds of copying ``nbytes`` held in ``tensors`` tensors three ways: one
-    flat tensor, ``copy_`` per tensor, and ``aiorl.p2p.bulk_copy.copy_grouped`` (host time
+    flat tensor, ``copy_`` per tensor, and ``aiorl.cuda.bulk_copy.copy_grouped`` (host time
     until the copies are done: launches count)."""
     import torch
 
-    from aiorl.p2p.bulk_copy import copy_grouped, dtype_groups
+    from aiorl.cuda.bulk_copy import copy_grouped, dtype_groups
 
     n = max(1, nbytes // 4 // tensors)
     src = [torch.ones(n, device=device) for _ in range(tensors)]

@@ -30,20 +30,14 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiorl.collective.oneway import read_oneway
+from aiorl.cuda.completion import after_work_thread, gpu_done, settle_future
+from aiorl.cuda.devices import device_uuid
+from aiorl.cuda.events import wait_events
+from aiorl.cuda.nccl import abort_in_background, new_nccl_group
+from aiorl.cuda.tensors import allocate, flat_u8
+from aiorl.cuda.work_thread import CudaWorkThread
 from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.names import WorkerAddress
-from aiorl.p2p.gpu import (
-    CudaLane,
-    abort_in_background,
-    after_lane,
-    allocate,
-    device_uuid,
-    flat_u8,
-    gpu_done,
-    new_nccl_group,
-    settle_future,
-    wait_events,
-)
 from aiorl.p2p.message import InMessage, OutMessage, dtype_name, dtype_of
 from aiorl.protocol.broadcast import CudaPlan, GpuInfo, IpcHandles
 from aiorl.protocol.ops import BroadcastOp
@@ -105,7 +99,7 @@ class _Communicator:
         self.store_address: tuple[str, int] | None = None
         self.pg: Any = None
         self.aborted = False
-        self.lane = CudaLane(f"aiorl-bcast-{key[:8]}")
+        self.lane = CudaWorkThread(f"aiorl-bcast-{key[:8]}")
 
     def open_store(self, host: str) -> list[Any]:
         """Source that creates the communicator: host the rendezvous store (NCCL rank 0 need
@@ -188,7 +182,7 @@ class CudaBroadcast:
         self._members_of: dict[str, tuple[str, ...]] = {}  # communicator key -> representatives
         # (set id, seq) -> IPC handles that arrived, or the future of a follower waiting for them.
         self._ipc: dict[tuple[str, int], Any] = {}
-        self._copier: CudaLane | None = None
+        self._copier: CudaWorkThread | None = None
         self._serve_stream: Any = None  # the loop thread's stream for IPC exports
         host.endpoint.handle(BroadcastOp.GPU, self._on_gpu)
         host.endpoint.handle(BroadcastOp.IPC, self._on_ipc)
@@ -270,7 +264,7 @@ class CudaBroadcast:
             done, works, keep = issued
             return gpu_done(host, done, works, comm.pg, keep)
 
-        gpu = after_lane(host, comm.lane.run(comm.receive, inc, specs, root), landed)
+        gpu = after_work_thread(host, comm.lane.run(comm.receive, inc, specs, root), landed)
 
         def finished(f: asyncio.Future[None]) -> None:  # loop
             error = f.exception() if not f.cancelled() else PeerLostError("abandoned")
@@ -336,9 +330,9 @@ class CudaBroadcast:
 
         def copy(handles: Any) -> None:  # loop
             if self._copier is None or self._copier.closed:
-                self._copier = CudaLane("aiorl-bcast-ipc")
+                self._copier = CudaWorkThread("aiorl-bcast-ipc")
             lane = self._copier
-            gpu = after_lane(
+            gpu = after_work_thread(
                 host, lane.run(_ipc_copy, lane, bytes(handles), inc, specs, device),
                 lambda issued: gpu_done(host, issued[0], keep=issued[1]))
             gpu.add_done_callback(lambda f: settle_future(
@@ -380,7 +374,7 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def _ipc_copy(lane: CudaLane, handles: bytes, inc: InMessage, specs: Sequence[Any],
+def _ipc_copy(lane: CudaWorkThread, handles: bytes, inc: InMessage, specs: Sequence[Any],
               device: int) -> tuple[Any, list[Any]]:
     """Copier lane: allocate ``inc``'s tensors on ``device``, open the representative's CUDA
     IPC handles (torch makes our stream wait for its event) and copy on the lane's stream;

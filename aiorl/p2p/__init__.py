@@ -1,9 +1,9 @@
 """Point-to-point messages between workers: the engine, its Senders, Inboxes and payload paths.
 
-Layer ``p2p``: above ``runtime``; may import ``runtime``, ``registry``, ``transport``,
-``protocol``, ``names``, ``errors`` and ``util``, never ``actors``, ``group``,
-``channels`` or ``cluster``. Only this package touches the payload paths
-(``aiorl.transport._shm``, NCCL pairs, CUDA IPC). See ``docs/ordering.md``.
+Layer ``p2p``: above ``cuda`` and ``runtime``; may import ``cuda``, ``runtime``,
+``registry``, ``transport``, ``protocol``, ``names``, ``errors`` and ``util``, never
+``actors``, ``group``, ``channels`` or ``cluster``. Only this package touches the payload
+paths (``aiorl.transport._shm``, NCCL pairs, CUDA IPC). See ``docs/ordering.md``.
 """
 
 from aiorl.p2p.engine import P2PEngine, P2PStatistics, get_p2p

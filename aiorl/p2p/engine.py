@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from threading import get_ident as _get_ident
 from typing import Any
 
+from aiorl.cuda.devices import cuda_needs_init, local_cuda_info
 from aiorl.errors import PeerLostError, ProtocolError, RegistryUnavailable
 from aiorl.names import WorkerAddress
-from aiorl.p2p.gpu import cuda_needs_init, local_cuda_info
 from aiorl.p2p.inbox import Inbox, InboxStatistics
 from aiorl.p2p.message import (
     OutMessage,

@@ -297,8 +297,8 @@ def check_buffer(buf: Any) -> None:
 def record_event(*tensors: Any) -> dict[int, Any]:
     """Per device of ``tensors``, a CUDA event recorded on the calling thread's current
     stream of that device: what the caller had queued for them by the time of the call
-    (transfers wait for it). See `aiorl.p2p.gpu.record_events`."""
-    from aiorl.p2p.gpu import record_events
+    (transfers wait for it). See `aiorl.cuda.events.record_events`."""
+    from aiorl.cuda.events import record_events
 
     return record_events(tensors)
 

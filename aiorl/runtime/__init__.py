@@ -1,7 +1,7 @@
 """The per-process runtime: the event loop and its thread, the endpoint and registry client,
 peers, and ``AsyncWork``, the awaitable every remote operation returns.
 
-Layer: above ``registry``; below ``group``, ``p2p`` and everything built on them.
+Layer: above ``registry``; below ``cuda``, ``group``, ``p2p`` and everything built on them.
 """
 
 from aiorl.runtime.runtime import Runtime, current_runtime, describe_death, set_current_runtime

@@ -23,8 +23,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from aiorl.p2p.bulk_copy import copy_grouped, dtype_groups
-from aiorl.p2p.gpu import device_uuid
+from aiorl.cuda.bulk_copy import copy_grouped, dtype_groups
+from aiorl.cuda.devices import device_uuid
 from aiorl.p2p.message import dtype_of
 from aiorl.protocol.weights import CudaExport, Layout, TensorSpec
 
@@ -66,7 +66,7 @@ class CudaSlots:
         self.export = CudaExport(_device_uuid(device),
                                  tuple(reduce_tensor(s) for s in self.slots))  # type: ignore[no-untyped-call]
         # Each tensor's place in each slot, a typed view made once, and the places grouped
-        # by dtype: per publish one fused copy per dtype (`aiorl.p2p.bulk_copy`), since the
+        # by dtype: per publish one fused copy per dtype (`aiorl.cuda.bulk_copy`), since the
         # slicings and launches of 1,000 tensors would cost more than the copies.
         specs = [spec for spec in layout.tensors if spec.nbytes]
         self._names = [spec.name for spec in specs]

@@ -57,9 +57,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiorl.collective.nccl_broadcast import NcclCommunicator
+from aiorl.cuda.completion import GpuHost, after_work_thread, gpu_done
 from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.names import WorkerAddress
-from aiorl.p2p.gpu import GpuHost, after_lane, gpu_done
 from aiorl.protocol.ops import WeightsOp
 from aiorl.protocol.weights import AnnounceGpu, Layout, ShardSource
 from aiorl.runtime.waiter import BlockingWaiter
@@ -139,7 +139,7 @@ def _bucket_views(slot: Any, layout: Layout) -> list[Any]:
 # ----------------------------------------------------------------------------- per process
 @dataclass
 class _Host:
-    """What the GPU helpers (``gpu_done``, ``after_lane``) need: the loop and the waiter."""
+    """What the GPU helpers (``gpu_done``, ``after_work_thread``) need: the loop and the waiter."""
 
     loop: asyncio.AbstractEventLoop
     waiter: BlockingWaiter
@@ -306,7 +306,7 @@ class GpuFanout:
         host = self._nccl.host
         issued = comm.lane.run(comm.broadcast, _bucket_views(self.gpu.slots[rnd.slot],
                                                             self.layout), 0, None)
-        self._outcome = outcome = after_lane(
+        self._outcome = outcome = after_work_thread(
             host, issued, lambda r: gpu_done(host, r[0], r[1], comm.pg, r[2]))
         await outcome
         if self._retired is not None:  # the new communicator works: the old one can go
@@ -468,7 +468,7 @@ class GpuReceiver:
             host = self._nccl.host
             issued = comm.lane.run(comm.broadcast, _bucket_views(gpu.slots[slot], self.layout),
                                    0, None)
-            self._outcome = outcome = after_lane(
+            self._outcome = outcome = after_work_thread(
                 host, issued, lambda r: gpu_done(host, r[0], r[1], comm.pg, r[2]))
             await outcome
             complete = await end

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import aiorl
-from aiorl.p2p.gpu import device_uuid
+from aiorl.cuda.devices import device_uuid
 from aiorl.util.cuda_device import selected_device
 
 #: GPU busy-wait long enough (~tens of ms on an H100) that an unsynchronised transfer would

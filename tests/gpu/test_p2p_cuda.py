@@ -99,7 +99,7 @@ class C(aiorl.Worker):
         return torch.device("cuda", torch.cuda.current_device())
 
     def info(self) -> tuple[int, str]:
-        from aiorl.p2p.gpu import device_uuid
+        from aiorl.cuda.devices import device_uuid
 
         return os.getpid(), device_uuid(torch.cuda.current_device())
 

@@ -37,7 +37,7 @@ needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs (NCCL 
 
 SHAPES = {"w": (1 << 20, torch.float32), "h": (300_000, torch.bfloat16), "b": (7, torch.float32)}
 #: A state dict of 1,000 tensors of mixed dtypes and odd sizes (copied a few kernels at a
-#: time, `aiorl.p2p.bulk_copy`), plus a 2-d one a subscriber holds as a strided view.
+#: time, `aiorl.cuda.bulk_copy`), plus a 2-d one a subscriber holds as a strided view.
 MANY = {f"t{k}": (1 + (k * 37) % 515, [torch.float32, torch.bfloat16, torch.int32,
                                        torch.int8][k % 4]) for k in range(1000)}
 

@@ -18,21 +18,17 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from aiorl.cuda.completion import GpuHost
+from aiorl.cuda.events import blocking_event, wait_events
+from aiorl.cuda.tensors import flat_u8, reinterpret
+from aiorl.cuda.work_thread import CudaWorkThread
 from aiorl.errors import PeerLostError
-from aiorl.p2p.gpu import (
-    CudaLane,
-    GpuHost,
-    blocking_event,
-    flat_u8,
-    reinterpret,
-    wait_events,
-)
 from aiorl.p2p.message import InMessage, dtype_of
 from aiorl.util.cuda_device import selected_device
 
 __all__ = ["copy_async", "empty_targets"]
 
-_copy_lane: CudaLane | None = None
+_copy_lane: CudaWorkThread | None = None
 _lane_lock = threading.Lock()
 
 
@@ -48,11 +44,11 @@ def empty_targets(msg: InMessage, specs: Sequence[Any]) -> None:
     msg.cuda = [torch.empty(shape, dtype=dtype_of(dtype), device=device) for dtype, shape in specs]
 
 
-def _lane() -> CudaLane:
+def _lane() -> CudaWorkThread:
     global _copy_lane
     with _lane_lock:
         if _copy_lane is None or _copy_lane.closed:
-            _copy_lane = CudaLane("aiorl-cuda-copy")
+            _copy_lane = CudaWorkThread("aiorl-cuda-copy")
         return _copy_lane
 
 
@@ -98,7 +94,8 @@ def _finish(out: asyncio.Future[None], cf: concurrent.futures.Future[None]) -> N
 
 
 def _copy_on_lane(
-    lane: CudaLane, dst: Any, src: Any, dst_events: Mapping[int, Any] | None, staged: list[Any]
+    lane: CudaWorkThread, dst: Any, src: Any, dst_events: Mapping[int, Any] | None,
+    staged: list[Any],
 ) -> tuple[Any, Any]:
     """Lane: stage host bytes through pinned memory, copy on the side stream of the GPU end
     (into host memory: into a pinned buffer, copied out once the GPU is done)."""

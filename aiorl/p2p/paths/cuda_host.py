@@ -31,18 +31,11 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from aiorl.cuda.completion import GpuHost, settle_future
+from aiorl.cuda.events import LOOP_SPIN_S, EventWaiter, blocking_event, done_within, wait_events
+from aiorl.cuda.tensors import flat_u8
+from aiorl.cuda.untyped_torch import untyped
 from aiorl.errors import ProtocolError
-from aiorl.p2p.gpu import (
-    LOOP_SPIN_S,
-    EventWaiter,
-    GpuHost,
-    blocking_event,
-    done_within,
-    flat_u8,
-    settle_future,
-    untyped,
-    wait_events,
-)
 from aiorl.p2p.message import (
     InMessage,
     OutMessage,

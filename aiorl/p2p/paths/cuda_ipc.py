@@ -17,7 +17,7 @@ Per send, nothing is registered with torch's IPC machinery again:
 * **Many tensors, few calls.** A message of `FLAT_MIN_TENSORS` tensors or more is
   received by a plan made once per layout (`ManyPlan`: the typed views of the sender's
   tensors in the mapped shares, where each lands in one block, grouped by dtype): per
-  message one allocation and one fused copy per dtype (`aiorl.p2p.bulk_copy`), not an
+  message one allocation and one fused copy per dtype (`aiorl.cuda.bulk_copy`), not an
   allocation and a ``copy_`` per tensor. A plan holds views of mappings, so it goes
   before a mapping it uses is released.
 * **Ordering by our own interprocess events**, a bounded pool per receiver, each exported
@@ -50,20 +50,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from aiorl.cuda.bulk_copy import FLAT_MIN_TENSORS, FlatLayout, copy_grouped
+from aiorl.cuda.byte_window import ByteWindow
+from aiorl.cuda.devices import device_uuid, host_identity, local_cuda_info
+from aiorl.cuda.events import blocking_event, wait_events
+from aiorl.cuda.tensors import allocate, flat_u8
+from aiorl.cuda.untyped_torch import untyped
+from aiorl.cuda.work_thread import CudaWorkThread
 from aiorl.errors import PeerLostError, ProtocolError
-from aiorl.p2p.bulk_copy import FLAT_MIN_TENSORS, FlatLayout, copy_grouped
-from aiorl.p2p.gpu import (
-    ByteWindow,
-    CudaLane,
-    allocate,
-    blocking_event,
-    device_uuid,
-    flat_u8,
-    host_identity,
-    local_cuda_info,
-    untyped,
-    wait_events,
-)
 from aiorl.p2p.message import InMessage, OutMessage, PostedRecv, cuda_specs, dtype_of, nbytes_of
 from aiorl.p2p.paths.base import (
     AckedSends,
@@ -429,7 +423,7 @@ class IpcRecv(RecvPathBase):
 
     def __init__(self, host: PathHost, source: str) -> None:
         super().__init__(host, source)
-        self.lane: CudaLane | None = None
+        self.lane: CudaWorkThread | None = None
         self.shares: dict[int, Any] = {}  # share id -> the whole storage as a uint8 tensor
         self.events: dict[int, Any] = {}  # event id -> the sender's event, opened
         self.window = ByteWindow()
@@ -464,7 +458,7 @@ class IpcRecv(RecvPathBase):
         ):
             raise ProtocolError(f"{self.source} keeps more CUDA IPC shares than agreed")
         if self.lane is None:
-            self.lane = CudaLane(f"aiorl-ipc-{self.source}")
+            self.lane = CudaWorkThread(f"aiorl-ipc-{self.source}")
         fut: asyncio.Future[None] = self.host.loop.create_future()
         msg.cuda_fut = fut
         job = _IpcJob(

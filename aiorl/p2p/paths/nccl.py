@@ -4,7 +4,7 @@ Used for CUDA tensors between different GPUs (same node or not). Both directions
 pair share one two-rank communicator (`NcclPair`), created lazily by both sides
 at the first transfer either way; its *leader* (the name that sorts first) is rank 0 and
 hosts the rendezvous ``TCPStore``, whose address travels in its messages. Every NCCL
-operation of the pair is issued on the pair's `CudaLane`, in the
+operation of the pair is issued on the pair's `CudaWorkThread`, in the
 one order `aiorl.p2p.paths.nccl_order` defines: nothing is issued before the
 receiver allocated, a receiver that cannot allocate refuses that message alone, and the
 leader decides the order of both directions. Handshake messages ride ``p2p.done``
@@ -13,7 +13,7 @@ leader decides the order of both directions. Handshake messages ride ``p2p.done`
 The tensors of one message travel as one NCCL operation each, except that several small
 ones (together at most `PACK_MAX` bytes) are packed into one buffer: one operation
 per message for the common "a few small tensors" case. A receiver lets at most
-`aiorl.p2p.gpu.CUDA_INFLIGHT_BYTES` per sender land at once (allocations included).
+`aiorl.cuda.byte_window.CUDA_INFLIGHT_BYTES` per sender land at once (allocations included).
 Peer loss fails every pending transfer at once with ``PeerLostError`` and aborts the
 communicator off the loop; docs/gpu.md describes the settings and what has run on a GPU.
 """
@@ -28,19 +28,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiorl.cuda.byte_window import ByteWindow
+from aiorl.cuda.completion import after_work_thread, gpu_done
+from aiorl.cuda.events import wait_events
+from aiorl.cuda.nccl import abort_in_background, new_nccl_group
+from aiorl.cuda.tensors import allocate, flat_u8
+from aiorl.cuda.untyped_torch import untyped
+from aiorl.cuda.work_thread import CudaWorkThread
 from aiorl.errors import PeerLostError, ProtocolError
-from aiorl.p2p.gpu import (
-    ByteWindow,
-    CudaLane,
-    abort_in_background,
-    after_lane,
-    allocate,
-    flat_u8,
-    gpu_done,
-    new_nccl_group,
-    untyped,
-    wait_events,
-)
 from aiorl.p2p.message import InMessage, OutMessage, PostedRecv, cuda_specs, dtype_of, nbytes_of
 from aiorl.p2p.paths.base import (
     PathHost,
@@ -127,7 +122,7 @@ class NcclPair:
         self.rank = 0 if self.leader else 1
         self.order = PairOrder(self.leader)
         self.window = ByteWindow()
-        self.lane = CudaLane(f"aiorl-nccl-{peer}")
+        self.lane = CudaWorkThread(f"aiorl-nccl-{peer}")
         self.device = selected_device()
         self.gid: str | None = None
         self.store: Any = None
@@ -386,7 +381,7 @@ class NcclPair:
             works, done, keep = issued
             return gpu_done(host, done, works, pg_of.pg, keep)
 
-        fut = after_lane(host, self.lane.run(self._issue_send, entry), landed)
+        fut = after_work_thread(host, self.lane.run(self._issue_send, entry), landed)
         fut.add_done_callback(lambda f: self._transfer_done(entry.fut, f))
 
     def _start_recv(self, entry: _Recv) -> None:
@@ -396,7 +391,7 @@ class NcclPair:
             works, done, keep = issued
             return gpu_done(host, done, works, pg_of.pg, keep)
 
-        fut = after_lane(host, self.lane.run(self._issue_recv, entry), landed)
+        fut = after_work_thread(host, self.lane.run(self._issue_recv, entry), landed)
 
         def finished(f: asyncio.Future[None]) -> None:
             error = f.exception() if not f.cancelled() else PeerLostError("abandoned")

@@ -4,7 +4,7 @@
   in order, ``synchronize()`` only when ``query()`` says not done, errors reported, a closed
   waiter reports at once, and an idle waiter costs no CPU. Stand-in events with the CUDA
   event interface (``query``/``synchronize``): a CUDA event cannot exist without a GPU.
-* `CudaLane.issue`: the lane issues, its waiter waits, the loop is told once; failures and
+* `CudaWorkThread.issue`: the lane issues, its waiter waits, the loop is told once; failures and
   a closed lane fail the future.
 * the inline road for small CUDA tensors: the size decision and ``AIORL_CUDA_INLINE_BYTES``;
   a Sender holds a staged message (and every later one) until its copy is done, then sends
@@ -26,8 +26,9 @@ from typing import Any
 import pytest
 import torch
 
+from aiorl.cuda.events import CudaThreadClosed, EventWaiter
+from aiorl.cuda.work_thread import CudaWorkThread
 from aiorl.errors import ProtocolError
-from aiorl.p2p.gpu import CudaLane, EventWaiter, LaneClosed
 from aiorl.p2p.message import InMessage, OutMessage, PostedRecv, Staged, encode_object
 from aiorl.p2p.paths import cuda_host, cuda_ipc
 from aiorl.p2p.paths.cuda_host import HostRecv, inline_limit, wants_inline
@@ -100,7 +101,7 @@ def test_a_closed_event_waiter_reports_at_once() -> None:
     waiter.close()
     got: list[BaseException | None] = []
     waiter.watch(StandInEvent(), got.append)
-    assert len(got) == 1 and isinstance(got[0], LaneClosed)
+    assert len(got) == 1 and isinstance(got[0], CudaThreadClosed)
 
 
 def test_an_idle_event_waiter_uses_no_cpu() -> None:
@@ -115,9 +116,9 @@ def test_an_idle_event_waiter_uses_no_cpu() -> None:
     waiter.close()
 
 
-# ----------------------------------------------------------------------------- CudaLane.issue
+# ----------------------------------------------------------------------------- CudaWorkThread.issue
 class LoopHost:
-    """What `CudaLane.issue` uses of an engine: its loop and a thread-safe call."""
+    """What `CudaWorkThread.issue` uses of an engine: its loop and a thread-safe call."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -130,7 +131,7 @@ class LoopHost:
 def test_lane_issue_settles_once_the_event_is_done() -> None:
     async def main() -> None:
         host = LoopHost(asyncio.get_running_loop())
-        lane = CudaLane("test-issue")
+        lane = CudaWorkThread("test-issue")
         ev = StandInEvent()
         kept: list[Any] = []
         ran_on: list[str] = []
@@ -152,7 +153,7 @@ def test_lane_issue_settles_once_the_event_is_done() -> None:
         with pytest.raises(torch.cuda.OutOfMemoryError):
             await asyncio.wait_for(lane.issue(host, broken), 5)
         lane.close()
-        with pytest.raises(LaneClosed):
+        with pytest.raises(CudaThreadClosed):
             await asyncio.wait_for(lane.issue(host, issue, 8), 5)
 
     asyncio.run(main())
@@ -295,7 +296,7 @@ def test_a_dropped_share_is_released_only_after_the_receives_naming_it() -> None
         loop = asyncio.get_running_loop()
         host = RecvHost(loop)
         path = IpcRecv(host, "src:0")  # type: ignore[arg-type]
-        path.lane = CudaLane("test-ipc")  # where mappings are released
+        path.lane = CudaWorkThread("test-ipc")  # where mappings are released
         five, six = torch.zeros(1), torch.zeros(1)  # stand-ins for mapped storages
         path.shares = {5: five, 6: six}
         path._uses = {5: 2}  # two accepted receives read share 5; none reads share 6
@@ -355,7 +356,7 @@ class _CountingEvent:
 
 
 def test_done_within_polls_briefly_and_never_longer_than_asked() -> None:
-    from aiorl.p2p.gpu import done_within
+    from aiorl.cuda.events import done_within
 
     soon = [_CountingEvent(3), _CountingEvent(0)]
     assert done_within(soon, 1.0)

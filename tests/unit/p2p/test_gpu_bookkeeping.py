@@ -23,9 +23,12 @@ from typing import Any
 import pytest
 import torch
 
+from aiorl.cuda.bulk_copy import FLAT_ALIGN, FlatLayout, copy_grouped, copy_many, dtype_groups
+from aiorl.cuda.byte_window import ByteWindow
+from aiorl.cuda.completion import gpu_done
+from aiorl.cuda.tensors import reinterpret
+from aiorl.cuda.work_thread import CudaWorkThread
 from aiorl.errors import PeerLostError, ProtocolError
-from aiorl.p2p.bulk_copy import FLAT_ALIGN, FlatLayout, copy_grouped, copy_many, dtype_groups
-from aiorl.p2p.gpu import ByteWindow, CudaLane, gpu_done, reinterpret
 from aiorl.p2p.paths.cuda_ipc import ShareCache
 from aiorl.p2p.paths.nccl import PACK_ALIGN, PACK_MAX, pack_layout
 from aiorl.p2p.paths.nccl_order import Do, PairOrder, Step, is_leader
@@ -369,7 +372,7 @@ def test_selected_device_order() -> None:
 
 # ----------------------------------------------------------------------------- lane, poller
 def test_lane_runs_in_order_on_one_daemon_thread_and_closes() -> None:
-    lane = CudaLane("test-lane")
+    lane = CudaWorkThread("test-lane")
     seen: list[int] = []
     gate = threading.Event()
     futs = [lane.run(lambda i=i: (gate.wait(5), seen.append(i))) for i in range(5)]
