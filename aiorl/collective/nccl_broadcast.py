@@ -90,8 +90,8 @@ def _current_gpu(index: int | None = None) -> dict[str, Any]:
 
 
 class _Communicator:
-    """One NCCL communicator over some representatives, with its own lane (daemon thread and
-    side stream): issued in broadcast order, never on the event loop."""
+    """One NCCL communicator over some representatives, with its own `CudaWorkThread` (a
+    daemon thread and side stream): issued in broadcast order, never on the event loop."""
 
     def __init__(self, key: str, rank: int, world: int, device: int) -> None:
         self.key, self.rank, self.world, self.device = key, rank, world, device
@@ -99,7 +99,7 @@ class _Communicator:
         self.store_address: tuple[str, int] | None = None
         self.pg: Any = None
         self.aborted = False
-        self.lane = CudaWorkThread(f"aiorl-bcast-{key[:8]}")
+        self.work_thread = CudaWorkThread(f"aiorl-bcast-{key[:8]}")
 
     def open_store(self, host: str) -> list[Any]:
         """Source that creates the communicator: host the rendezvous store (NCCL rank 0 need
@@ -111,7 +111,7 @@ class _Communicator:
         return list(self.store_address)
 
     def _group(self) -> Any:
-        # Lane only: joins every representative (non-blocking NCCL set-up, abortable).
+        # Work thread only: joins every representative (non-blocking NCCL set-up, abortable).
         if self.pg is None:
             dist = _torch("torch.distributed")
             timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
@@ -131,12 +131,12 @@ class _Communicator:
 
     def broadcast(self, tensors: list[Any], root: int,
                   events: Mapping[int, Any] | None) -> tuple[Any, list[Any], list[Any]]:
-        """Lane: one NCCL broadcast per tensor after ``events`` on the lane's stream; returns
-        ``(done event, works, tensors)``."""
+        """Work thread: one NCCL broadcast per tensor after ``events`` on the work thread's
+        stream; returns ``(done event, works, tensors)``."""
         cuda = _torch("torch.cuda")
         dist = _torch("torch.distributed")
         pg = self._group()
-        stream = self.lane.stream(self.device)
+        stream = self.work_thread.stream(self.device)
         works = []
         with cuda.device(self.device), cuda.stream(stream):
             wait_events(stream, events)
@@ -152,28 +152,28 @@ class _Communicator:
 
     def receive(self, inc: InMessage, specs: Sequence[Any],
                 root: int) -> tuple[Any, list[Any], list[Any]]:
-        """Lane: allocate the tensors of ``inc`` on the lane's stream, then broadcast into
-        them (a representative's receive)."""
-        stream = self.lane.stream(self.device)
+        """Work thread: allocate the tensors of ``inc`` on the work thread's stream, then
+        broadcast into them (a representative's receive)."""
+        stream = self.work_thread.stream(self.device)
         inc.cuda = allocate([(dtype_of(dt), shape) for dt, shape in specs], self.device, stream)
         return self.broadcast([flat_u8(t) for t in inc.cuda if t.numel()], root, None)
 
     def abort(self) -> None:
         """A representative died: NCCL calls would wait for it for ever. Aborted off the
-        loop; the lane (maybe stuck in NCCL) is abandoned."""
+        loop; the work thread (maybe stuck in NCCL) is abandoned."""
         self.aborted = True
-        self.lane.close()
+        self.work_thread.close()
         abort_in_background(self.pg, self.key)
         self.pg = None
 
 
-#: The communicator with its lane, for the layers above that run NCCL broadcasts of their own
+#: The communicator with its work thread, for the layers above that run NCCL broadcasts of their own
 #: (``aiorl.weights.nccl``: a publisher's version rounds).
 NcclCommunicator = _Communicator
 
 
 class CudaBroadcast:
-    """The CUDA part of one process's broadcasts (loop thread, except what runs on lanes)."""
+    """The CUDA part of one process's broadcasts (loop thread, except what runs on work threads)."""
 
     def __init__(self, host: CudaHost) -> None:
         self.host = host
@@ -229,7 +229,7 @@ class CudaBroadcast:
         live = [t for t in out.cuda if t.numel()]
         if len(reps) > 1 and live:
             comm = self._comms[key]
-            comm.lane.run(comm.broadcast, [flat_u8(t) for t in live], root, out.event)
+            comm.work_thread.run(comm.broadcast, [flat_u8(t) for t in live], root, out.event)
         mine = [n for n, rep in followers.items() if rep == self.host.name]
         if mine and live:  # (followers of an all-empty payload allocate it: `receive`)
             self._serve(set_id, seq, mine, live, out.event)
@@ -264,7 +264,7 @@ class CudaBroadcast:
             done, works, keep = issued
             return gpu_done(host, done, works, comm.pg, keep)
 
-        gpu = after_work_thread(host, comm.lane.run(comm.receive, inc, specs, root), landed)
+        gpu = after_work_thread(host, comm.work_thread.run(comm.receive, inc, specs, root), landed)
 
         def finished(f: asyncio.Future[None]) -> None:  # loop
             error = f.exception() if not f.cancelled() else PeerLostError("abandoned")
@@ -325,15 +325,15 @@ class CudaBroadcast:
     def _await_ipc(self, key: tuple[str, int], inc: InMessage, specs: Sequence[Any], device: int,
                    fut: asyncio.Future[None]) -> None:
         """Follower: once the representative's handles arrive, copy from them on the copier
-        lane (allocation included); completion is an event polled by the waiter."""
+        thread (allocation included); completion is an event polled by the waiter."""
         host = self.host
 
         def copy(handles: Any) -> None:  # loop
             if self._copier is None or self._copier.closed:
                 self._copier = CudaWorkThread("aiorl-bcast-ipc")
-            lane = self._copier
+            work_thread = self._copier
             gpu = after_work_thread(
-                host, lane.run(_ipc_copy, lane, bytes(handles), inc, specs, device),
+                host, work_thread.run(_ipc_copy, work_thread, bytes(handles), inc, specs, device),
                 lambda issued: gpu_done(host, issued[0], keep=issued[1]))
             gpu.add_done_callback(lambda f: settle_future(
                 fut, f.exception() if not f.cancelled() else PeerLostError("closed")))
@@ -374,14 +374,14 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def _ipc_copy(lane: CudaWorkThread, handles: bytes, inc: InMessage, specs: Sequence[Any],
+def _ipc_copy(work_thread: CudaWorkThread, handles: bytes, inc: InMessage, specs: Sequence[Any],
               device: int) -> tuple[Any, list[Any]]:
-    """Copier lane: allocate ``inc``'s tensors on ``device``, open the representative's CUDA
-    IPC handles (torch makes our stream wait for its event) and copy on the lane's stream;
+    """Copier thread: allocate ``inc``'s tensors on ``device``, open the representative's CUDA
+    IPC handles (torch makes our stream wait for its event) and copy on the work thread's stream;
     returns ``(done event, what must stay alive until it completed)``."""
     cuda = _torch("torch.cuda")
     reductions = _torch("torch.multiprocessing.reductions")
-    stream = lane.stream(device)
+    stream = work_thread.stream(device)
     inc.cuda = allocate([(dtype_of(dt), shape) for dt, shape in specs], device, stream)
     targets = [t for t in inc.cuda if t.numel()]
     sources = []

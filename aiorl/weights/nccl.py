@@ -11,7 +11,7 @@ representative's slots by CUDA IPC, exactly as it would out of a publisher on it
 **Rounds.** The publisher (`GpuFanout`) runs at most one round at a time, each the
 broadcast of one complete version from its GPU slot to every representative that joined
 (the publisher is NCCL rank 0), bucket by bucket (``Layout.buckets``, one NCCL broadcast
-each, issued back to back on the communicator's lane stream, straight into the
+each, issued back to back on the communicator's work-thread stream, straight into the
 representatives' spare slots: bucket k+1 is on the wire while bucket k lands, and nothing
 is staged). Rounds run beside ``publish``, never inside it: a version published while a
 round runs becomes the *pending* round, replacing any version pending before it
@@ -29,7 +29,7 @@ copy each), so a pull never waits for a round.
 
 **Communicators** are created lazily per member set (the publisher, then the
 representatives in address order) with the broadcast machinery
-(`aiorl.collective.nccl_broadcast.NcclCommunicator`: a lane, non-blocking NCCL set-up
+(`aiorl.collective.nccl_broadcast.NcclCommunicator`: a work thread, non-blocking NCCL set-up
 with aiorl's NCCL settings, a ``TCPStore`` hosted by the publisher whose address travels in
 each round message). A join or a loss changes the set, so the next round creates a new one;
 the previous one is retired when a round on its successor completed.
@@ -304,8 +304,8 @@ class GpuFanout:
                                    list(comm.store_address), [me, *rnd.members], rnd.version])
         self._told = rnd.number
         host = self._nccl.host
-        issued = comm.lane.run(comm.broadcast, _bucket_views(self.gpu.slots[rnd.slot],
-                                                            self.layout), 0, None)
+        issued = comm.work_thread.run(comm.broadcast,
+                                      _bucket_views(self.gpu.slots[rnd.slot], self.layout), 0, None)
         self._outcome = outcome = after_work_thread(
             host, issued, lambda r: gpu_done(host, r[0], r[1], comm.pg, r[2]))
         await outcome
@@ -466,8 +466,8 @@ class GpuReceiver:
         try:
             comm = self._communicator(call)
             host = self._nccl.host
-            issued = comm.lane.run(comm.broadcast, _bucket_views(gpu.slots[slot], self.layout),
-                                   0, None)
+            issued = comm.work_thread.run(comm.broadcast,
+                                          _bucket_views(gpu.slots[slot], self.layout), 0, None)
             self._outcome = outcome = after_work_thread(
                 host, issued, lambda r: gpu_done(host, r[0], r[1], comm.pg, r[2]))
             await outcome

@@ -22,7 +22,7 @@ def _elements(sender: str, token: int) -> int:
 
 def _replay(rank: int, port: int, issued: list[tuple[str, str, int]], out: Any) -> None:
     """One process: issue a side's operations on a real Gloo group, in its order, all in
-    flight at once (as the NCCL lane issues them), then check what landed."""
+    flight at once (as the NCCL pair's work thread issues them), then check what landed."""
     import datetime
 
     import torch.distributed as dist

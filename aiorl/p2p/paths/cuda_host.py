@@ -10,7 +10,7 @@ receiver copies the frame into pinned memory and from there into the posted
 (`HostRecv`); a CPU ``recv_tensor`` buffer takes the bytes straight from the frame.
 
 Why: for a few KiB the bytes cost nothing and the fixed costs are all there is. IPC
-needs an export or a cached share, an interprocess event, a lane hop, a copy and an
+needs an export or a cached share, an interprocess event, a work-thread hop, a copy and an
 acknowledgement before the sender may reuse its tensor; NCCL a handshake. Here the send
 completes once the control message left (its tensors were copied out already), nothing
 is acknowledged, no path needs a set-up, and it works toward any receiver with CUDA, on

@@ -23,15 +23,15 @@ Per send, nothing is registered with torch's IPC machinery again:
 * **Ordering by our own interprocess events**, a bounded pool per receiver, each exported
   once: the sender records one on its side stream after the caller's events; the
   receiver's side stream waits for it, copies, and records a blocking-sync completion
-  event, which the lane's `EventWaiter` waits for (no polling); the receiver then
+  event, which the work thread's `EventWaiter` waits for (no polling); the receiver then
   acknowledges (``p2p.done``) and the sender may reuse the tensor and the event. No
   default stream waits or is waited on.
 * **Copy speed.** A receive into a posted ``recv_tensor`` buffer allocates nothing; the
   mappings and the opened events are cached, so a message costs one side-stream wait,
   one copy and one event; the loop is woken once, when the bytes are there.
-* **Mappings released on the lane's stream.** torch's deleter of a mapped storage
+* **Mappings released on the work thread's stream.** torch's deleter of a mapped storage
   synchronises the releasing thread's *current* stream before it lets the sender reuse
-  the block; a mapping is therefore dropped with the lane's stream current (the copies
+  the block; a mapping is therefore dropped with the work thread's stream current (the copies
   that read it), never the default stream (the user's kernels) and never on the loop.
 * **Reference-counter files.** Each export takes a slot in a ``/dev/shm/torch_<pid>_*``
   file that torch unlinks only in a static destructor, which a worker ending by
@@ -417,13 +417,13 @@ class IpcSend(SendPathBase):
 
 
 class IpcRecv(RecvPathBase):
-    """IPC copies from one source: its mapped shares and events, window, lane."""
+    """IPC copies from one source: its mapped shares and events, window, work thread."""
 
     control = OP_CUDA
 
     def __init__(self, host: PathHost, source: str) -> None:
         super().__init__(host, source)
-        self.lane: CudaWorkThread | None = None
+        self.work_thread: CudaWorkThread | None = None
         self.shares: dict[int, Any] = {}  # share id -> the whole storage as a uint8 tensor
         self.events: dict[int, Any] = {}  # event id -> the sender's event, opened
         self.window = ByteWindow()
@@ -457,8 +457,8 @@ class IpcRecv(RecvPathBase):
             SHARES_PER_PEER + MAX_IPC_TENSORS
         ):
             raise ProtocolError(f"{self.source} keeps more CUDA IPC shares than agreed")
-        if self.lane is None:
-            self.lane = CudaWorkThread(f"aiorl-ipc-{self.source}")
+        if self.work_thread is None:
+            self.work_thread = CudaWorkThread(f"aiorl-ipc-{self.source}")
         fut: asyncio.Future[None] = self.host.loop.create_future()
         msg.cuda_fut = fut
         job = _IpcJob(
@@ -481,22 +481,22 @@ class IpcRecv(RecvPathBase):
             self._start(job)
 
     def _start(self, job: _IpcJob) -> None:
-        assert self.lane is not None
-        landed = self.lane.issue(self.host, self._copy, job)
+        assert self.work_thread is not None
+        landed = self.work_thread.issue(self.host, self._copy, job)
         landed.add_done_callback(lambda f: self._copied(f, job))
 
     def _copy(self, job: _IpcJob) -> tuple[Any, Any]:
-        """Lane: pick the targets (the posted buffer, else fresh tensors), wait for the
+        """Work thread: pick the targets (the posted buffer, else fresh tensors), wait for the
         sender's event, copy from its memory; returns the completion event and the targets.
 
         The mapped source is not in what is kept: ``self.shares`` holds it, and dropping it
-        synchronises the lane's stream first (`_release`), so the copy has read it by then.
+        synchronises the work thread's stream first (`_release`), so the copy has read it by then.
         """
         import torch
 
         posted, specs, ipc_device = job.posted, job.specs, job.ipc_device
 
-        assert self.lane is not None
+        assert self.work_thread is not None
         device = selected_device()
         # A receive cancelled before the copy is issued does not get its buffer written.
         user = (
@@ -512,12 +512,12 @@ class IpcRecv(RecvPathBase):
         ):
             assert posted is not None
             device = user.device.index
-            stream = self.lane.stream(device)
+            stream = self.work_thread.stream(device)
             with torch.cuda.device(device):
                 wait_events(stream, posted.event)  # the caller may still use the buffer
             targets = [user]
         elif len(job.parts) >= FLAT_MIN_TENSORS:
-            stream = self.lane.stream(device)
+            stream = self.work_thread.stream(device)
             with torch.cuda.device(device), torch.cuda.stream(stream):
                 self._wait_sender(job, stream)
                 targets = self._plan(job).receive(device, torch.cuda.default_stream(device))
@@ -526,7 +526,7 @@ class IpcRecv(RecvPathBase):
             job.msg.cuda = targets
             return done, targets
         else:
-            stream = self.lane.stream(device)
+            stream = self.work_thread.stream(device)
             targets = allocate([(dtype_of(d), s) for d, s in specs], device, stream)
         with torch.cuda.device(device), torch.cuda.stream(stream):
             self._wait_sender(job, stream)
@@ -540,7 +540,7 @@ class IpcRecv(RecvPathBase):
         return done, targets
 
     def _wait_sender(self, job: _IpcJob, stream: Any) -> None:
-        """Lane: make ``stream`` wait for the sender's event of ``job`` (opened once)."""
+        """Work thread: make ``stream`` wait for the sender's event of ``job`` (opened once)."""
         ev = self.events.get(job.event_id)
         if ev is None:
             if job.handle is None:
@@ -550,7 +550,7 @@ class IpcRecv(RecvPathBase):
         stream.wait_event(ev)
 
     def _plan(self, job: _IpcJob) -> ManyPlan:
-        """Lane: the receive plan of ``job``'s layout (same specs, same shares, offsets
+        """Work thread: the receive plan of ``job``'s layout (same specs, same shares, offsets
         and sizes as an earlier message: the kept one; else made now and kept)."""
         key = (tuple((d, tuple(s)) for d, s in job.specs),
                tuple((p[0], p[2], p[3]) for p in job.parts))
@@ -571,7 +571,7 @@ class IpcRecv(RecvPathBase):
         return plan
 
     def _open(self, share_id: int, args: Any, ipc_device: int) -> Any:
-        """Lane: a share's whole storage as uint8, mapped once (cached until dropped)."""
+        """Work thread: a share's whole storage as uint8, mapped once (cached until dropped)."""
         whole = self.shares.get(share_id)
         if whole is not None:
             return whole
@@ -626,13 +626,13 @@ class IpcRecv(RecvPathBase):
             if share_id in self._dropped:
                 self._dropped.discard(share_id)
                 self._drop(share_id)
-        if self.lane is not None:
+        if self.work_thread is not None:
             for waiting in self.window.release(job.nbytes):
                 self._start(waiting)
 
     def on_control(self, meta: Sequence[Any]) -> None:
         """The sender dropped a share or an event: forget it after the copies that use it."""
-        if len(meta) != 3 or self.lane is None:
+        if len(meta) != 3 or self.work_thread is None:
             return
         if meta[1] == "ipc-drop":
             ids = meta[2] if isinstance(meta[2], list) else [meta[2]]
@@ -648,19 +648,19 @@ class IpcRecv(RecvPathBase):
 
     def _drop(self, *share_ids: int) -> None:
         """Loop: no accepted receive uses ``share_ids`` any more; release their mappings on
-        the lane (after the copies it issued), in one lane job."""
+        the work thread (after the copies it issued), in one work-thread job."""
         gone = set(share_ids)
         for key in [k for k, plan in self._plans.items() if plan.share_ids & gone]:
             del self._plans[key]  # its views would keep the mappings alive
         wholes = [w for w in (self.shares.pop(i, None) for i in share_ids) if w is not None]
-        if wholes and self.lane is not None:
-            self.lane.run(self._release, wholes)
+        if wholes and self.work_thread is not None:
+            self.work_thread.run(self._release, wholes)
 
     def _release(self, mappings: list[Any]) -> None:
-        """Drop mapped storages with the lane's stream of their device current: torch's
+        """Drop mapped storages with the work thread's stream of their device current: torch's
         deleter synchronises the current stream before the sender may reuse the block, and
-        the lane's stream holds exactly the copies that read it (the default stream would
-        wait for the user's kernels). Lane thread, or the loop once the lane is closed."""
+        the work thread's stream holds exactly the copies that read it (the default stream would
+        wait for the user's kernels). Work thread, or the loop once the work thread is closed."""
         import torch
 
         while mappings:
@@ -668,7 +668,7 @@ class IpcRecv(RecvPathBase):
             if whole is None:
                 continue
             index = whole.device.index
-            stream = None if self.lane is None else self.lane.existing_stream(index)
+            stream = None if self.work_thread is None else self.work_thread.existing_stream(index)
             if stream is None:
                 del whole
                 continue
@@ -686,9 +686,9 @@ class IpcRecv(RecvPathBase):
         mappings, self.shares = list(self.shares.values()), {}
         if mappings:
             self._release(mappings)
-        if self.lane is not None:
-            self.lane.close()
-            self.lane = None
+        if self.work_thread is not None:
+            self.work_thread.close()
+            self.work_thread = None
         self.events.clear()
 
     def statistics(self) -> PathStatistics:

@@ -122,7 +122,7 @@ class NcclPair:
         self.rank = 0 if self.leader else 1
         self.order = PairOrder(self.leader)
         self.window = ByteWindow()
-        self.lane = CudaWorkThread(f"aiorl-nccl-{peer}")
+        self.work_thread = CudaWorkThread(f"aiorl-nccl-{peer}")
         self.device = selected_device()
         self.gid: str | None = None
         self.store: Any = None
@@ -153,12 +153,13 @@ class NcclPair:
         return self.store_address
 
     def follow(self, store: Sequence[Any] | None) -> None:
-        """Follower: where the leader's store listens (joined on the lane, at first issue)."""
+        """Follower: where the leader's store listens (joined on the work thread, at first
+        issue)."""
         if store is not None and self.store_address is None:
             self.store_address = [store[0], int(store[1])]
 
     def _group(self) -> Any:
-        """Lane thread: the communicator, created (non-blocking set-up) at first issue."""
+        """Work thread: the communicator, created (non-blocking set-up) at first issue."""
         if self.pg is None:
             import datetime
 
@@ -209,11 +210,11 @@ class NcclPair:
         return True
 
     def _issue_send(self, entry: _Send) -> tuple[list[Any], Any, list[Any]]:
-        """Lane: the NCCL sends of one message, after the caller's events."""
+        """Work thread: the NCCL sends of one message, after the caller's events."""
         import torch
 
         pg = self._group()
-        stream = self.lane.stream(self.device)
+        stream = self.work_thread.stream(self.device)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             wait_events(stream, entry.events)
             payload = [self._on_pair_device(t) for t in entry.tensors]
@@ -234,7 +235,8 @@ class NcclPair:
         return works, done, [*payload, *entry.tensors]
 
     def _on_pair_device(self, t: Any) -> Any:
-        """``t``, copied to the communicator's device if it lives on another (lane stream)."""
+        """``t``, copied to the communicator's device if it lives on another (on the work
+        thread's stream)."""
         if t.device.index == self.device:
             return t.detach()
         staged = t.detach().to(self.device, non_blocking=True)
@@ -262,7 +264,7 @@ class NcclPair:
         return fut
 
     def _allocate(self, entry: _Recv) -> None:
-        cf = self.lane.run(self._allocate_on_lane, entry)
+        cf = self.work_thread.run(self._allocate_on_work_thread, entry)
 
         def allocated(cf: Any) -> None:  # loop
             if self.broken is not None or entry.fut.done():
@@ -283,12 +285,12 @@ class NcclPair:
 
         cf.add_done_callback(lambda cf: self.host.call_soon_threadsafe(allocated, cf))
 
-    def _allocate_on_lane(self, entry: _Recv) -> None:
-        """Lane: the message's tensors on the pair's device (or the posted buffer itself)."""
+    def _allocate_on_work_thread(self, entry: _Recv) -> None:
+        """Work thread: the message's tensors on the pair's device (or the posted buffer itself)."""
         import torch
 
         specs = [(dtype_of(dtype), shape) for dtype, shape in entry.specs]
-        stream = self.lane.stream(self.device)
+        stream = self.work_thread.stream(self.device)
         posted = entry.posted
         # A receive cancelled before its transfer is issued does not get its buffer written.
         user = posted.buf if posted is not None and not posted.work.done() else None
@@ -322,11 +324,11 @@ class NcclPair:
         entry.msg.cuda = targets
 
     def _issue_recv(self, entry: _Recv) -> tuple[list[Any], Any, list[Any]]:
-        """Lane: the NCCL receives of one message."""
+        """Work thread: the NCCL receives of one message."""
         import torch
 
         pg = self._group()
-        stream = self.lane.stream(self.device)
+        stream = self.work_thread.stream(self.device)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             works = [pg.recv([b], 1 - self.rank, 0) for b in entry.buffers]
             for w in works:
@@ -381,7 +383,7 @@ class NcclPair:
             works, done, keep = issued
             return gpu_done(host, done, works, pg_of.pg, keep)
 
-        fut = after_work_thread(host, self.lane.run(self._issue_send, entry), landed)
+        fut = after_work_thread(host, self.work_thread.run(self._issue_send, entry), landed)
         fut.add_done_callback(lambda f: self._transfer_done(entry.fut, f))
 
     def _start_recv(self, entry: _Recv) -> None:
@@ -391,7 +393,7 @@ class NcclPair:
             works, done, keep = issued
             return gpu_done(host, done, works, pg_of.pg, keep)
 
-        fut = after_work_thread(host, self.lane.run(self._issue_recv, entry), landed)
+        fut = after_work_thread(host, self.work_thread.run(self._issue_recv, entry), landed)
 
         def finished(f: asyncio.Future[None]) -> None:
             error = f.exception() if not f.cancelled() else PeerLostError("abandoned")
@@ -428,7 +430,7 @@ class NcclPair:
         self.recvs.clear()
         self.window.clear()
         self.order.clear()
-        self.lane.close()
+        self.work_thread.close()
         abort_in_background(self.pg, self.gid or self.peer, keep)
         self.pg = None
         self.store = None

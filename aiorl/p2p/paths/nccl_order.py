@@ -39,8 +39,8 @@ __all__ = ["Do", "PairOrder", "Step", "is_leader"]
 
 
 class Do(Enum):
-    ISSUE_SEND = "issue_send"  # put the send of ``token`` on the pair's lane now
-    ISSUE_RECV = "issue_recv"  # put the receive of ``token`` on the pair's lane now
+    ISSUE_SEND = "issue_send"  # put the send of ``token`` on the pair's work thread now
+    ISSUE_RECV = "issue_recv"  # put the receive of ``token`` on the pair's work thread now
     TELL_GO = "tell_go"  # tell the peer: issue your side of ``token`` now
     TELL_READY = "tell_ready"  # tell the (leader) sender: my memory for ``token`` is ready
     TELL_REFUSE = "tell_refuse"  # tell the sender: ``token`` will never be received

@@ -4,8 +4,8 @@
   in order, ``synchronize()`` only when ``query()`` says not done, errors reported, a closed
   waiter reports at once, and an idle waiter costs no CPU. Stand-in events with the CUDA
   event interface (``query``/``synchronize``): a CUDA event cannot exist without a GPU.
-* `CudaWorkThread.issue`: the lane issues, its waiter waits, the loop is told once; failures and
-  a closed lane fail the future.
+* `CudaWorkThread.issue`: the work thread issues, its waiter waits, the loop is told once;
+  failures and a closed work thread fail the future.
 * the inline road for small CUDA tensors: the size decision and ``AIORL_CUDA_INLINE_BYTES``;
   a Sender holds a staged message (and every later one) until its copy is done, then sends
   it first; the receiving half puts the bytes straight into a CPU ``recv_tensor`` buffer and
@@ -128,10 +128,10 @@ class LoopHost:
         self.loop.call_soon_threadsafe(fn, *args)
 
 
-def test_lane_issue_settles_once_the_event_is_done() -> None:
+def test_work_thread_issue_settles_once_the_event_is_done() -> None:
     async def main() -> None:
         host = LoopHost(asyncio.get_running_loop())
-        lane = CudaWorkThread("test-issue")
+        work_thread = CudaWorkThread("test-issue")
         ev = StandInEvent()
         kept: list[Any] = []
         ran_on: list[str] = []
@@ -141,7 +141,7 @@ def test_lane_issue_settles_once_the_event_is_done() -> None:
             kept.append(x)
             return ev, kept
 
-        fut = lane.issue(host, issue, 7)
+        fut = work_thread.issue(host, issue, 7)
         await asyncio.sleep(0.1)
         assert not fut.done() and kept == [7] and ran_on == ["test-issue"]
         ev.fire()
@@ -151,10 +151,10 @@ def test_lane_issue_settles_once_the_event_is_done() -> None:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
 
         with pytest.raises(torch.cuda.OutOfMemoryError):
-            await asyncio.wait_for(lane.issue(host, broken), 5)
-        lane.close()
+            await asyncio.wait_for(work_thread.issue(host, broken), 5)
+        work_thread.close()
         with pytest.raises(CudaThreadClosed):
-            await asyncio.wait_for(lane.issue(host, issue, 8), 5)
+            await asyncio.wait_for(work_thread.issue(host, issue, 8), 5)
 
     asyncio.run(main())
 
@@ -296,7 +296,7 @@ def test_a_dropped_share_is_released_only_after_the_receives_naming_it() -> None
         loop = asyncio.get_running_loop()
         host = RecvHost(loop)
         path = IpcRecv(host, "src:0")  # type: ignore[arg-type]
-        path.lane = CudaWorkThread("test-ipc")  # where mappings are released
+        path.work_thread = CudaWorkThread("test-ipc")  # where mappings are released
         five, six = torch.zeros(1), torch.zeros(1)  # stand-ins for mapped storages
         path.shares = {5: five, 6: six}
         path._uses = {5: 2}  # two accepted receives read share 5; none reads share 6

@@ -7,7 +7,7 @@
 * item 5: :class:`ShareCache` — one IPC export per live storage, bounded per receiver;
 * item 13: CUDA placeholders keep ``Parameter``/``requires_grad``; a CPU-only process
   refuses a CUDA tensor with a clear error;
-* the lane (one daemon thread, in order, closable) and the completion poller (one waiter
+* the work thread (one daemon thread, in order, closable) and the completion poller (one waiter
   thread; a failed NCCL work fails the transfer, its CUDA event alone does not count).
 """
 
@@ -370,29 +370,29 @@ def test_selected_device_order() -> None:
         assert cuda_device.note_thread_device() is None  # never initialises CUDA itself
 
 
-# ----------------------------------------------------------------------------- lane, poller
-def test_lane_runs_in_order_on_one_daemon_thread_and_closes() -> None:
-    lane = CudaWorkThread("test-lane")
+# ----------------------------------------------------------------------------- work thread, poller
+def test_work_thread_runs_in_order_on_one_daemon_thread_and_closes() -> None:
+    work_thread = CudaWorkThread("test-work-thread")
     seen: list[int] = []
     gate = threading.Event()
-    futs = [lane.run(lambda i=i: (gate.wait(5), seen.append(i))) for i in range(5)]
-    assert lane._thread is not None and lane._thread.daemon
+    futs = [work_thread.run(lambda i=i: (gate.wait(5), seen.append(i))) for i in range(5)]
+    assert work_thread._thread is not None and work_thread._thread.daemon
     gate.set()
     for f in futs:
         f.result(5)
     assert seen == [0, 1, 2, 3, 4]
     gate.clear()
     started = threading.Event()
-    blocker = lane.run(lambda: (started.set(), gate.wait(5)))
-    queued = lane.run(seen.append, 99)
+    blocker = work_thread.run(lambda: (started.set(), gate.wait(5)))
+    queued = work_thread.run(seen.append, 99)
     assert started.wait(5)
-    lane.close()
+    work_thread.close()
     gate.set()
     blocker.result(5)
     with pytest.raises(PeerLostError):
         queued.result(5)
     with pytest.raises(PeerLostError):
-        lane.run(seen.append, 100).result(1)
+        work_thread.run(seen.append, 100).result(1)
     assert 99 not in seen
 
 
