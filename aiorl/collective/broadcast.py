@@ -53,9 +53,9 @@ from aiorl.collective.rounds import MemberSet, Round, member_gone
 from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.names import WorkerAddress
 from aiorl.p2p.message import InMessage, OutMessage, encode_object
-from aiorl.p2p.proto import K_OBJ
 from aiorl.protocol.broadcast import BroadcastAck, BroadcastData, BroadcastDone, SharedBuffers
 from aiorl.protocol.ops import BroadcastOp
+from aiorl.protocol.p2p import K_OBJ
 from aiorl.runtime import AsyncWork, Runtime
 from aiorl.runtime.promise import reject, resolve, trace_until_settled
 from aiorl.trace import recorder as _trace

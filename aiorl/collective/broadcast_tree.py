@@ -18,9 +18,10 @@ from aiorl.collective.nccl_broadcast import CudaBroadcast
 from aiorl.collective.payload import SharedSegments, chunks
 from aiorl.collective.plan import BroadcastPlan, relay_tree
 from aiorl.p2p.message import InMessage, OutMessage
-from aiorl.p2p.proto import K_OBJ, SHM_MIN
+from aiorl.p2p.settings import SHM_MIN
 from aiorl.protocol.broadcast import BroadcastData, Buffers, FramedBuffers
 from aiorl.protocol.ops import BroadcastOp
+from aiorl.protocol.p2p import K_OBJ
 from aiorl.transport.endpoint import Endpoint
 
 __all__ = ["TreeSender"]

@@ -29,10 +29,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from threading import get_ident as _get_ident
-from typing import Any
+from typing import Any, TypeVar
 
 from aiorl.cuda.devices import cuda_needs_init, local_cuda_info
 from aiorl.errors import PeerLostError, ProtocolError, RegistryUnavailable
@@ -48,19 +49,20 @@ from aiorl.p2p.message import (
 from aiorl.p2p.p2p_relay import RelayRoute, direct_peers, relay_window
 from aiorl.p2p.paths.cuda_host import stage
 from aiorl.p2p.paths.cuda_ipc import release_ref_counter_files
-from aiorl.p2p.proto import (
-    OP_ACK,
-    OP_BATCH,
-    OP_CUDA,
-    OP_DATA,
-    OP_DONE,
-    OP_DROP,
-    OP_HELLO,
-    OP_VIA,
-    RESOLVE_RETRY_S,
-)
 from aiorl.p2p.sender import Sender, SenderStatistics
-from aiorl.protocol.ops import AgentOp
+from aiorl.p2p.settings import RESOLVE_RETRY_S
+from aiorl.protocol.ops import AgentOp, P2POp
+from aiorl.protocol.p2p import (
+    Hello,
+    PathAck,
+    PathControl,
+    SegmentAck,
+    SegmentDrop,
+    TransferDone,
+    batch_from_wire,
+    cuda_control_from_wire,
+    data_from_wire,
+)
 from aiorl.protocol.p2p_relay import P2P_CREDIT, RelayedP2P, ViaP2P, envelope_bytes
 from aiorl.runtime import AsyncWork, Runtime
 from aiorl.runtime.promise import reject, trace_until_settled
@@ -78,12 +80,14 @@ _warn = RateLimitedLog(log)
 #: A source's messages came from a newer process than the dead one the runtime knows of:
 #: how soon to resolve its name again (doubling up to the maximum) until it is ready.
 _REWATCH_FIRST_S = 0.02
-#: The agent op as a plain str (an enum member costs msgpack a slow path per message).
+#: The ops as plain strs (an enum member costs msgpack a slow path per message).
 _RELAY_P2P = AgentOp.RELAY_P2P.value
+_DATA, _BATCH = P2POp.DATA.value, P2POp.BATCH.value
 #: Credit owed to a relayed source below a quarter of its window waits this long for more
 #: (`P2PEngine._grant`).
 GRANT_DELAY_S = 0.01
 _REWATCH_MAX_S = 1.0
+_M = TypeVar("_M")
 
 
 @dataclass(frozen=True)
@@ -115,18 +119,18 @@ def _worker_name(group: str, rank: int | Sequence[int]) -> str:
     return name
 
 
-def _answer_hello(msg: Incoming, ib: Inbox) -> None:
+def _answer_hello(msg: Incoming, ib: Inbox, hello: Hello) -> None:
     """Answer a ``p2p.hello``, or say why not: the sender then goes on without the paths that
     needed the answer (`Sender._hello`) instead of waiting out ``HELLO_TIMEOUT_S``. The
     endpoint answers for a handler that raises, but not for this answer deferred behind a
     first CUDA initialisation, which may fail (a broken driver, no device left)."""
     try:
-        reply = ib.answer(msg.meta)
+        reply = ib.answer(hello)
     except Exception as exc:  # noqa: BLE001 - goes back to the asking sender
         log.warning("p2p set-up asked by %s cannot be answered: %s", ib.name, exc)
         msg.reply_error(exc)
         return
-    msg.reply(reply)
+    msg.reply(reply.to_wire())
 
 
 class P2PEngine:
@@ -170,15 +174,15 @@ class P2PEngine:
         self._loop_tid = runtime.loop_thread.thread_id  # compared inline on each send/recv
         self._submit = runtime.submit
         ep = self.endpoint
-        ep.handle(OP_DATA, self._on_data)
-        ep.handle(OP_BATCH, self._on_batch)
-        ep.handle(OP_ACK, self._on_ack)
-        ep.handle(OP_DONE, self._on_ack)
-        ep.handle(OP_DROP, self._on_drop)
-        ep.handle(OP_CUDA, self._on_drop)
-        ep.handle(OP_HELLO, self._on_hello)
-        ep.handle(OP_VIA, self._on_via)
-        self._via_handlers = {OP_DATA: self._on_data, OP_BATCH: self._on_batch}
+        ep.handle(_DATA, self._on_data)
+        ep.handle(_BATCH, self._on_batch)
+        ep.handle(P2POp.ACK.value, partial(self._on_ack, read=SegmentAck.from_wire))
+        ep.handle(P2POp.DONE.value, partial(self._on_ack, read=TransferDone.from_wire))
+        ep.handle(P2POp.DROP.value, partial(self._on_control, read=SegmentDrop.from_wire))
+        ep.handle(P2POp.CUDA.value, partial(self._on_control, read=cuda_control_from_wire))
+        ep.handle(P2POp.HELLO.value, self._on_hello)
+        ep.handle(P2POp.VIA.value, self._on_via)
+        self._via_handlers = {_DATA: self._on_data, _BATCH: self._on_batch}
         ep.on_peer_lost(self._on_peer_lost)
         runtime.on_close(self.close)
 
@@ -463,30 +467,54 @@ class P2PEngine:
             del self._inboxes[ib.name]
 
     # ------------------------------------------------------------------ op handlers
+    # A malformed one-way message is dropped with a warning (`_malformed`): the peer that
+    # sent it gets no answer to act on, and the pair's other messages go on.
     def _on_data(self, msg: Incoming) -> None:
-        m = msg.meta
-        ib = self._inboxes.get(m[0]) or self.inbox(m[0])
-        if ib.sender is None:
-            ib.sender = msg.identity
-        ib.handle(m[1], m[2], m[3], m[4], msg.frames)
-
-    def _on_batch(self, msg: Incoming) -> None:
-        src, metas = msg.meta
+        try:
+            src, kind, head, bufdesc, cudadesc = data_from_wire(msg.meta)
+        except ProtocolError as exc:
+            self._malformed(msg, exc)
+            return
         ib = self._inboxes.get(src) or self.inbox(src)
         if ib.sender is None:
             ib.sender = msg.identity
-        ib.handle_batch(metas, msg.frames)
+        ib.handle(kind, head, bufdesc, cudadesc, msg.frames)
 
-    def _on_ack(self, msg: Incoming) -> None:
-        """``p2p.ack`` / ``p2p.done`` from a receiver: to the Sender toward it."""
-        s = self._senders.get(msg.meta[0])
-        if s is not None:
-            s.on_ack(msg.op, msg.meta)
+    def _on_batch(self, msg: Incoming) -> None:
+        try:
+            src, entries = batch_from_wire(msg.meta, len(msg.frames))
+        except ProtocolError as exc:
+            self._malformed(msg, exc)
+            return
+        ib = self._inboxes.get(src) or self.inbox(src)
+        if ib.sender is None:
+            ib.sender = msg.identity
+        ib.handle_batch(entries, msg.frames)
 
-    def _on_drop(self, msg: Incoming) -> None:
-        ib = self._inboxes.get(msg.meta[0])
-        if ib is not None:
-            ib.on_control(msg.op, msg.meta)
+    def _on_ack(self, msg: Incoming, read: Callable[[object], PathAck]) -> None:
+        """``p2p.ack``/``p2p.done`` from a receiver, read by ``read``: to the Sender toward it."""
+        ack = self._read(msg, read)
+        if ack is not None and (s := self._senders.get(ack.src)) is not None:
+            s.on_ack(msg.op, ack)
+
+    def _on_control(self, msg: Incoming, read: Callable[[object], PathControl]) -> None:
+        """``p2p.drop``/``p2p.cuda`` from a sender, read by ``read``: to the Inbox for it."""
+        control = self._read(msg, read)
+        if control is not None and (ib := self._inboxes.get(control.src)) is not None:
+            ib.on_control(msg.op, control)
+
+    def _read(self, msg: Incoming, read: Callable[[object], _M]) -> _M | None:
+        """``read(msg.meta)``, or None for a malformed message (dropped)."""
+        try:
+            return read(msg.meta)
+        except ProtocolError as exc:
+            self._malformed(msg, exc)
+            return None
+
+    def _malformed(self, msg: Incoming, exc: ProtocolError) -> None:
+        """Drop a one-way message that does not read as its op says (logged once a second
+        at most: a broken peer may repeat it)."""
+        _warn.warning(msg.op, "%s: dropped a malformed %s message: %s", self.name, msg.op, exc)
 
     def _on_via(self, msg: Incoming) -> None:
         """``p2p.via`` from a node agent: a relayed message, served as the inner op from the
@@ -558,15 +586,18 @@ class P2PEngine:
                 return
 
     def _on_hello(self, msg: Incoming) -> None:
-        ib = self.inbox(msg.meta["src"])
+        """A sender's set-up questions; a malformed one raises, and the endpoint answers the
+        error (the sender goes on without the paths that asked)."""
+        hello = Hello.from_wire(msg.meta)
+        ib = self.inbox(hello.src)
         if ib.sender is None:
             ib.sender = msg.identity
-        if msg.meta.get("cuda") and cuda_needs_init():
+        if hello.cuda and cuda_needs_init():
             # This process's first CUDA use: initialise it off the loop, answer after.
             fut = self.loop.run_in_executor(None, local_cuda_info)
-            fut.add_done_callback(lambda _f: _answer_hello(msg, ib))
+            fut.add_done_callback(lambda _f: _answer_hello(msg, ib, hello))
             return
-        _answer_hello(msg, ib)
+        _answer_hello(msg, ib, hello)
 
     # ------------------------------------------------------------------ state
     @property

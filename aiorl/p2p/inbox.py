@@ -18,10 +18,9 @@ the name again: at once a failure for a dead worker, the new process for a resta
 from __future__ import annotations
 
 import asyncio
-import logging
 import pickle
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,15 +28,23 @@ from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.p2p.message import InMessage, PostedRecv, nbytes_of
 from aiorl.p2p.paths import CPU_PATHS, CUDA_PATHS
 from aiorl.p2p.paths.base import PathHost, PathSpec, PathStatistics, RecvPath, fail, lost_error
-from aiorl.p2p.proto import K_CPU, K_CUDA, K_OBJ, NOTHING
+from aiorl.protocol.p2p import (
+    K_CPU,
+    K_CUDA,
+    K_OBJ,
+    NOTHING,
+    EmptyCudaDesc,
+    Head,
+    Hello,
+    HelloReply,
+    PathControl,
+)
 from aiorl.runtime.promise import is_settled
 from aiorl.runtime.promise import reject as reject_work
 from aiorl.runtime.promise import resolve as resolve_work
 from aiorl.transport.serialization import byte_view
 
 __all__ = ["Inbox", "InboxStatistics"]
-
-log = logging.getLogger("aiorl.p2p")
 
 _CPU_BY_TAG: dict[int, PathSpec] = {spec.tag: spec for spec in CPU_PATHS}
 _CUDA_BY_TAG: dict[int, PathSpec] = {spec.tag: spec for spec in CUDA_PATHS}
@@ -107,8 +114,16 @@ class Inbox:
         else:
             self.posted.append(r)
 
-    def handle(self, kind: int, head: Any, bufdesc: Any, cudadesc: Any, frames: list[Any]) -> None:
-        """One arrived message: hand it to the oldest waiting receive, or keep it."""
+    def handle(
+        self,
+        kind: int,
+        head: Head | None,
+        bufdesc: Sequence[Any] | None,
+        cudadesc: Sequence[Any] | None,
+        frames: list[Any],
+    ) -> None:
+        """One arrived message (`aiorl.protocol.p2p.data_from_wire` read its fields): hand
+        it to the oldest waiting receive, or keep it."""
         posted = self.posted
         r = None
         while posted:
@@ -152,11 +167,9 @@ class Inbox:
         else:
             self.arrived.append(inc)
 
-    def handle_batch(self, metas: list[Any], frames: list[Any]) -> None:
-        """Several small messages in one ZMQ message, in the order they were sent."""
-        if len(frames) != len(metas):
-            log.error("%s: dropped a malformed batch from %s", self.engine.name, self.name)
-            return
+    def handle_batch(self, metas: Sequence[Sequence[Any]], frames: list[Any]) -> None:
+        """Several small messages in one ZMQ message, in the order they were sent (one frame
+        each: `aiorl.protocol.p2p.batch_from_wire` checked them)."""
         handle = self.handle
         posted = self.posted
         for (kind, head, bufdesc), frame in zip(metas, frames, strict=True):
@@ -175,7 +188,12 @@ class Inbox:
             handle(kind, head, bufdesc, None, [frame])
 
     def _parse(
-        self, inc: InMessage, bufdesc: Any, cudadesc: Any, frames: list[Any], r: PostedRecv | None
+        self,
+        inc: InMessage,
+        bufdesc: Sequence[Any] | None,
+        cudadesc: Sequence[Any] | None,
+        frames: list[Any],
+        r: PostedRecv | None,
     ) -> None:
         start = 0
         if inc.kind == K_OBJ:
@@ -187,7 +205,7 @@ class Inbox:
             if cudadesc[0] == NOTHING:
                 from aiorl.p2p.paths.cuda_common import empty_targets
 
-                empty_targets(inc, cudadesc[1])
+                empty_targets(inc, EmptyCudaDesc.from_wire(cudadesc).specs)
                 return
             self._path(True, cudadesc[0]).accept(inc, cudadesc, frames, start, r)
             fut = inc.cuda_fut
@@ -292,20 +310,20 @@ class Inbox:
         fut.add_done_callback(copied)
 
     # ------------------------------------------------------------------ set-up, control, loss
-    def answer(self, ask: Mapping[str, Any]) -> dict[str, Any]:
+    def answer(self, ask: Hello) -> HelloReply:
         """The reply to a ``p2p.hello`` from this source: every path adds its answers."""
         reply: dict[str, Any] = {}
         for spec in CPU_PATHS:
             self._path(False, spec.tag).answer(ask, reply)
         for spec in CUDA_PATHS:
             self._path(True, spec.tag).answer(ask, reply)
-        return reply
+        return HelloReply(**reply)
 
-    def on_control(self, op: str, meta: list[Any]) -> None:
+    def on_control(self, op: str, message: PathControl) -> None:
         """A one-way message from the sender to one of our paths (e.g. ``p2p.drop``)."""
         for path in (*self.cpu_paths.values(), *self.cuda_paths.values()):
             if path.control == op:
-                path.on_control(meta)
+                path.on_control(message)
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
         """Fail what waits on a dead sender (the engine then forgets this Inbox, and the

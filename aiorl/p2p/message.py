@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiorl.errors import ProtocolError
-from aiorl.p2p.proto import INBAND_MAX, INLINE_MAX, K_CPU, K_CUDA, K_OBJ
+from aiorl.p2p.settings import INBAND_MAX, INLINE_MAX
+from aiorl.protocol.p2p import K_CPU, K_CUDA, K_OBJ
 from aiorl.transport import _shm
 from aiorl.transport.serialization import (
     ATOMIC_TYPES,

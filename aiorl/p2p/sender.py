@@ -56,16 +56,18 @@ from aiorl.p2p.paths.base import (
     resolve,
 )
 from aiorl.p2p.paths.cuda_host import stage, staged_future, staged_ready
-from aiorl.p2p.proto import (
-    BATCH_MAX_BYTES,
-    BATCH_MAX_MSGS,
-    FRAMES,
-    HELLO_TIMEOUT_S,
+from aiorl.p2p.settings import BATCH_MAX_BYTES, BATCH_MAX_MSGS, HELLO_TIMEOUT_S
+from aiorl.protocol.ops import P2POp
+from aiorl.protocol.p2p import (
     K_OBJ,
-    NOTHING,
-    OP_BATCH,
-    OP_DATA,
-    OP_HELLO,
+    OBJECT_ENTRY,
+    EmptyCudaDesc,
+    Hello,
+    HelloReply,
+    PathAck,
+    batch_to_wire,
+    data_to_wire,
+    frames_to_wire,
 )
 from aiorl.runtime.promise import reject as reject_work
 from aiorl.runtime.promise import resolve as resolve_work
@@ -78,8 +80,8 @@ __all__ = ["Sender", "SenderStatistics"]
 
 log = logging.getLogger("aiorl.p2p")
 
-#: The meta of every inline pickled message in a batch (shared: it is never modified).
-_OBJ_META: list[Any] = [K_OBJ, None, None]
+#: The ops as plain strs (an enum member costs msgpack a slow path per message).
+_DATA, _BATCH, _HELLO = P2POp.DATA.value, P2POp.BATCH.value, P2POp.HELLO.value
 #: A relayed Sender's CUDA tensors all travel through pinned host memory, whatever their size.
 _NO_LIMIT = 1 << 62
 
@@ -285,24 +287,26 @@ class Sender:
     async def _hello(self, msg: OutMessage) -> None:
         """Ask the receiver every set-up question ``msg`` needs, in one request."""
         engine = self.engine
-        ask: dict[str, Any] = {"src": self._src, "addr": engine.endpoint.address, "pid": engine.pid}
+        questions: dict[str, Any] = {}
         asked: list[SendPath] = []
         for path in self.askers:
             if path.wants(msg):
                 keys = path.ask(msg)
                 if keys is not None:
-                    ask.update(keys)
+                    questions.update(keys)
                     asked.append(path)
-        reply: Mapping[str, Any] = {}
+        reply = HelloReply()
         if asked:
             assert self.address is not None
+            ask = Hello(self._src, engine.endpoint.address, engine.pid, **questions)
             try:
-                reply, _ = await engine.endpoint.request(
-                    self.address, OP_HELLO, ask, timeout=HELLO_TIMEOUT_S
+                answer, _ = await engine.endpoint.request(
+                    self.address, _HELLO, ask.to_wire(), timeout=HELLO_TIMEOUT_S
                 )
+                reply = HelloReply.from_wire(answer)
             except PeerLostError:
                 for path in asked:
-                    path.on_hello({})  # releases its probe
+                    path.on_hello(HelloReply())  # releases its probe
                 raise
             except Exception as exc:  # noqa: BLE001 - degrade to the paths that need no set-up
                 log.warning(
@@ -334,8 +338,9 @@ class Sender:
                     placed_cuda = _place(self.cuda_paths, msg, frames)
                     cudadesc = placed_cuda.desc
                 else:
-                    cudadesc = [NOTHING, specs]
-            self._send(OP_DATA, [self._src, msg.kind, msg.head, bufdesc, cudadesc], frames)
+                    cudadesc = EmptyCudaDesc(specs).to_wire()
+            self._send(_DATA, data_to_wire(self._src, msg.kind, msg.head, bufdesc, cudadesc),
+                       frames)
         except BaseException as exc:  # noqa: BLE001 - nothing went out: the send fails, not hangs
             for placed in (placed_cpu, placed_cuda):
                 if placed is not None and placed.undo is not None:
@@ -383,11 +388,11 @@ class Sender:
     def _enqueue(self, msg: OutMessage, work: AsyncWork[None]) -> None:
         frame = msg.inline
         if msg.kind == K_OBJ:
-            self.outbox.append(_OBJ_META)
+            self.outbox.append(OBJECT_ENTRY)
             self.outbox_bytes += len(frame)
         else:
             n = msg.nbytes
-            self.outbox.append([msg.kind, msg.head, [FRAMES, [n], [1]]])
+            self.outbox.append([msg.kind, msg.head, frames_to_wire([n], [1])])
             self.outbox_bytes += n
         self.outbox_frames.append(frame)
         works = self.outbox_works
@@ -408,9 +413,10 @@ class Sender:
         self.outbox, self.outbox_frames, self.outbox_works, self.outbox_bytes = [], [], [], 0
         try:
             if len(works) == 1:
-                op, meta = OP_DATA, [self._src, *metas[0], None]
+                kind, head, bufdesc = metas[0]
+                op, meta = _DATA, data_to_wire(self._src, kind, head, bufdesc, None)
             else:
-                op, meta = OP_BATCH, [self._src, metas]
+                op, meta = _BATCH, batch_to_wire(self._src, metas)
             self._send(op, meta, frames)
         except BaseException as exc:  # noqa: BLE001 - the sends fail, they do not hang
             for w in works:
@@ -433,10 +439,10 @@ class Sender:
             self.relay.send(op, meta, frames)
 
     # ------------------------------------------------------------------ replies, loss
-    def on_ack(self, op: str, meta: list[Any]) -> None:
+    def on_ack(self, op: str, ack: PathAck) -> None:
         """A ``p2p.ack``/``p2p.done`` from the receiver: to the path that placed the payload."""
         for path in (*self.cpu_paths, *self.cuda_paths):
-            if path.acks == op and path.on_ack(meta):
+            if path.acks == op and path.on_ack(ack):
                 return
 
     def lost(self, exc: PeerLostError | LookupError) -> None:

@@ -8,7 +8,8 @@ the registry included, can parse messages without pulling in the runtime.
 * `registry`: the registry's requests, replies and events;
 * `spawn`: what a driver asks an agent to start, and what
   the agent hands each new worker process;
-* `relay`, `p2p_relay`: group calls and point-to-point messages relayed by node agents;
+* `call_relay`, `p2p_relay`: group calls and point-to-point messages relayed by node agents;
+* `p2p`: what the two ends of a point-to-point pair send each other;
 * `broadcast`: what the members of a broadcast send each other;
 * `fields`: the checked reading every ``from_wire`` uses.
 """

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 from aiorl.errors import ProtocolError
 from aiorl.protocol.fields import MAX_ITEMS, MAX_SHORT, MAX_TEXT, Fields
+from aiorl.protocol.fields import field_error as _bad
+from aiorl.protocol.fields import int_field as _int
+from aiorl.protocol.fields import list_fields as _fields
 from aiorl.protocol.ops import BroadcastOp
 
 __all__ = [
@@ -55,7 +58,6 @@ FRAMES: Final = 0
 #: The tag that leads a `SharedBuffers` on the wire.
 SHM: Final = 1
 
-_MAX_SEQ = 2**63 - 1
 _MAX_BYTES = 1 << 50
 _MAX_PID = 2**31 - 1
 #: A point-to-point codec message kind (``aiorl.p2p.message`` decodes by it): a small tag.
@@ -63,18 +65,6 @@ _MAX_KIND = 255
 # The op names as plain strings, for error messages.
 _BCAST, _ACK, _DONE = BroadcastOp.BCAST.value, BroadcastOp.ACK.value, BroadcastOp.DONE.value
 _RELEASE, _IPC = BroadcastOp.RELEASE.value, BroadcastOp.IPC.value
-
-
-def _fields(meta: object, names: tuple[str, ...], message: str) -> Sequence[Any]:
-    """A received list of ``len(names)`` fields (``names`` only serve the error)."""
-    if (type(meta) is not list and type(meta) is not tuple) or len(meta) != len(names):
-        raise ProtocolError(f"{message}: expected a list of {len(names)} fields "
-                            f"({', '.join(names)})")
-    return meta
-
-
-def _bad(message: str, field: str, why: str) -> ProtocolError:
-    return ProtocolError(f"{message}.{field}: {why}")
 
 
 def _text(value: object, message: str, field: str) -> str:
@@ -90,14 +80,6 @@ def _error(value: object, message: str) -> str | None:
         return value
     raise _bad(message, "error", f"expected None or a string of at most {MAX_TEXT} characters, "
                                  f"got {type(value).__name__}")
-
-
-def _int(value: object, message: str, field: str, lo: int = 0, hi: int = _MAX_SEQ) -> int:
-    if type(value) is not int:
-        raise _bad(message, field, f"expected an integer, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise _bad(message, field, f"{value} is outside [{lo}, {hi}]")
-    return value
 
 
 def _items(value: object, message: str, field: str) -> Sequence[Any]:

@@ -3,7 +3,9 @@
 Every typed message's ``from_wire`` reads its map through `Fields`,
 which raises [`ProtocolError`][aiorl.ProtocolError] naming the message and the
 field at the first value of the wrong type, out of range, too long, or not a
-valid name. Nothing downstream of ``from_wire`` ever sees an unchecked value:
+valid name. Messages that travel as lists, read by position (those sent once per
+broadcast or per point-to-point message), use `list_fields`, `int_field` and
+`field_error` the same way. Nothing downstream of ``from_wire`` ever sees an unchecked value:
 that is what keeps one malformed message from being stored and breaking every
 later scan of the registry's tables.
 """
@@ -11,8 +13,8 @@ later scan of the registry's tables.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from typing import TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from aiorl.errors import ProtocolError
 from aiorl.names import WorkerAddress, check_group_name
@@ -25,6 +27,9 @@ __all__ = [
     "PlainData",
     "check_plain",
     "check_worker_name",
+    "field_error",
+    "int_field",
+    "list_fields",
 ]
 
 #: Identifiers, addresses, host names, labels.
@@ -232,3 +237,26 @@ def check_worker_name(name: str) -> str:
         raise ValueError(f"{name!r} is not a canonical worker name (did you mean "
                          f"{address.get_name()!r}?)")
     return name
+
+
+# ---------------------------------------------------------------------- positional messages
+def field_error(message: str, field: str, why: str) -> ProtocolError:
+    """The error for field ``field`` of ``message``: ``message.field: why``."""
+    return ProtocolError(f"{message}.{field}: {why}")
+
+
+def list_fields(meta: object, names: tuple[str, ...], message: str) -> Sequence[Any]:
+    """A received list of ``len(names)`` fields (``names`` only serve the error)."""
+    if (type(meta) is not list and type(meta) is not tuple) or len(meta) != len(names):
+        raise ProtocolError(f"{message}: expected a list of {len(names)} fields "
+                            f"({', '.join(names)})")
+    return meta
+
+
+def int_field(value: object, message: str, field: str, lo: int = 0, hi: int = _INT64[1]) -> int:
+    """An integer in ``[lo, hi]`` (not a bool)."""
+    if type(value) is not int:
+        raise field_error(message, field, f"expected an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise field_error(message, field, f"{value} is outside [{lo}, {hi}]")
+    return value

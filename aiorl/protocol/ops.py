@@ -20,8 +20,8 @@ else:  # Python 3.10: the same behaviour for our use (value as str, str() gives 
         def __str__(self) -> str:
             return str(self.value)
 
-__all__ = ["AgentOp", "BroadcastOp", "DirectoryOp", "DriverOp", "RegistryEvent", "RegistryOp",
-           "WeightsOp", "WorkerOp", "WorkerState"]
+__all__ = ["AgentOp", "BroadcastOp", "DirectoryOp", "DriverOp", "P2POp", "RegistryEvent",
+           "RegistryOp", "WeightsOp", "WorkerOp", "WorkerState"]
 
 
 class RegistryOp(StrEnum):
@@ -147,3 +147,32 @@ class BroadcastOp(StrEnum):
     #: Representative -> member on its GPU, one-way: CUDA IPC handles of its copy
     #: (`IpcHandles`).
     IPC = "coll.ipc"
+
+
+class P2POp(StrEnum):
+    """Messages the two ends of a point-to-point pair send each other, served by every
+    process's p2p engine (``aiorl.p2p``; their messages: `aiorl.protocol.p2p`)."""
+
+    #: Sender -> receiver, one-way: one message, its control and inline payload (`data_from_wire`).
+    DATA = "p2p.data"
+    #: Sender -> receiver, one-way: several small messages, in order (`batch_from_wire`).
+    BATCH = "p2p.batch"
+    #: Receiver -> sender, one-way: a shared segment is free again (`SegmentAck`).
+    ACK = "p2p.ack"
+    #: Sender -> receiver, one-way: forget a shared segment, the sender closed it (`SegmentDrop`).
+    DROP = "p2p.drop"
+    #: Sender -> receiver, request: can you map my segments, read my memory, which GPU do you
+    #: use? (`Hello`, answered by `HelloReply`.)
+    HELLO = "p2p.hello"
+    #: Receiver -> sender, one-way: a pulled payload was read, or not; an NCCL handshake
+    #: (`TransferDone`).
+    DONE = "p2p.done"
+    #: Sender -> receiver, one-way: an NCCL "go", a CUDA IPC share or event dropped
+    #: (`cuda_control_from_wire`).
+    CUDA = "p2p.cuda"
+    #: Node agent -> receiver, one-way: a ``p2p.data``/``p2p.batch`` relayed for a sender beyond
+    #: the direct-connection budget (`aiorl.protocol.p2p_relay.ViaP2P`).
+    VIA = "p2p.via"
+    #: Receiver -> sender, relayed: the bytes the receiver consumed, its grant
+    #: (`aiorl.protocol.p2p_relay`).
+    CREDIT = "p2p.credit"

@@ -32,18 +32,19 @@ if TYPE_CHECKING:
 
 from aiorl.errors import ProtocolError
 from aiorl.protocol.fields import MAX_SHORT
+from aiorl.protocol.ops import P2POp
 
 __all__ = ["ENVELOPE_COST", "P2P_CREDIT", "P2P_VIA", "RELAYED_P2P_OPS", "RelayedP2P", "ViaP2P",
            "envelope_bytes"]
 
-#: The worker op that delivers a relayed message (the p2p engine serves it).
-P2P_VIA: Final = "p2p.via"
+#: The worker op that delivers a relayed message (the p2p engine serves it), as a plain str
+#: (an enum member costs msgpack a slow path per message).
+P2P_VIA: Final = P2POp.VIA.value
 #: Receiver -> sender, relayed: ``[bytes]`` the receiver (``src_address``) consumed: its grant.
-P2P_CREDIT: Final = "p2p.credit"
-#: The p2p ops that may be relayed: those that need no answer and no set-up (the wire
-#: names of ``aiorl.p2p.proto.OP_DATA`` and ``OP_BATCH``; a test checks they agree), and
-#: the credit that flows back.
-RELAYED_P2P_OPS: Final = frozenset({"p2p.data", "p2p.batch", P2P_CREDIT})
+P2P_CREDIT: Final = P2POp.CREDIT.value
+#: The p2p ops that may be relayed: those that need no answer and no set-up, and the
+#: credit that flows back.
+RELAYED_P2P_OPS: Final = frozenset({P2POp.DATA.value, P2POp.BATCH.value, P2P_CREDIT})
 #: What an envelope costs beyond its frames' bytes in the credit count (its header, and
 #: the agent's bookkeeping): a stream of tiny messages is bounded as bytes are.
 ENVELOPE_COST: Final = 256

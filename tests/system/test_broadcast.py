@@ -373,8 +373,8 @@ def test_source_on_one_gpu_sends_no_ipc_for_an_all_empty_cuda_payload() -> None:
     source must send them nothing. Runs without CUDA: nothing here reaches the GPU."""
     from aiorl.collective.nccl_broadcast import CudaBroadcast
     from aiorl.p2p.message import OutMessage
-    from aiorl.p2p.proto import K_CUDA
     from aiorl.protocol.broadcast import CudaPlan
+    from aiorl.protocol.p2p import K_CUDA
 
     host = _CudaHost()
     try:

@@ -17,8 +17,9 @@ import torch
 
 import aiorl
 from aiorl.p2p.message import encode_object, encode_tensor
-from aiorl.p2p.proto import CMA, FRAMES, INLINE_MAX, K_CPU, K_OBJ, SHM, SHM_MIN
+from aiorl.p2p.settings import INLINE_MAX, SHM_MIN
 from aiorl.placement import NodePlacementStrategy
+from aiorl.protocol.p2p import CMA, FRAMES, K_CPU, K_OBJ, SHM
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -58,7 +59,7 @@ class Recorder(aiorl.Worker):
     def record(self) -> None:
         """Put a recorder in front of the engine's data handlers."""
         from aiorl.p2p import get_p2p
-        from aiorl.p2p.proto import OP_BATCH, OP_DATA
+        from aiorl.protocol.ops import P2POp
 
         engine = get_p2p(self._runtime)
         on_data, on_batch = engine._on_data, engine._on_batch
@@ -77,8 +78,8 @@ class Recorder(aiorl.Worker):
                 self.seen.append(["batch", kind, tag(bufdesc), None])
             on_batch(msg)
 
-        self._runtime.endpoint.handle(OP_DATA, data)
-        self._runtime.endpoint.handle(OP_BATCH, batch)
+        self._runtime.endpoint.handle(P2POp.DATA, data)
+        self._runtime.endpoint.handle(P2POp.BATCH, batch)
 
     async def take(self, src: int, n: int) -> list[list[Any]]:
         for _ in range(n):

@@ -27,9 +27,8 @@ from aiorl.p2p.p2p_relay import (
     direct_peers,
     relay_window,
 )
-from aiorl.p2p.proto import OP_BATCH, OP_DATA, OP_VIA
 from aiorl.placement import NodePlacementStrategy
-from aiorl.protocol.ops import AgentOp
+from aiorl.protocol.ops import AgentOp, P2POp
 from aiorl.protocol.p2p_relay import (
     ENVELOPE_COST,
     P2P_CREDIT,
@@ -42,6 +41,7 @@ from aiorl.protocol.registry import NodeInfo
 from tests.system.test_p2p import P
 
 RELAY_ENV = {"AIORL_P2P_DIRECT_PEERS": "0"}
+OP_DATA, OP_BATCH, OP_VIA = P2POp.DATA.value, P2POp.BATCH.value, P2POp.VIA.value
 
 
 def tensor_of(kind: str) -> torch.Tensor:
@@ -236,8 +236,8 @@ def test_direct_peer_budget_parses_strictly() -> None:
 
 @pytest.mark.timeout(10)
 def test_envelopes_round_trip_and_refuse_what_may_not_be_relayed() -> None:
-    assert {OP_DATA, OP_BATCH, P2P_CREDIT} == RELAYED_P2P_OPS
-    assert OP_VIA == "p2p.via"
+    assert {P2POp.DATA, P2POp.BATCH, P2P_CREDIT} == RELAYED_P2P_OPS
+    assert P2POp.VIA == "p2p.via"
     inner = ["g:0", 0, None, None, None]
     src = ["node-a", "ipc:///x/s"]
     r = RelayedP2P.from_wire(["node-b", "ipc:///x/w", b"g:0/42/abcd", OP_DATA, inner, *src])

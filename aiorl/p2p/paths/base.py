@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, TypeVar
 
@@ -41,6 +41,7 @@ from aiorl.runtime.waiter import BlockingWaiter, Job
 
 if TYPE_CHECKING:
     from aiorl.p2p.message import InMessage, OutMessage, PostedRecv
+    from aiorl.protocol.p2p import Hello, HelloReply, PathAck, PathControl, TransferDone
     from aiorl.transport.endpoint import Endpoint
 
 __all__ = [
@@ -126,11 +127,12 @@ class SendPath(Protocol):
         ...
 
     def ask(self, msg: OutMessage) -> dict[str, Any] | None:
-        """This path's keys of the ``p2p.hello`` request (None: it decided without asking)."""
+        """This path's questions of the ``p2p.hello`` request, as keyword arguments of
+        `aiorl.protocol.p2p.Hello` (None: it decided without asking)."""
         ...
 
-    def on_hello(self, reply: Mapping[str, Any]) -> None:
-        """The receiver's answer (an empty mapping when the set-up request failed)."""
+    def on_hello(self, reply: HelloReply) -> None:
+        """The receiver's answer (one with no answers when the set-up request failed)."""
         ...
 
     def fits(self, msg: OutMessage) -> bool:
@@ -142,8 +144,9 @@ class SendPath(Protocol):
         """Put the payload where the receiver will find it; None declines (next path)."""
         ...
 
-    def on_ack(self, meta: Sequence[Any]) -> bool:
-        """The receiver released a payload of ours; False when it is not ours."""
+    def on_ack(self, ack: PathAck) -> bool:
+        """The receiver released a payload of ours (a message of the op ``acks`` names);
+        False when it is not ours."""
         ...
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
@@ -163,8 +166,9 @@ class RecvPath(Protocol):
     #: The one-way op from the sender this path consumes (``p2p.drop``), if any.
     control: ClassVar[str | None]
 
-    def answer(self, ask: Mapping[str, Any], reply: dict[str, Any]) -> None:
-        """Add this path's answers to a ``p2p.hello`` request to ``reply``."""
+    def answer(self, ask: Hello, reply: dict[str, Any]) -> None:
+        """Add this path's answers to a ``p2p.hello`` request to ``reply`` (keyword arguments
+        of `aiorl.protocol.p2p.HelloReply`)."""
         ...
 
     @abstractmethod
@@ -181,7 +185,9 @@ class RecvPath(Protocol):
         ``ProtocolError``/``PeerLostError`` to fail that message's receive."""
         ...
 
-    def on_control(self, meta: Sequence[Any]) -> None: ...
+    def on_control(self, message: PathControl) -> None:
+        """A one-way message of the op ``control`` names, from the sender."""
+        ...
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
         """The source is gone: fail what still lands and drop what maps its memory."""
@@ -223,13 +229,13 @@ class SendPathBase(SendPath):
     def ask(self, msg: OutMessage) -> dict[str, Any] | None:
         return None
 
-    def on_hello(self, reply: Mapping[str, Any]) -> None:
+    def on_hello(self, reply: HelloReply) -> None:
         """Nothing asked, nothing to learn."""
 
     def fits(self, msg: OutMessage) -> bool:
         return True
 
-    def on_ack(self, meta: Sequence[Any]) -> bool:
+    def on_ack(self, ack: PathAck) -> bool:
         return False
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
@@ -261,10 +267,10 @@ class RecvPathBase(RecvPath):
         """The half for ``source`` (the `PathSpec` factory)."""
         return cls(host, source)
 
-    def answer(self, ask: Mapping[str, Any], reply: dict[str, Any]) -> None:
+    def answer(self, ask: Hello, reply: dict[str, Any]) -> None:
         """No set-up question to answer."""
 
-    def on_control(self, meta: Sequence[Any]) -> None:
+    def on_control(self, message: PathControl) -> None:
         """No control message of its own."""
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
@@ -321,9 +327,9 @@ class AckedSends:
 
         return fut, undo
 
-    def on_ack(self, meta: Sequence[Any]) -> bool:
+    def on_ack(self, done: TransferDone) -> bool:
         """Complete the send an ack names; False if the token is not ours."""
-        _, token, err = meta
+        token, err = done.token, done.reply
         entry = self._waiting.pop(token, None)
         if entry is None:
             return False

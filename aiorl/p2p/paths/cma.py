@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from aiorl.errors import PeerLostError, ProtocolError
@@ -28,15 +28,20 @@ from aiorl.p2p.paths.base import (
     RecvPathBase,
     SendPathBase,
 )
-from aiorl.p2p.proto import CMA, CMA_ENABLED, CMA_MIN, OP_DONE
+from aiorl.p2p.settings import CMA_ENABLED, CMA_MIN
+from aiorl.protocol.ops import P2POp
+from aiorl.protocol.p2p import CMA, CmaDesc, Hello, HelloReply, PathAck, TransferDone
 from aiorl.transport import _shm
 from aiorl.transport.serialization import byte_view
+
+#: The op as a plain str (an enum member costs msgpack a slow path per message).
+_DONE = P2POp.DONE.value
 
 
 class CmaSend(SendPathBase):
     """Pulls by one same-node destination: the probe result and the sends it has yet to read."""
 
-    acks = OP_DONE
+    acks = _DONE
 
     def __init__(self, host: PathHost, dest: Destination) -> None:
         super().__init__(host, dest)
@@ -57,8 +62,8 @@ class CmaSend(SendPathBase):
         self._probe = _shm.cma_probe_buffer()  # must stay alive until the reply
         return {"cma": ctypes.addressof(self._probe)}
 
-    def on_hello(self, reply: Mapping[str, Any]) -> None:
-        self.ok, self.settled = bool(reply.get("cma")), True
+    def on_hello(self, reply: HelloReply) -> None:
+        self.ok, self.settled = bool(reply.cma), True
         self._probe = None
 
     def fits(self, msg: OutMessage) -> bool:
@@ -69,11 +74,11 @@ class CmaSend(SendPathBase):
         fut, undo = self.waiting.park(token, msg)
         view: Any = msg.bufs[0].obj  # the numpy view of the tensor (see byte_view)
         addr = view.ctypes.data
-        desc = [CMA, token, self.host.pid, addr, msg.nbytes, self.host.endpoint.address]
-        return Placed(desc, fut, undo=undo)
+        desc = CmaDesc(token, self.host.pid, addr, msg.nbytes, self.host.endpoint.address)
+        return Placed(desc.to_wire(), fut, undo=undo)
 
-    def on_ack(self, meta: Sequence[Any]) -> bool:
-        return self.waiting.on_ack(meta)
+    def on_ack(self, ack: PathAck) -> bool:
+        return isinstance(ack, TransferDone) and self.waiting.on_ack(ack)
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
         self.waiting.fail_all(exc, self.dest.name)
@@ -88,9 +93,9 @@ class CmaSend(SendPathBase):
 class CmaRecv(RecvPathBase):
     """Pulls from one source, done at arrival (nothing outlives it)."""
 
-    def answer(self, ask: Mapping[str, Any], reply: dict[str, Any]) -> None:
-        if "cma" in ask:
-            reply["cma"] = _shm.check_cma(int(ask["pid"]), int(ask["cma"]))
+    def answer(self, ask: Hello, reply: dict[str, Any]) -> None:
+        if ask.cma is not None:
+            reply["cma"] = _shm.check_cma(ask.pid, ask.cma)
 
     def accept(
         self,
@@ -102,7 +107,8 @@ class CmaRecv(RecvPathBase):
     ) -> None:
         import numpy as np
 
-        _, token, pid, addr, n, address = desc
+        cma = CmaDesc.from_wire(desc)
+        token, pid, addr, n, address = cma.token, cma.pid, cma.addr, cma.nbytes, cma.address
         buf = posted.buf if posted is not None else None
         if buf is not None and buf.device.type == "cpu" and nbytes_of(buf) == n:
             dst = byte_view(buf)
@@ -118,9 +124,8 @@ class CmaRecv(RecvPathBase):
         endpoint = self.host.endpoint
         if not endpoint.is_lost(address):
             try:
-                endpoint.send_oneway(
-                    address, OP_DONE, [self.host.name, token, repr(err) if err else None]
-                )
+                done = TransferDone(self.host.name, token, repr(err) if err else None)
+                endpoint.send_oneway(address, _DONE, done.to_wire())
             except PeerLostError:
                 pass
         if err is not None:

@@ -47,7 +47,8 @@ from aiorl.p2p.message import (
     spec_nbytes,
 )
 from aiorl.p2p.paths.base import PathSpec, Placed, RecvPathBase, SendPathBase
-from aiorl.p2p.proto import HOST, K_CUDA, TRACK_MIN
+from aiorl.p2p.settings import TRACK_MIN
+from aiorl.protocol.p2p import HOST, K_CUDA, HostDesc
 from aiorl.transport.serialization import CudaUnavailableError, byte_view
 from aiorl.util.cuda_device import selected_device
 from aiorl.util.settings import count_setting
@@ -196,7 +197,7 @@ class HostSend(SendPathBase):
         # the view keeps the pinned buffer alive until then. Below, it copies at once.
         frames.append(view if view.nbytes < TRACK_MIN else bytes(view))
         msg.staged = None  # the tensors were copied out: the send completes now
-        return Placed([HOST, specs])
+        return Placed(HostDesc(specs).to_wire())
 
 
 class HostRecv(RecvPathBase):
@@ -211,7 +212,7 @@ class HostRecv(RecvPathBase):
         start: int,
         posted: PostedRecv | None,
     ) -> None:
-        specs = list(desc[1])
+        specs = list(HostDesc.from_wire(desc).specs)
         sizes = [spec_nbytes(s) for s in specs]
         frame = frames[-1] if len(frames) > start else None
         if frame is None or len(frame) != sum(sizes):

@@ -46,7 +46,7 @@ import functools
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +71,21 @@ from aiorl.p2p.paths.base import (
     fail,
     resolve,
 )
-from aiorl.p2p.proto import IPC, K_CUDA, OP_CUDA, OP_DONE
+from aiorl.protocol.ops import P2POp
+from aiorl.protocol.p2p import (
+    IPC,
+    K_CUDA,
+    CudaInfo,
+    Hello,
+    HelloReply,
+    IpcDesc,
+    IpcDrop,
+    IpcDropEvent,
+    IpcPart,
+    PathAck,
+    PathControl,
+    TransferDone,
+)
 from aiorl.util.cuda_device import selected_device
 
 __all__ = [
@@ -84,6 +98,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("aiorl.p2p")
+
+#: The ops as plain strs (an enum member costs msgpack a slow path per message).
+_CUDA, _DONE = P2POp.CUDA.value, P2POp.DONE.value
 
 #: Storages a sender keeps exported toward one receiver (and the receiver keeps mapped)
 #: between messages, unless the last message used more.
@@ -269,7 +286,7 @@ class IpcSend(SendPathBase):
     one host share GPUs too. The set-up question tells (same machine, same device UUID).
     """
 
-    acks = OP_DONE
+    acks = _DONE
 
     def __init__(self, host: PathHost, dest: Destination) -> None:
         super().__init__(host, dest)
@@ -291,10 +308,10 @@ class IpcSend(SendPathBase):
     def ask(self, msg: OutMessage) -> dict[str, Any] | None:
         return {"cuda": True}
 
-    def on_hello(self, reply: Mapping[str, Any]) -> None:
-        info = reply.get("cuda") or {}
-        uuids, cur = info.get("uuids") or [], info.get("current", -1)
-        same_host = info.get("host") == host_identity()
+    def on_hello(self, reply: HelloReply) -> None:
+        info = reply.cuda
+        uuids, cur = (info.uuids, info.current) if info is not None else ((), -1)
+        same_host = info is not None and info.host == host_identity()
         self.peer_uuid = uuids[cur] if same_host and 0 <= cur < len(uuids) else None
         self.settled = True
 
@@ -328,7 +345,7 @@ class IpcSend(SendPathBase):
         device = live[0].device.index
         stream = self._stream(device)
         wait_events(stream, msg.event)
-        parts = []
+        parts: list[IpcPart] = []
         drops: list[int] = []
         exported = False
         for t in live:
@@ -338,7 +355,8 @@ class IpcSend(SendPathBase):
             )
             drops.extend(dropped)
             exported = exported or args is not None
-            parts.append([share_id, args, t.storage_offset() * t.element_size(), nbytes_of(t)])
+            parts.append(IpcPart(share_id, args, t.storage_offset() * t.element_size(),
+                                 nbytes_of(t)))
         if exported or len(self.shares) > self.shares.limit:
             # A new share may push an old one out; a message of cached shares only cannot.
             drops.extend(self.shares.trim(_alive, len({p[0] for p in parts})))
@@ -347,7 +365,7 @@ class IpcSend(SendPathBase):
             ev.record(stream)
         if drops:
             self.host.endpoint.send_oneway(
-                self.dest.address or "", OP_CUDA, [self.host.name, "ipc-drop", drops]
+                self.dest.address or "", _CUDA, IpcDrop(self.host.name, drops).to_wire()
             )
             self._collect = True
         token = self.dest.next_token()
@@ -360,16 +378,16 @@ class IpcSend(SendPathBase):
             for share_id in new_shares:
                 self.shares.forget(share_id)
 
-        desc = [
-            IPC,
+        desc = IpcDesc(
             token,
             self.host.endpoint.address,
             specs,
             device_uuid(device),
             parts,
-            [event_id, handle],
-        ]
-        return Placed(desc, fut, undo=undo)
+            event_id,
+            handle,
+        )
+        return Placed(desc.to_wire(), fut, undo=undo)
 
     def _event_free(self, event_id: int, ev: Any) -> None:
         """A send's event is free again: pooled, or (pool full) forgotten on both sides."""
@@ -378,13 +396,13 @@ class IpcSend(SendPathBase):
         elif self.dest.address is not None:
             try:
                 self.host.endpoint.send_oneway(
-                    self.dest.address, OP_CUDA, [self.host.name, "ipc-drop-event", event_id]
+                    self.dest.address, _CUDA, IpcDropEvent(self.host.name, event_id).to_wire()
                 )
             except PeerLostError:
                 pass
 
-    def on_ack(self, meta: Sequence[Any]) -> bool:
-        if not self.waiting.on_ack(meta):
+    def on_ack(self, ack: PathAck) -> bool:
+        if not isinstance(ack, TransferDone) or not self.waiting.on_ack(ack):
             return False
         if self._collect:  # only after drops: a collect per message costs the fixed cost
             self._collect = False
@@ -419,7 +437,7 @@ class IpcSend(SendPathBase):
 class IpcRecv(RecvPathBase):
     """IPC copies from one source: its mapped shares and events, window, work thread."""
 
-    control = OP_CUDA
+    control = _CUDA
 
     def __init__(self, host: PathHost, source: str) -> None:
         super().__init__(host, source)
@@ -434,9 +452,9 @@ class IpcRecv(RecvPathBase):
         self._dropped: set[int] = set()
         self._plans: OrderedDict[Any, ManyPlan] = OrderedDict()  # layout key -> plan
 
-    def answer(self, ask: Mapping[str, Any], reply: dict[str, Any]) -> None:
-        if ask.get("cuda"):
-            reply["cuda"] = local_cuda_info()
+    def answer(self, ask: Hello, reply: dict[str, Any]) -> None:
+        if ask.cuda:
+            reply["cuda"] = CudaInfo.from_wire(local_cuda_info())
 
     def accept(
         self,
@@ -446,7 +464,10 @@ class IpcRecv(RecvPathBase):
         start: int,
         posted: PostedRecv | None,
     ) -> None:
-        _, token, address, specs, peer_uuid, parts, (event_id, handle) = desc
+        ipc = IpcDesc.from_wire(desc)
+        token, address, specs, peer_uuid, parts = (
+            ipc.token, ipc.address, ipc.specs, ipc.uuid, ipc.parts)
+        event_id, handle = ipc.event_id, ipc.event_handle
         try:
             ipc_device = _local_uuids().index(peer_uuid)
         except ValueError:
@@ -608,7 +629,8 @@ class IpcRecv(RecvPathBase):
         if not endpoint.is_lost(job.address):
             try:
                 err = None if error is None else f"{type(error).__name__}: {error}"
-                endpoint.send_oneway(job.address, OP_DONE, [self.host.name, job.token, err])
+                done = TransferDone(self.host.name, job.token, err)
+                endpoint.send_oneway(job.address, _DONE, done.to_wire())
             except PeerLostError:
                 pass
         if error is None:
@@ -630,12 +652,12 @@ class IpcRecv(RecvPathBase):
             for waiting in self.window.release(job.nbytes):
                 self._start(waiting)
 
-    def on_control(self, meta: Sequence[Any]) -> None:
+    def on_control(self, message: PathControl) -> None:
         """The sender dropped a share or an event: forget it after the copies that use it."""
-        if len(meta) != 3 or self.work_thread is None:
+        if self.work_thread is None:
             return
-        if meta[1] == "ipc-drop":
-            ids = meta[2] if isinstance(meta[2], list) else [meta[2]]
+        if isinstance(message, IpcDrop):
+            ids = message.share_ids
             free = []
             for share_id in ids:
                 if self._uses.get(share_id):
@@ -643,8 +665,9 @@ class IpcRecv(RecvPathBase):
                 else:
                     free.append(share_id)
             self._drop(*free)
-        elif meta[1] == "ipc-drop-event":
-            self.events.pop(meta[2], None)  # dropped once acknowledged: no copy waits on it
+        elif isinstance(message, IpcDropEvent):
+            # Dropped once acknowledged: no copy waits on it.
+            self.events.pop(message.event_id, None)
 
     def _drop(self, *share_ids: int) -> None:
         """Loop: no accepted receive uses ``share_ids`` any more; release their mappings on

@@ -20,7 +20,8 @@ from aiorl.p2p.paths.base import (
     SendPathBase,
     watch_completion,
 )
-from aiorl.p2p.proto import CHUNK, FRAMES, TRACK_MIN
+from aiorl.p2p.settings import CHUNK, TRACK_MIN
+from aiorl.protocol.p2p import FRAMES, frames_from_wire, frames_to_wire
 from aiorl.transport.zerocopy import Tracker, tracked_frame
 
 
@@ -54,7 +55,7 @@ def place_frames(bufs: list[memoryview], frames: list[Any], trackers: list[Track
             count += 1
         sizes.append(n)
         counts.append(count)
-    return [FRAMES, sizes, counts]
+    return frames_to_wire(sizes, counts)
 
 
 class FramesRecv(RecvPathBase):
@@ -68,9 +69,10 @@ class FramesRecv(RecvPathBase):
         start: int,
         posted: PostedRecv | None,
     ) -> None:
+        sizes, counts = frames_from_wire(desc)
         i = start
         sources = msg.sources
-        for n, count in zip(desc[1], desc[2], strict=True):
+        for n, count in zip(sizes, counts, strict=True):
             chunks = frames[i : i + count]
             if len(chunks) != count or sum(len(c) for c in chunks) != n:
                 raise ProtocolError(f"p2p message from {self.source} lost payload frames")

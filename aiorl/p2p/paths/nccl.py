@@ -49,7 +49,17 @@ from aiorl.p2p.paths.base import (
     resolve,
 )
 from aiorl.p2p.paths.nccl_order import Do, PairOrder, Step, is_leader
-from aiorl.p2p.proto import K_CUDA, NCCL, OP_CUDA, OP_DONE
+from aiorl.protocol.ops import P2POp
+from aiorl.protocol.p2p import (
+    K_CUDA,
+    NCCL,
+    NcclDesc,
+    NcclGo,
+    NcclReply,
+    PathAck,
+    PathControl,
+    TransferDone,
+)
 from aiorl.util.cuda_device import selected_device
 
 __all__ = ["PACK_MAX", "NcclPair", "PATH", "pack_layout"]
@@ -61,6 +71,8 @@ RENDEZVOUS_TIMEOUT_S = 120.0
 PACK_MAX = 4 << 20
 #: Offsets inside a packed buffer are multiples of this (any dtype can view them).
 PACK_ALIGN = 16
+#: The ops as plain strs (an enum member costs msgpack a slow path per message).
+_CUDA, _DONE = P2POp.CUDA.value, P2POp.DONE.value
 
 
 def pack_layout(sizes: Sequence[int]) -> tuple[list[int], int] | None:
@@ -192,21 +204,19 @@ class NcclPair:
         self.sends[token] = _Send(token, tensors, events, fut)
         return fut
 
-    def on_reply(self, token: int, reply: Sequence[Any]) -> bool:
+    def on_reply(self, token: int, reply: NcclReply) -> bool:
         """The receiver's handshake for our send ``token``; False if not one of ours."""
         if token not in self.sends:
             return False
-        kind = reply[0]
+        kind = reply.kind
         if kind == "ready":
             self._run(self.order.on_ready(token), sending=True)
         elif kind == "go":
-            self.gid = self.gid or reply[1]
-            self.follow(reply[2])
+            self.gid = self.gid or reply.gid
+            self.follow(reply.store)
             self._run(self.order.on_go_send(token), sending=True)
-        elif kind == "refuse":
-            self._run(self.order.on_refused(token, str(reply[1])), sending=True)
-        else:
-            raise ProtocolError(f"unknown NCCL handshake {kind!r} from {self.peer}")
+        else:  # "refuse" (`NcclReply.from_wire` refuses any other kind)
+            self._run(self.order.on_refused(token, reply.reason), sending=True)
         return True
 
     def _issue_send(self, entry: _Send) -> tuple[list[Any], Any, list[Any]]:
@@ -357,14 +367,17 @@ class NcclPair:
             elif do is Do.ISSUE_RECV:
                 self._start_recv(self.recvs[token])
             elif do is Do.TELL_GO and sending:
-                self._tell(OP_CUDA, [self.host.name, "go", self.gid, self.leader_store(), token])
+                go = NcclGo(self.host.name, self.gid, self.leader_store(), token)
+                self._tell(_CUDA, go.to_wire())
             elif do is Do.TELL_GO:
-                reply = ["go", self.gid, self.leader_store()]
-                self._tell(OP_DONE, [self.host.name, token, reply])
+                reply = NcclReply("go", self.gid, self.leader_store())
+                self._tell(_DONE, TransferDone(self.host.name, token, reply).to_wire())
             elif do is Do.TELL_READY:
-                self._tell(OP_DONE, [self.host.name, token, ["ready"]])
+                ready = NcclReply("ready")
+                self._tell(_DONE, TransferDone(self.host.name, token, ready).to_wire())
             elif do is Do.TELL_REFUSE:
-                self._tell(OP_DONE, [self.host.name, token, ["refuse", step.reason]])
+                refuse = NcclReply("refuse", reason=step.reason)
+                self._tell(_DONE, TransferDone(self.host.name, token, refuse).to_wire())
             elif do is Do.FAIL_SEND:
                 entry = self.sends.pop(token)
                 fail(
@@ -477,7 +490,7 @@ class _PairHalf:
 class NcclSend(_PairHalf, SendPathBase):
     """The sending half toward one destination: the pair's sends and their handshakes."""
 
-    acks = OP_DONE
+    acks = _DONE
 
     @property
     def peer(self) -> str:
@@ -493,26 +506,25 @@ class NcclSend(_PairHalf, SendPathBase):
         pair = self._pair()
         token = self.dest.next_token()
         store = pair.leader_store() if pair.leader else None
-        desc = [NCCL, pair.gid, store, specs, token, self.host.endpoint.address]
+        desc = NcclDesc(pair.gid, store, specs, token, self.host.endpoint.address)
         events = msg.event
 
         def issue() -> asyncio.Future[None]:
             return pair.send(token, live, events)
 
-        return Placed(desc, after_send=issue)
+        return Placed(desc.to_wire(), after_send=issue)
 
-    def on_ack(self, meta: Sequence[Any]) -> bool:
-        _, token, reply = meta
-        if not isinstance(reply, list) or not reply:
+    def on_ack(self, ack: PathAck) -> bool:
+        if not isinstance(ack, TransferDone) or not isinstance(ack.reply, NcclReply):
             return False
         pair = self._existing_pair()
-        return pair is not None and pair.on_reply(token, reply)
+        return pair is not None and pair.on_reply(ack.token, ack.reply)
 
 
 class NcclRecv(_PairHalf, RecvPathBase):
     """The receiving half from one source: allocation, window, handshakes."""
 
-    control = OP_CUDA
+    control = _CUDA
 
     @property
     def peer(self) -> str:
@@ -526,16 +538,18 @@ class NcclRecv(_PairHalf, RecvPathBase):
         start: int,
         posted: PostedRecv | None,
     ) -> None:
-        _, gid, store, specs, token, address = desc
+        nccl = NcclDesc.from_wire(desc)
+        gid, store, specs, token, address = (
+            nccl.gid, nccl.store, nccl.specs, nccl.token, nccl.address)
         pair = pair_for(self.host, self.source, gid)
         pair.peer_address = address
         pair.follow(store)
         msg.cuda_fut = pair.receive(token, msg, list(specs), posted)
 
-    def on_control(self, meta: Sequence[Any]) -> None:
-        if len(meta) != 5 or meta[1] != "go":
+    def on_control(self, message: PathControl) -> None:
+        if not isinstance(message, NcclGo):
             return  # another path's p2p.cuda message
-        _, _, gid, store, token = meta
+        gid, store, token = message.gid, message.store, message.token
         pair = pair_for(self.host, self.source, gid)
         pair.follow(store)
         pair._run(pair.order.on_go_recv(token), sending=False)

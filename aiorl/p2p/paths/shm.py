@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import mmap
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from aiorl.errors import PeerLostError, ProtocolError
@@ -28,16 +28,31 @@ from aiorl.p2p.paths.base import (
     RecvPathBase,
     SendPathBase,
 )
-from aiorl.p2p.proto import OP_ACK, OP_DROP, SHM, SHM_MIN
+from aiorl.p2p.settings import SHM_MIN
+from aiorl.protocol.ops import P2POp
+from aiorl.protocol.p2p import (
+    SHM,
+    Hello,
+    HelloReply,
+    NewSegment,
+    PathAck,
+    PathControl,
+    SegmentAck,
+    SegmentDrop,
+    ShmDesc,
+)
 from aiorl.transport import _shm
 
 log = logging.getLogger("aiorl.p2p")
+
+#: The ops as plain strs (an enum member costs msgpack a slow path per message).
+_ACK, _DROP = P2POp.ACK.value, P2POp.DROP.value
 
 
 class ShmSend(SendPathBase):
     """The segment pool toward one same-node destination."""
 
-    acks = OP_ACK
+    acks = _ACK
 
     def __init__(self, host: PathHost, dest: Destination, address: str) -> None:
         super().__init__(host, dest)
@@ -63,13 +78,13 @@ class ShmSend(SendPathBase):
             log.info("%s: no shared memory (%s); bulk data goes through ZMQ", self.host.name, exc)
             self.ok, self.settled = False, True
             return None
-        return {"probe": [self._probe.fd, self._probe.size]}
+        return {"probe": (self._probe.fd, self._probe.size)}
 
-    def on_hello(self, reply: Mapping[str, Any]) -> None:
+    def on_hello(self, reply: HelloReply) -> None:
         if self._probe is not None:
             self._probe.close()
             self._probe = None
-        self.ok, self.settled = bool(reply.get("shm")), True
+        self.ok, self.settled = bool(reply.shm), True
         if self.ok:
             self.pool = _shm.SegmentPool()
         else:
@@ -110,7 +125,8 @@ class ShmSend(SendPathBase):
             )
             return None
         for seg_id in evicted:
-            self.host.endpoint.send_oneway(self.address, OP_DROP, [self.host.name, seg_id])
+            self.host.endpoint.send_oneway(self.address, _DROP,
+                                           SegmentDrop(self.host.name, seg_id).to_wire())
         if seg.arr is None:
             seg.arr = np.frombuffer(seg.mm, dtype=np.uint8)
         arr = seg.arr
@@ -119,14 +135,14 @@ class ShmSend(SendPathBase):
         new = None
         if not seg.announced:
             seg.announced = True
-            new = [self.host.pid, seg.fd, seg.size, self.host.endpoint.address]
-        desc = [SHM, seg.seg_id, new, offsets, [b.nbytes for b in msg.bufs]]
+            new = NewSegment(self.host.pid, seg.fd, seg.size, self.host.endpoint.address)
+        desc = ShmDesc(seg.seg_id, new, offsets, [b.nbytes for b in msg.bufs]).to_wire()
         # The bytes were copied: the send is complete at once.
         return Placed(desc, undo=lambda: pool.release(seg.seg_id))
 
-    def on_ack(self, meta: Sequence[Any]) -> bool:
-        if self.pool is not None:
-            self.pool.release(meta[1])
+    def on_ack(self, ack: PathAck) -> bool:
+        if self.pool is not None and isinstance(ack, SegmentAck):
+            self.pool.release(ack.seg_id)
         return True
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
@@ -146,18 +162,18 @@ class ShmSend(SendPathBase):
 class ShmRecv(RecvPathBase):
     """One source's segments as this receiver mapped them."""
 
-    control = OP_DROP
+    control = _DROP
 
     def __init__(self, host: PathHost, source: str) -> None:
         super().__init__(host, source)
         self.segs = _shm.SegmentMap()
         self.reply_address: str | None = None  # the sender's endpoint, as it told us
 
-    def answer(self, ask: Mapping[str, Any], reply: dict[str, Any]) -> None:
-        self.reply_address = ask["addr"]
-        if "probe" in ask:
-            fd, size = ask["probe"]
-            reply["shm"] = _shm.check_probe(int(ask["pid"]), int(fd), int(size))
+    def answer(self, ask: Hello, reply: dict[str, Any]) -> None:
+        self.reply_address = ask.addr
+        if ask.probe is not None:
+            fd, size = ask.probe
+            reply["shm"] = _shm.check_probe(ask.pid, fd, size)
 
     def accept(
         self,
@@ -167,11 +183,12 @@ class ShmRecv(RecvPathBase):
         start: int,
         posted: PostedRecv | None,
     ) -> None:
-        _, seg_id, new, offsets, sizes = desc
+        shm = ShmDesc.from_wire(desc)
+        seg_id, new, offsets, sizes = shm.seg_id, shm.new, shm.offsets, shm.sizes
         mm: mmap.mmap | None
         if new is not None:
-            pid, fd, size, address = new
-            self.reply_address = address
+            pid, fd, size = new.pid, new.fd, new.size
+            self.reply_address = new.address
             try:
                 mm = self.segs.open(seg_id, pid, fd, size)
             except _shm.ShmUnavailable as exc:
@@ -206,7 +223,7 @@ class ShmRecv(RecvPathBase):
         if self.host.closed or address is None or endpoint.is_lost(address):
             return
         try:
-            endpoint.send_oneway(address, OP_ACK, [self.host.name, seg_id])
+            endpoint.send_oneway(address, _ACK, SegmentAck(self.host.name, seg_id).to_wire())
         except Exception:  # noqa: BLE001 - the sender is gone; nothing to give back
             log.debug(
                 "%s: could not return segment %s to %s",
@@ -216,8 +233,9 @@ class ShmRecv(RecvPathBase):
                 exc_info=True,
             )
 
-    def on_control(self, meta: Sequence[Any]) -> None:
-        self.segs.drop(meta[1])  # p2p.drop: the sender closed that segment
+    def on_control(self, message: PathControl) -> None:
+        if isinstance(message, SegmentDrop):  # p2p.drop: the sender closed that segment
+            self.segs.drop(message.seg_id)
 
     def lost(self, exc: PeerLostError | LookupError) -> None:
         self.segs.clear()

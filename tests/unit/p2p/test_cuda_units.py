@@ -33,8 +33,9 @@ from aiorl.p2p.message import InMessage, OutMessage, PostedRecv, Staged, encode_
 from aiorl.p2p.paths import cuda_host, cuda_ipc
 from aiorl.p2p.paths.cuda_host import HostRecv, inline_limit, wants_inline
 from aiorl.p2p.paths.cuda_ipc import IpcRecv
-from aiorl.p2p.proto import HOST, K_CUDA, OP_DATA
 from aiorl.p2p.sender import Sender
+from aiorl.protocol.ops import P2POp
+from aiorl.protocol.p2p import HOST, K_CUDA, IpcDrop
 from aiorl.runtime import AsyncWork
 from aiorl.transport.serialization import CudaUnavailableError
 
@@ -235,7 +236,7 @@ def test_a_staged_message_and_every_later_send_wait_for_its_copy() -> None:
         await asyncio.wait_for(first, 5)
         await asyncio.wait_for(second, 5)
         (op1, meta1, frames1), (_op2, _meta2, frames2) = engine.endpoint.sent
-        assert op1 == OP_DATA and meta1[4] == [HOST, [["float32", [2]]]]
+        assert op1 == P2POp.DATA and meta1[4] == [HOST, [["float32", [2]]]]
         assert bytes(frames1[-1]) == bytes(range(1, 9))  # the staged bytes, as one frame
         assert b"after" in bytes(frames2[-1])  # then the later send, in order
 
@@ -301,9 +302,9 @@ def test_a_dropped_share_is_released_only_after_the_receives_naming_it() -> None
         path.shares = {5: five, 6: six}
         path._uses = {5: 2}  # two accepted receives read share 5; none reads share 6
         path.window.in_flight = 8
-        path.on_control(["src:0", "ipc-drop", 6])
+        path.on_control(IpcDrop("src:0", [6]))
         assert 6 not in path.shares  # nobody reads it: released now
-        path.on_control(["src:0", "ipc-drop", 5])
+        path.on_control(IpcDrop("src:0", [5]))
         assert path.shares == {5: five}  # still read by two receives
         done: asyncio.Future[None] = loop.create_future()
         done.set_result(None)
