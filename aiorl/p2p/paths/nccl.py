@@ -366,12 +366,15 @@ class NcclPair:
                 self._start_send(self.sends.pop(token))
             elif do is Do.ISSUE_RECV:
                 self._start_recv(self.recvs[token])
-            elif do is Do.TELL_GO and sending:
-                go = NcclGo(self.host.name, self.gid, self.leader_store(), token)
-                self._tell(_CUDA, go.to_wire())
             elif do is Do.TELL_GO:
-                reply = NcclReply("go", self.gid, self.leader_store())
-                self._tell(_DONE, TransferDone(self.host.name, token, reply).to_wire())
+                # The store first: opening it names the pair's group (gid) on first use.
+                store = self.leader_store()
+                if sending:
+                    go = NcclGo(self.host.name, self.gid, store, token)
+                    self._tell(_CUDA, go.to_wire())
+                else:
+                    reply = NcclReply("go", self.gid, store)
+                    self._tell(_DONE, TransferDone(self.host.name, token, reply).to_wire())
             elif do is Do.TELL_READY:
                 ready = NcclReply("ready")
                 self._tell(_DONE, TransferDone(self.host.name, token, ready).to_wire())
