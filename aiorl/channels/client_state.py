@@ -13,25 +13,26 @@ import collections
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from aiorl.channels import _protocol as P
-from aiorl.channels.host import QueueKey, group_name_for
+from aiorl.channels.host import group_name_for
+from aiorl.protocol import channels as chan
+from aiorl.protocol.channels import QueueKey, Received
 from aiorl.runtime import AsyncChannelWork, Runtime
 
 __all__ = ["CREDITED", "SEES_PREFETCH", "TAKES", "USER_GET", "ChannelState", "Engine", "GetStream",
-           "Op", "Outbox", "Received"]
+           "Op", "Outbox"]
 
-_PARKABLE = frozenset((P.PUT, P.GET, P.GET_BATCH))  # kinds the channel worker may hold back
+#: Kinds the channel worker may hold back.
+_PARKABLE = frozenset((chan.PUT, chan.GET, chan.GET_BATCH))
 #: Client-side only, never on the wire: a user's ``get``, served by its queue's GetStream.
 USER_GET = -1
 #: Operations that must see the items this process prefetched back in their queue first
 #: (``STATS`` too, for every queue of the channel).
-SEES_PREFETCH = frozenset((P.GET_NOWAIT, P.GET_BATCH, P.INFO, P.PEEK))
+SEES_PREFETCH = frozenset((chan.GET_NOWAIT, chan.GET_BATCH, chan.INFO, chan.PEEK))
 #: Of those, the ones that take items: a queue's gets made after one are served after it.
-TAKES = frozenset((P.GET_NOWAIT, P.GET_BATCH))
-#: Puts that complete at once while their queue's credits last (see _protocol, Credits).
-CREDITED = frozenset((P.PUT, P.PUT_NOWAIT))
-
-Received = tuple[Any, tuple[float, int], Sequence[Any]]  # (payload, (weight, seq), frames)
+TAKES = frozenset((chan.GET_NOWAIT, chan.GET_BATCH))
+#: Puts that complete at once while their queue's credits last (`aiorl.protocol.channels`,
+#: Credits).
+CREDITED = frozenset((chan.PUT, chan.PUT_NOWAIT))
 
 
 class Engine(Protocol):

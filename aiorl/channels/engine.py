@@ -16,7 +16,7 @@ Threads
 Batching
     Operations issued to one channel during one turn of the loop leave as one
     ZMQ message, and the channel worker answers everything that arrived together
-    in one message too (see `aiorl.channels._protocol`). Many puts or gets
+    in one message too (see `aiorl.protocol.channels`). Many puts or gets
     in flight therefore cost a few messages, not a round trip each.
 
 Pipelining
@@ -75,7 +75,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from aiorl.channels import _protocol as P
+from aiorl.channels import settings
 from aiorl.channels.client_state import (
     CREDITED,
     SEES_PREFETCH,
@@ -84,15 +84,16 @@ from aiorl.channels.client_state import (
     ChannelState,
     Op,
     Outbox,
-    Received,
 )
 from aiorl.channels.gets import Gets
-from aiorl.channels.host import QueueKey
-from aiorl.channels.items import decode_item, key_from_wire, received_items
+from aiorl.channels.items import decode_item, key_from_wire
 from aiorl.channels.resolution import Resolver
 from aiorl.channels.routing import KeyRouter
 from aiorl.channels.weighted_queue import QueuedItem, QueueStats
-from aiorl.errors import PeerLostError, QueueEmpty, QueueFull, RemoteError
+from aiorl.errors import PeerLostError, ProtocolError, QueueEmpty, QueueFull, RemoteError
+from aiorl.protocol import channels as chan
+from aiorl.protocol.channels import QueueKey, Received
+from aiorl.protocol.ops import ChannelOp
 from aiorl.runtime import AsyncChannelWork, Runtime
 from aiorl.runtime.promise import link_threads, prepare_threads
 from aiorl.util.tokens import TokenTable
@@ -124,7 +125,7 @@ class ClientEngine:
         runtime.submit(self._install)
 
     def _install(self) -> None:
-        self.endpoint.on_event(P.DONE, self._on_done)
+        self.endpoint.on_event(ChannelOp.DONE, self._on_done)
         self.endpoint.on_peer_lost(self._on_lost)
 
     def waits(self) -> list[dict[str, Any]]:
@@ -197,7 +198,7 @@ class ClientEngine:
                     if stream.waiting:  # no prefetch is out: they have a GET slot each
                         stream.fences.append([op.token, len(stream.waiting)])
                     return
-        elif kind == P.STATS:
+        elif kind == chan.STATS:
             for stream in st.streams.values():
                 if not self.gets.prefetch_returned(stream, op):
                     return  # held: accepted again (and the other queues checked) once settled
@@ -222,7 +223,7 @@ class ClientEngine:
         if not credits:
             return False
         st.credits[op.queue] = credits - 1
-        op.kind = P.PUT_CREDITED  # not parkable: once sent, cancelling only stops the wait
+        op.kind = chan.PUT_CREDITED  # not parkable: once sent, cancelling only stops the wait
         op.token = self._pending.issue(op)
         admitting = st.admitting.get(op.queue)
         if admitting is None:
@@ -242,10 +243,20 @@ class ClientEngine:
             self.resolver.ensure_resolving(st)
 
     def enqueue(self, address: str, op: Op) -> None:
+        """Add ``op`` to the outbox of ``address``; send the outbox now once it is full."""
         op.address = address
         box = self._box(address)
         box.ops.append(op)
-        self._add(address, box, (op.kind, op.token, op.queue, op.number, op.payload), op.frames)
+        payload, frames = op.payload, op.frames
+        box.meta.append(chan.request_entry(op.kind, op.token, op.queue, op.number, payload))
+        if frames:
+            box.frames.extend(frames)
+            box.nbytes += sum(len(f) for f in frames)
+        elif payload.__class__ is not int:  # an inline pickle
+            box.inline += len(payload)
+        if (len(box.meta) >= settings.MAX_BATCH_OPS or box.inline >= settings.MAX_INLINE_BYTES
+                or box.nbytes >= settings.MAX_BATCH_BYTES):
+            self._send(address, self._outboxes.pop(address))
 
     def _box(self, address: str) -> Outbox:
         box = self._outboxes.get(address)
@@ -256,19 +267,6 @@ class ClientEngine:
                 self.loop.call_soon(self._flush)
         return box
 
-    def _add(self, address: str, box: Outbox, entry: tuple[Any, ...],
-             frames: Sequence[Any]) -> None:
-        """Add one wire entry to ``box``; send the box now once it is full."""
-        box.meta.append(entry)
-        if frames:
-            box.frames.extend(frames)
-            box.nbytes += sum(len(f) for f in frames)
-        elif entry[4].__class__ is not int:  # the payload: an inline pickle
-            box.inline += len(entry[4])
-        if (len(box.meta) >= P.MAX_BATCH_OPS or box.inline >= P.MAX_INLINE_BYTES
-                or box.nbytes >= P.MAX_BATCH_BYTES):
-            self._send(address, self._outboxes.pop(address))
-
     def _flush(self) -> None:
         self._flush_scheduled = False
         boxes, self._outboxes = self._outboxes, {}
@@ -277,7 +275,7 @@ class ClientEngine:
 
     def _send(self, address: str, box: Outbox) -> None:
         try:
-            self.endpoint.send_oneway(address, P.OPS, box.meta, box.frames)
+            self.endpoint.send_oneway(address, ChannelOp.OPS, box.meta, box.frames)
         except Exception as exc:  # PeerLostError for a dead channel; anything else is ours
             lost = exc if isinstance(exc, PeerLostError) else PeerLostError(
                 f"could not send to channel worker {address}: {exc}")
@@ -303,7 +301,7 @@ class ClientEngine:
     def _fail(self, op: Op, exc: BaseException) -> None:
         if self._pending.pop(op.token) is None:
             return
-        if op.kind == P.PUT_CREDITED:
+        if op.kind == chan.PUT_CREDITED:
             self._not_admitted(op)
         if op.stream is not None:
             self.gets.stream_failed(op.stream, exc)
@@ -330,10 +328,10 @@ class ClientEngine:
                 op.state.backlog.remove(op)
             return
         # The answer (CANCELLED, or the result if it was already sent) clears _pending.
-        cancel = Op(self, op.state, P.CANCEL, op.queue, 0, 0, ())
+        cancel = Op(self, op.state, chan.CANCEL, op.queue, 0, 0, ())
         cancel.token = op.token
         self.enqueue(op.address, cancel)
-        if op.kind == P.GET_BATCH:
+        if op.kind == chan.GET_BATCH:
             # Items it may have taken come back with its answer; until then this
             # process's gets on the queue must not take the items behind them.
             op.stream = self.gets.stream(op.state, op.queue)
@@ -342,10 +340,28 @@ class ClientEngine:
     def _on_done(self, peer: str, meta: Any, frames: list[Any]) -> None:
         pos = 0
         pending = self._pending
-        for token, status, info in meta:
+        try:
+            answers = chan.read_answers(meta)
+        except ProtocolError as exc:  # not a batch at all: nothing in it names an operation
+            log.error("channel worker %s sent a malformed message: %s", peer, exc)
+            return
+        info: Any
+        for answer in answers:
+            if isinstance(answer, chan.Refused):  # its operation fails as if answered ERROR
+                log.error("channel worker %s sent a malformed answer: %s", peer, answer.error)
+                if answer.token is None:
+                    continue
+                token, status, info = answer.token, chan.ERROR, f"ProtocolError: {answer.error}"
+            else:
+                token, status, info = answer
             op = pending.pop(token)
-            if status == P.ITEMS:
-                items, pos = received_items(info, frames, pos)
+            if status == chan.ITEMS or status == chan.PEEKED:
+                try:
+                    items, pos = chan.read_items(info, frames, pos)
+                except ProtocolError as exc:  # as a refused answer
+                    log.error("channel worker %s sent a malformed item: %s", peer, exc)
+                    status, info = chan.ERROR, f"ProtocolError: {exc}"
+            if status == chan.ITEMS:
                 if op is None or op.done():
                     self._refused(peer, op, token, items)  # before held operations go out
                     if op is not None and op.stream is not None:
@@ -355,7 +371,7 @@ class ClientEngine:
                     self.gets.slot_items(op, items)
                     continue
                 try:
-                    if op.kind == P.GET_BATCH:
+                    if op.kind == chan.GET_BATCH:
                         value: Any = [decode_item(p, f) for p, _, f in items]
                     else:
                         p, _, f = items[0]
@@ -365,11 +381,15 @@ class ClientEngine:
                     continue
                 op.set_result(value)
                 continue
-            if status == P.CREDIT:
-                self._on_credit(peer, info)
+            if status == chan.CREDIT:
+                try:
+                    credit = chan.Credit.from_wire(info)
+                except ProtocolError as exc:
+                    log.error("channel worker %s sent a malformed credit: %s", peer, exc)
+                    continue
+                self._on_credit(peer, credit)
                 continue
-            if status == P.PEEKED:
-                items, pos = received_items(info, frames, pos)
+            if status == chan.PEEKED:
                 if op is not None and not op.done():
                     try:
                         op.set_result([QueuedItem(decode_item(p, f), weight)
@@ -379,53 +399,59 @@ class ClientEngine:
                 continue
             if op is None:
                 continue  # a late answer to an operation that failed here already
-            if op.kind == P.PUT_CREDITED:  # refused (ERROR): it will never be admitted
+            if op.kind == chan.PUT_CREDITED:  # refused (ERROR): it will never be admitted
                 self._not_admitted(op)
             if op.done():
                 if op.stream is not None:  # CANCELLED: a withdrawn slot
                     self.gets.slot_withdrawn(op.stream)
                 continue  # CANCELLED after a local cancel, or a late answer nobody awaits
             if op.stream is not None:
-                if status == P.NO_PREFETCH:
+                if status == chan.NO_PREFETCH:
                     self.gets.prefetch_refused(op)
                 else:
                     self.gets.slot_answered(op, status, info)
-            elif status == P.OK:
-                if op.kind == P.STATS:
-                    op.set_result({
-                        key_from_wire(q): QueueStats(int(v[0]), float(v[1]), int(v[2]),
-                                                     int(v[3]), int(v[4]), int(v[5]))
-                        for q, v in info.items()
-                    })
-                elif op.kind == P.ROUTE:
-                    self.router.routed(op, int(info))
-                elif op.kind == P.INFO:
-                    op.set_result((int(info[0]), int(info[1])))
+            elif status == chan.OK:
+                if op.kind in chan.REPLIES:
+                    self._replied(op, info)
                 else:
                     op.set_result(None)
-            elif status == P.FULL:
+            elif status == chan.FULL:
                 op.set_exception(QueueFull(
                     f"queue {op.queue!r} of channel {op.state.name!r} is full"))
-            elif status == P.EMPTY:
+            elif status == chan.EMPTY:
                 op.set_exception(QueueEmpty(
                     f"queue {op.queue!r} of channel {op.state.name!r} is empty"))
             else:
                 op.set_exception(RemoteError(
                     op.state.worker, op.state.rank, "ChannelError", str(info), ""))
 
-    def _on_credit(self, peer: str, info: Any) -> None:
+    def _replied(self, op: Op, info: Any) -> None:
+        """``op`` (``STATS``, ``INFO`` or ``ROUTE``) was answered ``OK`` with ``info``."""
+        try:
+            reply = chan.REPLIES[op.kind].from_wire(info)
+        except ProtocolError as exc:
+            op.set_exception(exc)
+            return
+        if isinstance(reply, chan.Statistics):
+            op.set_result({key_from_wire(q): QueueStats(*c) for q, c in reply.queues.items()})
+        elif isinstance(reply, chan.Route):
+            self.router.routed(op, reply.rank)
+        else:
+            op.set_result((reply.qsize, reply.maxsize))
+
+    def _on_credit(self, peer: str, credit: chan.Credit) -> None:
         st = self.by_address.get(peer)
         if st is None:
             return  # from a channel worker this process no longer uses
-        queue, granted, admitted = info
+        queue, granted, admitted = credit.queue, credit.granted, credit.admitted
         if granted:
-            st.credits[queue] = st.credits.get(queue, 0) + int(granted)
+            st.credits[queue] = st.credits.get(queue, 0) + granted
         # Credited puts of one process enter their queue in the order they were sent
         # (parked ones too, in arrival order), so the oldest ``admitted`` are in.
         admitting = st.admitting.get(queue)
         if admitted and admitting:
             pending = self._pending
-            for _ in range(min(int(admitted), len(admitting))):
+            for _ in range(min(admitted, len(admitting))):
                 op = admitting.popleft()
                 pending.pop(op.token)
                 if not op.done():  # a cancelled one only stopped waiting
@@ -442,7 +468,7 @@ class ClientEngine:
 
     def unget(self, address: str, st: ChannelState, queue: QueueKey, items: Sequence[Received]) -> None:
         frames = [f for _, _, fs in items for f in fs]
-        self.enqueue(address, Op(self, st, P.UNGET, queue, [place for _, place, _ in items],
+        self.enqueue(address, Op(self, st, chan.UNGET, queue, [place for _, place, _ in items],
                                    [p for p, _, _ in items], frames))
 
     def _on_lost(self, address: str, exc: BaseException) -> None:
@@ -461,7 +487,7 @@ class ClientEngine:
                     f"channel {st.name!r} is gone (its worker {st.worker} was lost): {exc}"))
         for op in [op for op in self._pending.values() if op.address == address]:  # oldest first
             what = ("before this put was in its queue (it was sent, not yet admitted)"
-                    if op.kind == P.PUT_CREDITED else "")
+                    if op.kind == chan.PUT_CREDITED else "")
             self._fail(op, PeerLostError(
                 f"channel {op.state.name!r} is gone (its worker {op.state.worker} was lost)"
                 f"{' ' + what if what else ''}: {exc}"))
@@ -471,8 +497,8 @@ class ClientEngine:
 
 
 #: The operations `ClientEngine.waits` lists while pending, and every kind's name.
-_WAITING_KINDS = {P.PUT: "put", P.PUT_CREDITED: "put", P.GET_BATCH: "get_batch"}
-_KIND_NAMES = {**_WAITING_KINDS, P.GET: "get", USER_GET: "get"}
+_WAITING_KINDS = {chan.PUT: "put", chan.PUT_CREDITED: "put", chan.GET_BATCH: "get_batch"}
+_KIND_NAMES = {**_WAITING_KINDS, chan.GET: "get", USER_GET: "get"}
 
 _engines: weakref.WeakKeyDictionary[Runtime, ClientEngine] = weakref.WeakKeyDictionary()
 _engines_lock = threading.Lock()

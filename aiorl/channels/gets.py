@@ -12,11 +12,12 @@ import asyncio
 import collections
 from typing import Any
 
-from aiorl.channels import _protocol as P
-from aiorl.channels.client_state import ChannelState, Engine, GetStream, Op, Received
-from aiorl.channels.host import QueueKey
+from aiorl.channels import settings
+from aiorl.channels.client_state import ChannelState, Engine, GetStream, Op
 from aiorl.channels.items import decode_item
 from aiorl.errors import RemoteError
+from aiorl.protocol import channels as chan
+from aiorl.protocol.channels import QueueKey, Received
 
 __all__ = ["Gets"]
 
@@ -43,9 +44,9 @@ class Gets:
             self.serve_ready(stream, op)
             return
         now = self.loop.time()
-        if now - stream.last_get < P.PREFETCH_IDLE and now >= stream.prefetch_off_until:
+        if now - stream.last_get < settings.PREFETCH_IDLE and now >= stream.prefetch_off_until:
             # streaming, and it has to wait:
-            stream.depth = min(P.PREFETCH_MAX, max(2, stream.depth * 2))  # prefetch deeper
+            stream.depth = min(settings.PREFETCH_MAX, max(2, stream.depth * 2))  # prefetch deeper
         stream.last_get = now
         stream.waiting.append(op)
         self.top_up(stream)
@@ -72,19 +73,19 @@ class Gets:
         if stream.settling:
             return
         for _ in range(len(stream.waiting) - len(stream.demand) - stream.requested_total):
-            slot = Op(self.engine, stream.state, P.GET, stream.queue, 0, 0, (), stream)
+            slot = Op(self.engine, stream.state, chan.GET, stream.queue, 0, 0, (), stream)
             stream.demand.append(slot)
             self.engine.issue(slot)
         if not stream.depth:
             return
         wanted = stream.depth - len(stream.ready) - stream.in_flight()
         if wanted >= max(1, stream.depth // 2):  # ask in chunks: fewer, fuller messages
-            slot = Op(self.engine, stream.state, P.PREFETCH, stream.queue, wanted, 0, (), stream)
+            slot = Op(self.engine, stream.state, chan.PREFETCH, stream.queue, wanted, 0, (), stream)
             stream.requested[slot] = wanted
             stream.requested_total += wanted
             self.engine.issue(slot)
         if stream.timer is None:
-            stream.timer = self.loop.call_later(P.PREFETCH_IDLE, self.idle, stream)
+            stream.timer = self.loop.call_later(settings.PREFETCH_IDLE, self.idle, stream)
 
     def resolve(self, op: asyncio.Future[Any], item: Received) -> None:
         payload, _, frames = item
@@ -98,7 +99,7 @@ class Gets:
     def slot_items(self, slot: Op, items: list[Received]) -> None:
         stream = slot.stream
         assert stream is not None
-        if slot.kind == P.GET:
+        if slot.kind == chan.GET:
             stream.demand.remove(slot)  # the oldest: answers come in order
         else:
             stream.requested_total -= stream.requested.pop(slot)
@@ -120,7 +121,7 @@ class Gets:
         assert stream is not None
         stream.requested_total -= stream.requested.pop(slot)
         stream.depth = 0
-        stream.prefetch_off_until = self.loop.time() + P.SHARED_WINDOW
+        stream.prefetch_off_until = self.loop.time() + settings.SHARED_WINDOW
         if stream.held is None and stream.waiting:
             self.top_up(stream)  # the gets it was to serve need GET slots now
         self.settled(stream)
@@ -128,13 +129,13 @@ class Gets:
 
     def drained(self, stream: GetStream) -> None:
         """Tell the channel worker once no prefetched item is here or on its way: it holds
-        the gets of other processes until then (see `_protocol`, Prefetch). An ``UNGET``
+        the gets of other processes until then (`aiorl.protocol.channels`, Prefetch). An ``UNGET``
         of the items given back, if any, was sent before (one outbox, in order)."""
         if (stream.lent and not stream.ready and not stream.requested
                 and stream.state.address is not None):
             stream.lent = False
             self.engine.enqueue(stream.state.address,
-                               Op(self.engine, stream.state, P.DRAINED, stream.queue, 0, 0, ()))
+                               Op(self.engine, stream.state, chan.DRAINED, stream.queue, 0, 0, ()))
 
     def item_arrived(self, stream: GetStream, item: Received) -> None:
         waiting = stream.waiting
@@ -148,7 +149,7 @@ class Gets:
             # and asking again would only churn. The idle timer returns what stays unused.
             stream.ready.append(item)
             if stream.timer is None:
-                stream.timer = self.loop.call_later(P.PREFETCH_IDLE, self.idle, stream)
+                stream.timer = self.loop.call_later(settings.PREFETCH_IDLE, self.idle, stream)
         elif stream.state.address is not None:  # held operations must see it in the queue
             self.engine.unget(stream.state.address, stream.state, stream.queue, [item])
 
@@ -156,7 +157,7 @@ class Gets:
         """A slot's answer without items (ERROR): the oldest waiting user get fails."""
         stream = slot.stream
         assert stream is not None
-        if slot.kind == P.GET:
+        if slot.kind == chan.GET:
             stream.demand.remove(slot)
         else:
             stream.requested_total -= stream.requested.pop(slot)
@@ -251,7 +252,7 @@ class Gets:
         if stream.held is not None:
             stream.held.append(op)
             return False
-        if op.kind == P.GET_NOWAIT and stream.ready and not stream.waiting:
+        if op.kind == chan.GET_NOWAIT and stream.ready and not stream.waiting:
             self.resolve(op, stream.ready.popleft())
             self.drained(stream)
             return False
@@ -277,17 +278,17 @@ class Gets:
         if stream.waiting:
             return  # nothing is prefetched; the next arrival or get arms the timer again
         idle_for = self.loop.time() - stream.last_get
-        if idle_for < P.PREFETCH_IDLE:
+        if idle_for < settings.PREFETCH_IDLE:
             if stream.depth or stream.ready:
                 stream.timer = self.loop.call_later(
-                    max(P.PREFETCH_IDLE - idle_for, 0.001), self.idle, stream)
+                    max(settings.PREFETCH_IDLE - idle_for, 0.001), self.idle, stream)
             return
         if stream.requested:
             # A prefetch is still out with items newer than ``ready``'s: returning these
             # now would let those reach the next gets first. Stop prefetching, keep serving
             # gets from what is here, and return everything once the prefetch is answered.
             stream.depth = 0
-            stream.timer = self.loop.call_later(P.PREFETCH_IDLE, self.idle, stream)
+            stream.timer = self.loop.call_later(settings.PREFETCH_IDLE, self.idle, stream)
             return
         self.return_prefetch(stream)
 

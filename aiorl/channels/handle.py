@@ -15,10 +15,9 @@ import reprlib
 from collections.abc import Generator, Hashable, Sequence
 from typing import Any, Literal, NamedTuple, overload
 
-from aiorl.channels import _protocol as P
 from aiorl.channels.client_state import USER_GET, ChannelState
 from aiorl.channels.engine import ClientEngine, engine_for
-from aiorl.channels.host import ChannelHost, QueueKey, group_name_for
+from aiorl.channels.host import ChannelHost, group_name_for
 from aiorl.channels.items import encode_item, key_from_wire, wire_key
 from aiorl.channels.resolution import DEFAULT_CONNECT_TIMEOUT, NodeChoice, warn_exists
 from aiorl.channels.routing import Combine
@@ -30,6 +29,8 @@ from aiorl.errors import (
 )
 from aiorl.group import WorkerGroup
 from aiorl.names import WorkerInfo
+from aiorl.protocol import channels as chan
+from aiorl.protocol.channels import QueueKey
 from aiorl.runtime import AsyncChannelWork, Runtime, Session, WorkerSession, current_runtime
 from aiorl.runtime.promise import (
     settle_from,
@@ -55,8 +56,8 @@ STR_ITEMS_PER_QUEUE = 8
 STR_TIMEOUT = 10.0
 
 #: Operations recorded as spans while tracing is on, and their span names.
-_TRACED_KINDS = {P.PUT: "put", P.PUT_NOWAIT: "put_nowait", USER_GET: "get",
-                 P.GET_NOWAIT: "get_nowait", P.GET_BATCH: "get_batch"}
+_TRACED_KINDS = {chan.PUT: "put", chan.PUT_NOWAIT: "put_nowait", USER_GET: "get",
+                 chan.GET_NOWAIT: "get_nowait", chan.GET_BATCH: "get_batch"}
 
 
 # ---------------------------------------------------------------------- placement of new channels
@@ -402,7 +403,7 @@ class Channel:
         the item. Cancelling a put that already left only stops waiting for it.
         """
         payload, frames = encode_item(item)
-        work = self._submit(P.PUT, _queue_key(key, queue_name), _check_weight(weight, "weight"),
+        work = self._submit(chan.PUT, _queue_key(key, queue_name), _check_weight(weight, "weight"),
                             payload, frames)
         return work if async_op else work.wait()
 
@@ -417,7 +418,7 @@ class Channel:
         """
         engine, _ = self._bind()
         payload, frames = encode_item(item)
-        work = self._submit(P.PUT_NOWAIT, _queue_key(key, queue_name),
+        work = self._submit(chan.PUT_NOWAIT, _queue_key(key, queue_name),
                             _check_weight(weight, "weight"), payload, frames)
         return work if engine.runtime.on_loop_thread() else work.wait()
 
@@ -455,7 +456,7 @@ class Channel:
     def flush(self) -> AsyncChannelWork[None]:
         """A work that completes once every put this process issued to the channel before
         it is in its queue (every put's own work says so too; this waits for all at once)."""
-        return self._everywhere(P.FLUSH, lambda _replicas, _answers: None)
+        return self._everywhere(chan.FLUSH, lambda _replicas, _answers: None)
 
     def get_nowait(self, key: Hashable = DEFAULT_KEY, *,
                    queue_name: Hashable | None = None) -> Any:
@@ -466,7 +467,7 @@ class Channel:
         [`AsyncChannelWork`][aiorl.AsyncChannelWork] to await.
         """
         engine, _ = self._bind()
-        work = self._submit(P.GET_NOWAIT, _queue_key(key, queue_name), 0)
+        work = self._submit(chan.GET_NOWAIT, _queue_key(key, queue_name), 0)
         return work if engine.runtime.on_loop_thread() else work.wait()
 
     @overload
@@ -510,20 +511,20 @@ class Channel:
                           "batch_weight")
         if not w > 0:
             raise ValueError(f"batch_weight must be > 0, got {w!r}")
-        work = self._submit(P.GET_BATCH, _queue_key(key, queue_name), w)
+        work = self._submit(chan.GET_BATCH, _queue_key(key, queue_name), w)
         return work if async_op else work.wait()
 
     def statistics(self) -> AsyncChannelWork[dict[Any, QueueStats]]:
         """Per-queue counters: ``{key: QueueStats(qsize, weight, maxsize, waiting_putters,
         waiting_getters, reserved)}`` for every queue used so far (of every replica)."""
-        return self._everywhere(P.STATS, lambda _replicas, answers: {
+        return self._everywhere(chan.STATS, lambda _replicas, answers: {
             key: s for answer in answers for key, s in answer.items()})
 
     def replica_statistics(self) -> AsyncChannelWork[list[ReplicaStatistics]]:
         """[`statistics`][aiorl.Channel.statistics] per channel worker, in replica order, with the
         node each runs on: where the keys of a distributed channel live (one entry when plain)."""
         engine, st = self._bind()
-        return engine.router.fan_out(st, P.STATS, lambda replicas, answers: [
+        return engine.router.fan_out(st, chan.STATS, lambda replicas, answers: [
             ReplicaStatistics(replica.rank, replica.node_rank or 0, answer)
             for replica, answer in zip(replicas, answers, strict=True)])
 
@@ -543,7 +544,7 @@ class Channel:
         return work if engine.runtime.on_loop_thread() else work.wait()
 
     def _peek(self, key: QueueKey, limit: int) -> AsyncChannelWork[list[QueuedItem]]:
-        return self._submit(P.PEEK, key, limit)
+        return self._submit(chan.PEEK, key, limit)
 
     def _info(self, key: Hashable, queue_name: Hashable | None, what: str) -> tuple[int, int]:
         engine, _ = self._bind()
@@ -551,7 +552,7 @@ class Channel:
             raise RuntimeError(
                 f"Channel.{what}() blocks and cannot run on the aiorl event loop's thread; "
                 "in async code use 'stats = await channel.statistics()'")
-        qsize, maxsize = self._submit(P.INFO, _queue_key(key, queue_name), 0).wait()
+        qsize, maxsize = self._submit(chan.INFO, _queue_key(key, queue_name), 0).wait()
         return int(qsize), int(maxsize)
 
     def qsize(self, key: Hashable = DEFAULT_KEY, *, queue_name: Hashable | None = None) -> int:

@@ -7,7 +7,7 @@ class (not an [`aiorl.Worker`][aiorl.Worker], which lives in a layer above chann
 that registers the channel operations on the process's endpoint, so items go
 straight from a producer's endpoint to this process and from here to a
 consumer's, one ZMQ message per direction per event-loop turn however many
-operations it carries (see `aiorl.channels._protocol`). Items are never
+operations it carries (see `aiorl.protocol.channels`). Items are never
 unpickled here: the server stores and forwards the producer's frames (pickle
 stream plus out-of-band tensor buffers) as they arrived.
 
@@ -33,14 +33,17 @@ import logging
 import os
 from typing import Any, cast
 
-from aiorl.channels import _protocol as P
+from aiorl.channels import settings
 from aiorl.channels.weighted_queue import Done, Entry, WeightedQueue
-from aiorl.errors import QueueEmpty, QueueFull
+from aiorl.errors import ProtocolError, QueueEmpty, QueueFull
 from aiorl.names import WorkerAddress
+from aiorl.protocol import channels as chan
+from aiorl.protocol.channels import QueueKey
+from aiorl.protocol.ops import ChannelOp
 from aiorl.runtime import current_runtime
 from aiorl.transport.endpoint import Endpoint, Incoming
 
-__all__ = ["GROUP_PREFIX", "ChannelHost", "ChannelServer", "QueueKey", "group_name_for"]
+__all__ = ["GROUP_PREFIX", "ChannelHost", "ChannelServer", "group_name_for"]
 
 log = logging.getLogger("aiorl.channels")
 
@@ -50,8 +53,6 @@ GROUP_PREFIX = "channel."
 #: One stored item: its pickle as bytes (sent inline) or the tuple of its frames.
 Item = Any
 Waiter = tuple[bytes, int]  # (client routing identity, client token)
-#: A queue's key as it travels: a str key as is, any other key as bytes (see _protocol).
-QueueKey = str | bytes
 CreditKey = tuple[bytes, QueueKey]  # (client routing identity, queue key)
 
 
@@ -78,13 +79,14 @@ class _Chunk:
 
 
 #: Operations that take items from a queue (whose takers `_Takers` follows).
-_TAKING = frozenset((P.GET, P.GET_BATCH, P.GET_NOWAIT, P.PREFETCH))
+_TAKING = frozenset((chan.GET, chan.GET_BATCH, chan.GET_NOWAIT, chan.PREFETCH))
 #: A taking operation held back: ``(client identity, kind, token, number)``.
 Held = tuple[bytes, int, int, Any]
 
 
 class _Takers:
-    """The processes that take from one queue, for prefetch (see `_protocol`, Prefetch).
+    """The processes that take from one queue, for prefetch (`aiorl.protocol.channels`,
+    Prefetch).
 
     Items a process prefetched and gives back return to the head of the queue. Were
     another process served meanwhile, it would get them after newer items of the same
@@ -148,7 +150,7 @@ class ChannelServer:
         #: ``aiorl doctor`` names a full queue whose consumers are all dead, which no put can
         #: ever leave.
         self.consumers: dict[QueueKey, set[bytes]] = {}
-        endpoint.handle(P.OPS, self._on_ops)
+        endpoint.handle(ChannelOp.OPS, self._on_ops)
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Each queue as ``aiorl doctor`` shows it: its sizes and waiters, and the routing ids
@@ -178,10 +180,18 @@ class ChannelServer:
 
     def _on_ops(self, msg: Incoming) -> None:
         identity, frames, pos = msg.identity, msg.frames, 0
-        for entry in msg.meta:
-            kind, token, qname, number, payload = entry
+        try:
+            requests = chan.read_requests(msg.meta, len(frames))
+        except ProtocolError as exc:  # not a batch at all: nothing in it can be answered
+            log.warning("channel %s: dropped a malformed message: %s", self.name, exc)
+            return
+        for request in requests:
+            if request.__class__ is not tuple:  # Refused
+                self._refused(identity, request)  # type: ignore[arg-type]
+                continue
+            kind, token, qname, number, payload = request
             try:
-                if kind == P.UNGET:
+                if kind == chan.UNGET:
                     items, pos = _take_items(payload, number, frames, pos)
                     self._deliver(qname, self._queue(qname).unget(items))
                     continue
@@ -190,10 +200,17 @@ class ChannelServer:
                     payload = tuple(frames[pos:pos + count])
                     pos += count
                 self._dispatch(identity, kind, token, qname, number, payload)
-            except Exception as exc:  # a malformed entry fails that operation only
-                log.debug("channel %s: operation %r failed", self.name, entry[:4], exc_info=True)
-                self._answer(identity, token, P.ERROR, f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # an operation the queue refuses fails alone
+                log.debug("channel %s: operation %r failed", self.name, (kind, token, qname),
+                          exc_info=True)
+                self._answer(identity, token, chan.ERROR, f"{type(exc).__name__}: {exc}")
         self._schedule_flush()
+
+    def _refused(self, identity: bytes, refused: chan.Refused) -> None:
+        """A request that failed its checks fails alone, answered ``ERROR`` naming why."""
+        log.debug("channel %s: refused a request: %s", self.name, refused.error)
+        if refused.token is not None:
+            self._answer(identity, refused.token, chan.ERROR, f"ProtocolError: {refused.error}")
 
     def _dispatch(self, identity: bytes, kind: int, token: int, qname: QueueKey, number: Any,
                   item: Item) -> None:
@@ -205,15 +222,15 @@ class ChannelServer:
             seen.add(identity)
             if self._hold(identity, kind, token, qname, number):
                 return
-        if kind == P.PUT_CREDITED:
+        if kind == chan.PUT_CREDITED:
             self._put_credited(identity, waiter, qname, float(number), item)
-        elif kind == P.PUT:
+        elif kind == chan.PUT:
             q = self._queue(qname)
             self._parked[waiter] = qname
             self._deliver(qname, q.put(item, float(number), waiter))
-        elif kind == P.GET or kind == P.GET_BATCH:
+        elif kind == chan.GET or kind == chan.GET_BATCH:
             q = self._queue(qname)
-            batch = None if kind == P.GET else float(number)
+            batch = None if kind == chan.GET else float(number)
             self._parked[waiter] = qname
             try:
                 done = q.get(waiter, batch)
@@ -221,38 +238,38 @@ class ChannelServer:
                 del self._parked[waiter]
                 raise
             self._deliver(qname, done)
-        elif kind == P.PUT_NOWAIT:
+        elif kind == chan.PUT_NOWAIT:
             q = self._queue(qname)
             try:
                 done = q.put_nowait(item, float(number))
             except QueueFull:
-                self._answer(identity, token, P.FULL, None)
+                self._answer(identity, token, chan.FULL, None)
                 return
-            self._answer(identity, token, P.OK, None)
+            self._answer(identity, token, chan.OK, None)
             self._deliver(qname, done)
-        elif kind == P.GET_NOWAIT:
+        elif kind == chan.GET_NOWAIT:
             existing = self.queues.get(qname)
             try:
                 if existing is None:
                     raise QueueEmpty(qname)
                 entry, done = existing.get_nowait()
             except QueueEmpty:
-                self._answer(identity, token, P.EMPTY, None)
+                self._answer(identity, token, chan.EMPTY, None)
                 return
             self._answer_items(identity, token, qname, [entry])
             self._deliver(qname, done)
-        elif kind == P.CANCEL:
+        elif kind == chan.CANCEL:
             if self._withdraw_held(identity, token, qname):
-                self._answer(identity, token, P.CANCELLED, None)
+                self._answer(identity, token, chan.CANCELLED, None)
                 return
             parked_in = self._parked.pop(waiter, None)
             if parked_in is None:
                 return  # already answered: the result is on its way
             found, done = self.queues[parked_in].cancel(waiter)
             if found:
-                self._answer(identity, token, P.CANCELLED, None)
+                self._answer(identity, token, chan.CANCELLED, None)
             self._deliver(parked_in, done)
-        elif kind == P.PREFETCH:
+        elif kind == chan.PREFETCH:
             existing = self.queues.get(qname)
             taken: list[Entry] = []
             while existing is not None and len(taken) < number and not existing.empty():
@@ -263,29 +280,29 @@ class ChannelServer:
             if taken:
                 self._takers[qname].lent.add(identity)
             self._answer_items(identity, token, qname, taken)
-        elif kind == P.DRAINED:
+        elif kind == chan.DRAINED:
             takers = self._takers.get(qname)
             if takers is not None and identity in takers.lent:
                 takers.lent.discard(identity)
                 if takers.held:
                     self._release(qname)
-        elif kind == P.FLUSH:
+        elif kind == chan.FLUSH:
             if self._credited_parked.get(identity):
                 self._flushes.setdefault(identity, []).append(token)
             else:
-                self._answer(identity, token, P.OK, None)
-        elif kind == P.STATS:
-            self._answer(identity, token, P.OK, self.statistics())
-        elif kind == P.PEEK:
+                self._answer(identity, token, chan.OK, None)
+        elif kind == chan.STATS:
+            self._answer(identity, token, chan.OK, self.statistics().to_wire())
+        elif kind == chan.PEEK:
             existing = self.queues.get(qname)
             entries = existing.peek(int(number)) if existing is not None else []
-            self._answer_entries(identity, token, P.PEEKED, entries)
-        elif kind == P.ROUTE:
-            self._answer(identity, token, P.OK, self._route(qname, int(number)))
-        elif kind == P.INFO:
+            self._answer_entries(identity, token, chan.PEEKED, entries)
+        elif kind == chan.ROUTE:
+            self._answer(identity, token, chan.OK, chan.Route(self._route(qname, number)).to_wire())
+        elif kind == chan.INFO:
             existing = self.queues.get(qname)
             size = existing.qsize() if existing is not None else 0
-            self._answer(identity, token, P.OK, [size, self.maxsize])
+            self._answer(identity, token, chan.OK, chan.QueueInfo(size, self.maxsize).to_wire())
         else:
             raise ValueError(f"unknown channel operation kind {kind!r}")
 
@@ -298,18 +315,18 @@ class ChannelServer:
         now = self.endpoint.loop.time()
         if takers.last != identity:
             if takers.last is not None:
-                takers.shared_until = now + P.SHARED_WINDOW
+                takers.shared_until = now + settings.SHARED_WINDOW
             takers.last = identity
-        if kind == P.PREFETCH:
+        if kind == chan.PREFETCH:
             if takers.others_lent(identity) or now < takers.shared_until:
-                self._answer(identity, token, P.NO_PREFETCH, None)
+                self._answer(identity, token, chan.NO_PREFETCH, None)
                 return True
             return False
         if takers.others_lent(identity) or any(h[0] == identity for h in takers.held):
             takers.held.append((identity, kind, token, number))
             if takers.timer is None:
-                takers.timer = self.endpoint.loop.call_later(P.LENT_HOLD_MAX, self._hold_expired,
-                                                             qname)
+                takers.timer = self.endpoint.loop.call_later(settings.LENT_HOLD_MAX,
+                                                             self._hold_expired, qname)
             return True
         return False
 
@@ -324,7 +341,7 @@ class ChannelServer:
             try:
                 self._dispatch(identity, kind, token, qname, number, None)
             except Exception as exc:  # as in _on_ops: that operation fails alone
-                self._answer(identity, token, P.ERROR, f"{type(exc).__name__}: {exc}")
+                self._answer(identity, token, chan.ERROR, f"{type(exc).__name__}: {exc}")
         self._schedule_flush()
 
     def _hold_expired(self, qname: QueueKey) -> None:
@@ -335,7 +352,7 @@ class ChannelServer:
         takers.timer = None
         log.warning("channel %s: %d process(es) held prefetched items of a queue for %.0f s; "
                     "serving %d waiting get(s) without them", self.name, len(takers.lent),
-                    P.LENT_HOLD_MAX, len(takers.held))
+                    settings.LENT_HOLD_MAX, len(takers.held))
         takers.lent.clear()
         self._release(qname)
 
@@ -389,7 +406,7 @@ class ChannelServer:
             return
         self._credited_parked.pop(identity, None)
         for token in self._flushes.pop(identity, ()):
-            self._answer(identity, token, P.OK, None)
+            self._answer(identity, token, chan.OK, None)
 
     def _grant_credits(self) -> None:
         """Top up the credits of every (client, queue) whose puts entered a queue this turn."""
@@ -397,7 +414,7 @@ class ChannelServer:
         for key in due:
             identity, qname = key
             held = self._credits.get(key, 0)
-            grant = P.CREDIT_WINDOW - held
+            grant = settings.CREDIT_WINDOW - held
             if self.maxsize:
                 q = self.queues[qname]
                 room = (self.maxsize - q.qsize() - q.waiting_putters()
@@ -409,18 +426,19 @@ class ChannelServer:
                 self._credits_in_queue[qname] = self._credits_in_queue.get(qname, 0) + grant
             elif not admitted:
                 continue
-            self._answer(identity, 0, P.CREDIT, (qname, max(grant, 0), admitted))
+            self._answer(identity, 0, chan.CREDIT,
+                         chan.Credit(qname, max(grant, 0), admitted).to_wire())
 
-    def statistics(self) -> dict[QueueKey, list[Any]]:
-        """``queue name -> [qsize, weight, maxsize, waiting putters, waiting getters, reserved]``."""
-        out = {}
+    def statistics(self) -> chan.Statistics:
+        """Each queue's counters (a held get counts as a waiting getter)."""
+        out: dict[QueueKey, chan.Counters] = {}
         for name, q in self.queues.items():
             s = q.stats()
             takers = self._takers.get(name)
             held = len(takers.held) if takers is not None else 0
-            out[name] = [s.qsize, s.weight, s.maxsize, s.waiting_putters,
-                         s.waiting_getters + held, s.reserved]
-        return out
+            out[name] = (s.qsize, s.weight, s.maxsize, s.waiting_putters,
+                         s.waiting_getters + held, s.reserved)
+        return chan.Statistics(out)
 
     # ------------------------------------------------------------------ answers
     def _deliver(self, qname: QueueKey, done: list[Done]) -> None:
@@ -437,7 +455,7 @@ class ChannelServer:
                 self._credited.discard(waiter)
                 self._credited_admitted(identity, key)
             else:
-                self._answer(identity, token, P.OK, None)
+                self._answer(identity, token, chan.OK, None)
 
     def _chunk(self, identity: bytes, inline: int = 0) -> _Chunk:
         chunks = self._out.get(identity)
@@ -445,17 +463,17 @@ class ChannelServer:
             chunks = self._out[identity] = [_Chunk()]
             self._schedule_flush()
         chunk = chunks[-1]
-        if inline and chunk.inline + inline > P.MAX_INLINE_BYTES and chunk.meta:
+        if inline and chunk.inline + inline > settings.MAX_INLINE_BYTES and chunk.meta:
             chunk = _Chunk()
             chunks.append(chunk)
         return chunk
 
     def _answer(self, identity: bytes, token: int, status: int, info: Any) -> None:
-        self._chunk(identity).meta.append((token, status, info))
+        self._chunk(identity).meta.append(chan.answer_entry(token, status, info))
 
     def _answer_items(self, identity: bytes, token: int, qname: QueueKey, items: list[Entry]) -> None:
         """Hand ``items`` (taken from ``qname``) to a getter; re-queued if it is gone."""
-        self._answer_entries(identity, token, P.ITEMS, items).handed_out.append((qname, items))
+        self._answer_entries(identity, token, chan.ITEMS, items).handed_out.append((qname, items))
 
     def _answer_entries(self, identity: bytes, token: int, status: int,
                         items: list[Entry]) -> _Chunk:
@@ -469,7 +487,7 @@ class ChannelServer:
             else:
                 info.append((len(item), weight, seq))
                 chunk.frames.extend(item)
-        chunk.meta.append((token, status, info))
+        chunk.meta.append(chan.answer_entry(token, status, info))
         chunk.inline += inline
         return chunk
 
@@ -488,7 +506,8 @@ class ChannelServer:
         for identity, chunks in out.items():
             for i, chunk in enumerate(chunks):
                 try:
-                    sent = self.endpoint.push_event(identity, P.DONE, chunk.meta, chunk.frames)
+                    sent = self.endpoint.push_event(identity, ChannelOp.DONE, chunk.meta,
+                                                    chunk.frames)
                 except Exception:
                     log.exception("channel %s: could not answer a client", self.name)
                     sent = False

@@ -8,12 +8,11 @@ from typing import Any
 
 import msgpack
 
-from aiorl.channels import _protocol as P
-from aiorl.channels.client_state import Received
-from aiorl.channels.host import QueueKey
+from aiorl.channels import settings
+from aiorl.protocol.channels import QueueKey
 from aiorl.transport import serialization
 
-__all__ = ["decode_item", "encode_item", "key_from_wire", "received_items", "wire_key"]
+__all__ = ["decode_item", "encode_item", "key_from_wire", "wire_key"]
 
 
 def encode_item(item: Any) -> tuple[Any, list[Any]]:
@@ -25,7 +24,7 @@ def encode_item(item: Any) -> tuple[Any, list[Any]]:
     `SerializationError`.
     """
     data, buffers = serialization.encode(item)
-    if not buffers and len(data) <= P.INLINE_MAX:
+    if not buffers and len(data) <= settings.INLINE_MAX:
         return data, []
     return 1 + len(buffers), [data, *buffers]
 
@@ -34,18 +33,6 @@ def decode_item(payload: Any, frames: Sequence[Any]) -> Any:
     if payload.__class__ is int:
         return serialization.decode(frames[0], frames[1:])
     return serialization.decode(payload)
-
-
-def received_items(info: Any, frames: list[Any], pos: int) -> tuple[list[Received], int]:
-    """The items of an ``ITEMS``/``PEEKED`` answer, and the position of the next frame."""
-    items: list[Received] = []
-    for payload, weight, seq in info:
-        if payload.__class__ is int:
-            items.append((payload, (weight, seq), frames[pos:pos + payload]))
-            pos += payload
-        else:
-            items.append((payload, (weight, seq), ()))
-    return items, pos
 
 
 #: msgpack extension type of a key that msgpack cannot hold itself: its pickle.

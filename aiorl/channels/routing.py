@@ -17,11 +17,11 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from aiorl.channels import _protocol as P
 from aiorl.channels.client_state import ChannelState, Engine, Op
-from aiorl.channels.host import QueueKey
 from aiorl.channels.resolution import Resolver
 from aiorl.errors import RemoteError
+from aiorl.protocol import channels as chan
+from aiorl.protocol.channels import QueueKey
 from aiorl.runtime import AsyncChannelWork
 from aiorl.runtime.promise import link_threads, prepare_threads, settle_from
 
@@ -118,7 +118,7 @@ class KeyRouter:
 
     def _ask_route(self, st: ChannelState, key: QueueKey) -> None:
         """Ask replica 0, the one authority, which replica holds ``key`` (assigning it)."""
-        ask = Op(self.engine, st, P.ROUTE, key, self.node_rank, 0, ())
+        ask = Op(self.engine, st, chan.ROUTE, key, self.node_rank, 0, ())
         st.routing[key] = ask
         ask.add_done_callback(functools.partial(self._route_failed, st, key))
         self.engine.issue(ask)

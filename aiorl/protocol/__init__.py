@@ -11,6 +11,7 @@ the registry included, can parse messages without pulling in the runtime.
 * `call_relay`, `p2p_relay`: group calls and point-to-point messages relayed by node agents;
 * `p2p`: what the two ends of a point-to-point pair send each other;
 * `broadcast`: what the members of a broadcast send each other;
+* `channels`: what channel handles and channel workers send each other;
 * `fields`: the checked reading every ``from_wire`` uses.
 """
 

@@ -20,8 +20,8 @@ else:  # Python 3.10: the same behaviour for our use (value as str, str() gives 
         def __str__(self) -> str:
             return str(self.value)
 
-__all__ = ["AgentOp", "BroadcastOp", "DirectoryOp", "DriverOp", "P2POp", "RegistryEvent",
-           "RegistryOp", "WeightsOp", "WorkerOp", "WorkerState"]
+__all__ = ["AgentOp", "BroadcastOp", "ChannelOp", "DirectoryOp", "DriverOp", "P2POp",
+           "RegistryEvent", "RegistryOp", "WeightsOp", "WorkerOp", "WorkerState"]
 
 
 class RegistryOp(StrEnum):
@@ -176,3 +176,12 @@ class P2POp(StrEnum):
     #: Receiver -> sender, relayed: the bytes the receiver consumed, its grant
     #: (`aiorl.protocol.p2p_relay`).
     CREDIT = "p2p.credit"
+
+
+class ChannelOp(StrEnum):
+    """The two messages of a channel (`aiorl.protocol.channels`)."""
+
+    #: Client -> channel worker, one-way: a batch of requests.
+    OPS = "chan.ops"
+    #: Channel worker -> client, an event: a batch of answers.
+    DONE = "chan.done"

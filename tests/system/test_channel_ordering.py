@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 
 import aiorl
-from aiorl.channels import Channel
-from aiorl.channels import _protocol as P
+from aiorl.channels import Channel, settings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,7 +76,7 @@ def test_prefetch_in_flight_when_the_consumer_pauses_cannot_overtake_returned_it
     """
     # A pause is "idle" after this long (5 ms by default): long enough that the gets
     # of one loop turn below count as streaming however loaded the machine is.
-    monkeypatch.setattr(P, "PREFETCH_IDLE", 0.25)
+    monkeypatch.setattr(settings, "PREFETCH_IDLE", 0.25)
     ch, pid = stoppable
     n = 16
     _fill(ch, n)
@@ -92,7 +91,7 @@ def test_prefetch_in_flight_when_the_consumer_pauses_cannot_overtake_returned_it
             assert work.done(), "not served from prefetched items"
             got.append(await work)
         assert stream.ready, "precondition: prefetched items left while a prefetch is out"
-        await asyncio.sleep(3 * P.PREFETCH_IDLE)  # the consumer pauses: the idle timer fires
+        await asyncio.sleep(3 * settings.PREFETCH_IDLE)  # the consumer pauses: the idle timer fires
         os.kill(pid, signal.SIGCONT)
         rest = [ch.get() for _ in range(n - len(got))]
         got += [await asyncio.wait_for(w, 10) for w in rest]
@@ -172,7 +171,7 @@ def test_gets_waiting_before_a_held_get_batch_are_served_before_it(
     for the prefetches, which come back empty. The gets they were to serve must get
     their own requests *before* the batch is sent: they used to get none until a later
     get, and the batch (made after them) took the first items."""
-    monkeypatch.setattr(P, "PREFETCH_IDLE", 0.25)  # the gets below count as streaming
+    monkeypatch.setattr(settings, "PREFETCH_IDLE", 0.25)  # the gets below count as streaming
     ch, _ = stoppable
 
     async def consume() -> list[Any]:
@@ -251,7 +250,7 @@ def test_items_another_consumer_gave_back_never_reach_a_consumer_after_newer_one
     back, the worker got them after those: producer order broken for that consumer. The
     channel worker now holds the worker's gets until the driver says it holds nothing.
     """
-    monkeypatch.setattr(P, "PREFETCH_IDLE", 0.5)  # the driver pauses "idle" for this long
+    monkeypatch.setattr(settings, "PREFETCH_IDLE", 0.5)  # the driver pauses "idle" for this long
     ch, _ = stoppable
     n = 40
     _fill(ch, n)
