@@ -38,7 +38,7 @@ from aiorl.channels.weighted_queue import Done, Entry, WeightedQueue
 from aiorl.errors import ProtocolError, QueueEmpty, QueueFull
 from aiorl.names import WorkerAddress
 from aiorl.protocol import channels as chan
-from aiorl.protocol.channels import QueueKey
+from aiorl.protocol.channels import QueueKey, Refused
 from aiorl.protocol.ops import ChannelOp
 from aiorl.runtime import current_runtime
 from aiorl.transport.endpoint import Endpoint, Incoming
@@ -186,8 +186,8 @@ class ChannelServer:
             log.warning("channel %s: dropped a malformed message: %s", self.name, exc)
             return
         for request in requests:
-            if request.__class__ is not tuple:  # Refused
-                self._refused(identity, request)  # type: ignore[arg-type]
+            if isinstance(request, Refused):
+                self._refused(identity, request)
                 continue
             kind, token, qname, number, payload = request
             try:
@@ -206,7 +206,7 @@ class ChannelServer:
                 self._answer(identity, token, chan.ERROR, f"{type(exc).__name__}: {exc}")
         self._schedule_flush()
 
-    def _refused(self, identity: bytes, refused: chan.Refused) -> None:
+    def _refused(self, identity: bytes, refused: Refused) -> None:
         """A request that failed its checks fails alone, answered ``ERROR`` naming why."""
         log.debug("channel %s: refused a request: %s", self.name, refused.error)
         if refused.token is not None:

@@ -81,7 +81,8 @@ Checks
     item. There, `request_entry` and `answer_entry` write the wire form, and
     `read_requests`, `read_answers` and `read_items` read a whole message, checking the
     common entries with one chain of type tests each and handing every other entry to
-    the checks ``from_wire`` uses, which name the field that fails.
+    the checks ``from_wire`` uses, which name the field that fails; they hand back the
+    entries they received (no copy per item), or `Refused` in the place of one that fails.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ __all__ = [
     "UNGET",
     "Answer",
     "AnswerFields",
+    "Checked",
     "Counters",
     "Credit",
     "ItemEntry",
@@ -271,6 +273,9 @@ def _payload(value: object, frames_left: int, message: str, key: str) -> int:
 RequestFields: TypeAlias = tuple[int, int, QueueKey, Any, Any]
 #: An `Answer` as it travels: ``(token, status, info)``.
 AnswerFields: TypeAlias = tuple[int, int, Any]
+#: An entry a reader checked, as it was received (the list itself: no copy per item); its
+#: fields are in the order of `RequestFields` or `AnswerFields`.
+Checked: TypeAlias = Sequence[Any]
 #: One item of an `ITEMS` or `PEEKED` answer as `read_items` gives it:
 #: ``(payload, (weight, seq), frames)``, ``frames`` the item's own (none when inline).
 Received: TypeAlias = tuple[bytes | int, tuple[float, int], Sequence[Any]]
@@ -316,13 +321,13 @@ def request_entry(kind: int, token: int, queue: QueueKey, number: Any,
     return (kind, token, queue, number, payload)
 
 
-def read_requests(meta: object, nframes: int) -> list[RequestFields | Refused]:
+def read_requests(meta: object, nframes: int) -> list[Checked | Refused]:
     """The requests of a ``chan.ops`` message with ``nframes`` frames, in order, each
     checked as `Request.from_wire` checks one; an entry that fails is `Refused` in its
     place, so that only its operation fails."""
     if meta.__class__ is not list and meta.__class__ is not tuple:
         raise ProtocolError(f"{_OPS}: expected a list of requests, got {type(meta).__name__}")
-    out: list[RequestFields | Refused] = []
+    out: list[Checked | Refused] = []
     left = nframes  # frames not owned by an earlier entry
     for entry in meta:
         # Puts and the requests without arguments (a get) in one chain of tests, the rest
@@ -335,14 +340,14 @@ def read_requests(meta: object, nframes: int) -> list[RequestFields | Refused]:
                     if ((number.__class__ is float or number.__class__ is int)
                             and 0 <= number < _INF):
                         if payload.__class__ is bytes:
-                            out.append((kind, token, queue, number, payload))
+                            out.append(entry)
                             continue
                         if payload.__class__ is int and 0 < payload <= left:
                             left -= payload
-                            out.append((kind, token, queue, number, payload))
+                            out.append(entry)
                             continue
                 elif kind in _BARE_KINDS and number == 0 and payload == 0:
-                    out.append((kind, token, queue, number, payload))
+                    out.append(entry)
                     continue
         try:
             fields = _check_request(entry, left)
@@ -364,10 +369,11 @@ def _token(entry: object, n: int, at: int) -> int | None:
     return None
 
 
-def _check_request(entry: object, frames_left: int) -> RequestFields:
-    """The fields of request ``entry``, each checked; raises ProtocolError naming the first
-    that is wrong."""
-    kind, token, queue, number, payload = _entry(entry, 5, _OPS)
+def _check_request(entry: object, frames_left: int) -> Checked:
+    """Request ``entry`` with each field checked; raises ProtocolError naming the first that
+    is wrong."""
+    fields = _entry(entry, 5, _OPS)
+    kind, token, queue, number, payload = fields
     if kind.__class__ is not int or kind not in KINDS:
         raise _error(_OPS, "kind", f"unknown request kind {kind!r:.40}")
     _integer(token, _OPS, "token", 0)
@@ -387,10 +393,10 @@ def _check_request(entry: object, frames_left: int) -> RequestFields:
     else:
         _nothing(number, "number")
         _nothing(payload, "payload")
-    return (kind, token, queue, number, payload)
+    return fields
 
 
-def _frames_owned(fields: RequestFields) -> int:
+def _frames_owned(fields: Checked) -> int:
     """How many of the message's frames a checked request owns."""
     payload = fields[4]
     if fields[0] == UNGET:
@@ -448,25 +454,25 @@ def answer_entry(token: int, status: int, info: Any) -> AnswerFields:
     return (token, status, info)
 
 
-def read_answers(meta: object) -> list[AnswerFields | Refused]:
+def read_answers(meta: object) -> list[Checked | Refused]:
     """The answers of a ``chan.done`` message, in order, each checked as `Answer.from_wire`
     checks one; an entry that fails is `Refused` in its place. The items of `ITEMS` and
     `PEEKED` answers are checked as `read_items` reads them with their frames."""
     if meta.__class__ is not list and meta.__class__ is not tuple:
         raise ProtocolError(f"{_DONE}: expected a list of answers, got {type(meta).__name__}")
-    out: list[AnswerFields | Refused] = []
+    out: list[Checked | Refused] = []
     for entry in meta:
         if (entry.__class__ is list or entry.__class__ is tuple) and len(entry) == 3:
             token, status, info = entry
             if token.__class__ is int and token >= 0 and status.__class__ is int:
                 if status == ITEMS or status == PEEKED:
                     if info.__class__ is list or info.__class__ is tuple:
-                        out.append((token, status, info))
+                        out.append(entry)
                         continue
                 elif status == OK or status == CREDIT or (
                         info is None if status in _BARE else status == ERROR
                         and info.__class__ is str):
-                    out.append((token, status, info))
+                    out.append(entry)
                     continue
         try:
             out.append(_check_answer(entry))
@@ -475,8 +481,9 @@ def read_answers(meta: object) -> list[AnswerFields | Refused]:
     return out
 
 
-def _check_answer(entry: object) -> AnswerFields:
-    token, status, info = _entry(entry, 3, _DONE)
+def _check_answer(entry: object) -> Checked:
+    fields = _entry(entry, 3, _DONE)
+    token, status, info = fields
     _integer(token, _DONE, "token", 0)
     if status.__class__ is not int or status not in STATUSES:
         raise _error(_DONE, "status", f"unknown answer status {status!r:.40}")
@@ -488,7 +495,7 @@ def _check_answer(entry: object) -> AnswerFields:
             raise _error(_DONE, "info", f"expected an error message, got {type(info).__name__}")
     elif status in _BARE and info is not None:
         raise _error(_DONE, "info", f"this status carries nothing, got {type(info).__name__}")
-    return (token, status, info)
+    return fields
 
 
 def read_items(info: list[Any] | tuple[Any, ...], frames: Sequence[Any],
