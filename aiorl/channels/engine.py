@@ -381,13 +381,8 @@ class ClientEngine:
                     continue
                 op.set_result(value)
                 continue
-            if status == chan.CREDIT:
-                try:
-                    credit = chan.Credit.from_wire(info)
-                except ProtocolError as exc:
-                    log.error("channel worker %s sent a malformed credit: %s", peer, exc)
-                    continue
-                self._on_credit(peer, credit)
+            if status == chan.CREDIT:  # token 0: no operation of its own
+                self._on_credit(peer, info)
                 continue
             if status == chan.PEEKED:
                 if op is not None and not op.done():
@@ -439,11 +434,11 @@ class ClientEngine:
         else:
             op.set_result((reply.qsize, reply.maxsize))
 
-    def _on_credit(self, peer: str, credit: chan.Credit) -> None:
+    def _on_credit(self, peer: str, credit: chan.CreditFields) -> None:
         st = self.by_address.get(peer)
         if st is None:
             return  # from a channel worker this process no longer uses
-        queue, granted, admitted = credit.queue, credit.granted, credit.admitted
+        queue, granted, admitted = credit
         if granted:
             st.credits[queue] = st.credits.get(queue, 0) + granted
         # Credited puts of one process enter their queue in the order they were sent

@@ -427,7 +427,7 @@ class ChannelServer:
             elif not admitted:
                 continue
             self._answer(identity, 0, chan.CREDIT,
-                         chan.Credit(qname, max(grant, 0), admitted).to_wire())
+                         chan.credit_entry(qname, max(grant, 0), admitted))
 
     def statistics(self) -> chan.Statistics:
         """Each queue's counters (a held get counts as a waiting getter)."""

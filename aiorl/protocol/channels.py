@@ -131,6 +131,7 @@ __all__ = [
     "Checked",
     "Counters",
     "Credit",
+    "CreditFields",
     "ItemEntry",
     "QueueInfo",
     "QueueKey",
@@ -141,6 +142,7 @@ __all__ = [
     "Route",
     "Statistics",
     "answer_entry",
+    "credit_entry",
     "read_answers",
     "read_items",
     "read_requests",
@@ -431,10 +433,10 @@ class Answer:
     """One answer a channel worker sends a client: an entry of a ``chan.done`` message.
 
     ``info`` depends on ``status``: a list of `ItemEntry` for `ITEMS` and `PEEKED` (their
-    frames follow in order; `read_items` reads them), the message for `ERROR`, nothing for
-    `FULL`, `EMPTY`, `CANCELLED` and `NO_PREFETCH`; and a message of its own, read with
-    that message's ``from_wire``: a `Credit` for `CREDIT`, and for `OK` the reply of the
-    request's kind (`REPLIES`), which only the asking client can tell apart.
+    frames follow in order; `read_items` reads them), a `Credit`'s wire form for `CREDIT`,
+    the message for `ERROR`, nothing for `FULL`, `EMPTY`, `CANCELLED` and `NO_PREFETCH`,
+    all of which ``from_wire`` checks; and for `OK` the reply of the request's kind
+    (`REPLIES`, read with its ``from_wire``), which only the asking client can tell apart.
     """
 
     token: int
@@ -469,9 +471,15 @@ def read_answers(meta: object) -> list[Checked | Refused]:
                     if info.__class__ is list or info.__class__ is tuple:
                         out.append(entry)
                         continue
-                elif status == OK or status == CREDIT or (
-                        info is None if status in _BARE else status == ERROR
-                        and info.__class__ is str):
+                elif status == CREDIT:
+                    if ((info.__class__ is list or info.__class__ is tuple) and len(info) == 3
+                            and (info[0].__class__ is str or info[0].__class__ is bytes)
+                            and info[1].__class__ is int and 0 <= info[1] <= _MAX_COUNT
+                            and info[2].__class__ is int and 0 <= info[2] <= _MAX_COUNT):
+                        out.append(entry)
+                        continue
+                elif status == OK or (info is None if status in _BARE else status == ERROR
+                                      and info.__class__ is str):
                     out.append(entry)
                     continue
         try:
@@ -490,6 +498,8 @@ def _check_answer(entry: object) -> Checked:
     if status == ITEMS or status == PEEKED:
         if info.__class__ is not list and info.__class__ is not tuple:
             raise _error(_DONE, "info", f"expected a list of items, got {type(info).__name__}")
+    elif status == CREDIT:
+        Credit.from_wire(info)
     elif status == ERROR:
         if info.__class__ is not str:
             raise _error(_DONE, "info", f"expected an error message, got {type(info).__name__}")
@@ -541,8 +551,8 @@ class Credit:
     granted: int
     admitted: int
 
-    def to_wire(self) -> tuple[QueueKey, int, int]:
-        return (self.queue, self.granted, self.admitted)
+    def to_wire(self) -> CreditFields:
+        return credit_entry(self.queue, self.granted, self.admitted)
 
     @classmethod
     def from_wire(cls, meta: object) -> Self:
@@ -551,6 +561,16 @@ class Credit:
         return cls(_key(queue, message, "queue"),
                    _integer(granted, message, "granted", 0, _MAX_COUNT),
                    _integer(admitted, message, "admitted", 0, _MAX_COUNT))
+
+
+#: A `Credit` as it travels: ``(queue, granted, admitted)``.
+CreditFields: TypeAlias = tuple[QueueKey, int, int]
+
+
+def credit_entry(queue: QueueKey, granted: int, admitted: int) -> CreditFields:
+    """`Credit.to_wire` without building the `Credit` (a channel worker sends one per client,
+    queue and loop turn in which puts entered it)."""
+    return (queue, granted, admitted)
 
 
 #: One queue's counters in a `Statistics`: qsize, weight, maxsize, waiting putters,

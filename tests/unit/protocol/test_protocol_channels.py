@@ -121,6 +121,8 @@ def test_a_malformed_request_is_refused_naming_the_field(entry: Any, frames: int
     ([1, chan.ITEMS, {"a": 1}], "chan.done.info"),
     ([1, chan.ERROR, None], "chan.done.info"),
     ([1, chan.FULL, "why"], "chan.done.info"),
+    ([0, chan.CREDIT, ["q", -1, 0]], "chan.done.info.granted"),
+    ([0, chan.CREDIT, [None, 1, 0]], "chan.done.info.queue"),
     ([1, chan.OK], "chan.done: expected a list of 3 fields, got 2"),
 ])
 def test_a_malformed_answer_is_refused_naming_the_field(entry: Any, field: str) -> None:
