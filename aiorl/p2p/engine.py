@@ -46,7 +46,7 @@ from aiorl.p2p.message import (
     encode_object,
     encode_tensor,
 )
-from aiorl.p2p.p2p_relay import RelayRoute, direct_peers, relay_window
+from aiorl.p2p.p2p_relay import RelayRoute, direct_peers, node_agent_endpoint, relay_window
 from aiorl.p2p.paths.cuda_host import stage
 from aiorl.p2p.paths.cuda_ipc import release_ref_counter_files
 from aiorl.p2p.sender import Sender, SenderStatistics
@@ -385,18 +385,7 @@ class P2PEngine:
                           self.node_id, self.relay_window)
 
     async def _find_agent(self, found: asyncio.Future[str | None]) -> None:
-        """This node's agent endpoint, from the registry's node list."""
-        agent = None
-        if self.node_id is not None:
-            try:
-                nodes = await self.runtime.registry.nodes()
-                agent = next((n.endpoint for n in nodes if n.node_id == self.node_id), None)
-            except Exception as exc:  # noqa: BLE001 - the pair goes direct instead
-                log.warning("%s: cannot find this node's agent (%r): p2p goes direct", self.name, exc)
-            else:
-                if agent is None:
-                    log.warning("%s: node %s is not in the registry: p2p goes direct",
-                                self.name, self.node_id)
+        agent = await node_agent_endpoint(self.runtime.registry, self.node_id, self.name)
         if not found.done():
             found.set_result(agent)
 

@@ -30,6 +30,7 @@ bounded by the sender, not by how fast the receiver or the agents drain it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
@@ -41,7 +42,10 @@ from aiorl.util.settings import count_setting
 if TYPE_CHECKING:
     from aiorl.transport.endpoint import Endpoint
 
+log = logging.getLogger("aiorl.p2p")
+
 __all__ = ["DEFAULT_DIRECT_PEERS", "DEFAULT_RELAY_WINDOW", "RelayRoute", "direct_peers",
+           "node_agent_endpoint",
            "relay_window"]
 
 #: Workers on other nodes a process sends to directly before it relays through agents.
@@ -126,3 +130,19 @@ class RelayRoute:
         self.endpoint.send_oneway(self.agent, _RELAY_P2P, [*self._head, op, meta, *self._tail],
                                   frames)
         self.outstanding += envelope_bytes(frames)
+
+
+async def node_agent_endpoint(registry: Any, node_id: str | None, who: str) -> str | None:
+    """This node's agent endpoint, from the registry's node list; None (said once, as a
+    warning naming ``who``) where there is none to relay through: the pair goes direct."""
+    if node_id is None:
+        return None
+    try:
+        nodes = await registry.nodes()
+    except Exception as exc:  # noqa: BLE001 - the pair goes direct instead
+        log.warning("%s: cannot find this node's agent (%r): p2p goes direct", who, exc)
+        return None
+    agent: str | None = next((n.endpoint for n in nodes if n.node_id == node_id), None)
+    if agent is None:
+        log.warning("%s: node %s is not in the registry: p2p goes direct", who, node_id)
+    return agent
