@@ -23,7 +23,7 @@ from aiorl.p2p.message import InMessage
 from aiorl.protocol.broadcast import FramedBuffers, SegmentRelease, SharedBuffers
 from aiorl.protocol.ops import BroadcastOp
 from aiorl.runtime import Runtime
-from aiorl.transport import _shm
+from aiorl.transport import shared_memory
 from aiorl.transport.endpoint import Incoming
 
 __all__ = ["SharedSegments", "chunks", "take_frames"]
@@ -71,7 +71,7 @@ class SharedSegments:
         self.closed = False
         self.bytes_written = 0  # bytes copied into segments (once per segment written)
         self.readers_served = 0  # member deliveries that read one of those segments
-        self._pool: _shm.SegmentPool | None = None
+        self._pool: shared_memory.SegmentPool | None = None
         self._readers: dict[int, set[str]] = {}  # segment id -> members still viewing it
         self.endpoint.handle(BroadcastOp.RELEASE, self._on_release)
 
@@ -93,16 +93,16 @@ class SharedSegments:
         import numpy as np
 
         if self._pool is None:
-            self._pool = _shm.SegmentPool()
+            self._pool = shared_memory.SegmentPool()
         sizes = [sum(memoryview(c).nbytes for c in pieces) for pieces in parts]
         offsets: list[int] = []
         total = 0
         for n in sizes:
             offsets.append(total)
-            total = _shm.align(total + n)
+            total = shared_memory.align(total + n)
         try:
             seg, _evicted = self._pool.acquire(total)  # readers never keep a segment's fd
-        except _shm.ShmUnavailable as exc:
+        except shared_memory.ShmUnavailable as exc:
             log.debug("%s: no shared segment for a broadcast (%s); using frames", self.name, exc)
             return None
         if seg.arr is None:
@@ -110,7 +110,7 @@ class SharedSegments:
         for pieces, off in zip(parts, offsets, strict=True):
             for c in pieces:
                 n = memoryview(c).nbytes
-                _shm.copy_into(seg.arr[off : off + n], c)
+                shared_memory.copy_into(seg.arr[off : off + n], c)
                 off += n
         self._readers[seg.seg_id] = set(readers)
         self.bytes_written += sum(sizes)
@@ -122,11 +122,11 @@ class SharedSegments:
         """``inc``'s buffers are views of segment ``desc``, mapped copy-on-write; the lease
         gives the segment back to its owner when the last view is gone."""
         try:
-            mm = _shm.open_segment(desc.pid, desc.fd, desc.size, private=True)
-        except _shm.ShmUnavailable as exc:
+            mm = shared_memory.open_segment(desc.pid, desc.fd, desc.size, private=True)
+        except shared_memory.ShmUnavailable as exc:
             self.give_back(desc.owner, desc.seg_id)
             raise ProtocolError(f"cannot read the broadcast's shared memory: {exc}") from exc
-        inc.lease = _shm.Lease(mm, functools.partial(self.give_back, desc.owner, desc.seg_id))
+        inc.lease = shared_memory.Lease(mm, functools.partial(self.give_back, desc.owner, desc.seg_id))
         inc.sources = list(zip(desc.sizes, desc.offsets, strict=True))
 
     def give_back(self, owner: str, seg_id: int) -> None:

@@ -3,7 +3,7 @@
 Layer ``p2p``: above ``cuda`` and ``runtime``; may import ``cuda``, ``runtime``,
 ``registry``, ``transport``, ``protocol``, ``names``, ``errors`` and ``util``, never
 ``actors``, ``group``, ``channels`` or ``cluster``. Only this package touches the payload
-paths (``aiorl.transport._shm``, NCCL pairs, CUDA IPC). See ``docs/ordering.md``.
+paths (``aiorl.transport.shared_memory``, NCCL pairs, CUDA IPC). See ``docs/ordering.md``.
 """
 
 from aiorl.p2p.engine import P2PEngine, P2PStatistics, get_p2p

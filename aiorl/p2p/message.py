@@ -6,7 +6,7 @@ errors are raised synchronously) into an `OutMessage`: the pickle stream, the
 raw CPU buffers a payload path must carry, and the CUDA tensors to transfer. The
 receiver keeps an `InMessage` until a receive takes it; its CPU bytes are either
 chunks (ZMQ frames, or a private array a pull filled) or offsets in a shared segment
-held through a lease (`aiorl.transport._shm.Lease`).
+held through a lease (`aiorl.transport.shared_memory.Lease`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiorl.errors import ProtocolError
 from aiorl.p2p.settings import INBAND_MAX, INLINE_MAX
 from aiorl.protocol.p2p import K_CPU, K_CUDA, K_OBJ
-from aiorl.transport import _shm
+from aiorl.transport import shared_memory
 from aiorl.transport.serialization import (
     ATOMIC_TYPES,
     byte_view,
@@ -180,7 +180,7 @@ class InMessage:
         if self.lease is None:
             _copy_chunks(self.sources[k][1], dst)
         else:
-            _shm.copy_into(dst, self.view(k))
+            shared_memory.copy_into(dst, self.view(k))
 
     def user_buffers(self) -> list[Any]:
         """Writable buffers for the user's objects; leased ones view the segment (no copy)."""

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from aiorl.protocol.weights import Layout, TensorSpec
-from aiorl.transport._shm import align
+from aiorl.transport.shared_memory import align
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "check_layout", "layout_of", "tensor_bytes"]
 

@@ -1,6 +1,6 @@
 """A double-buffered, seqlocked shared-memory segment: where one shard's versions live.
 
-Layout of one segment (an anonymous memfd, `aiorl.transport._shm`)::
+Layout of one segment (an anonymous memfd, `aiorl.transport.shared_memory`)::
 
     +-- header page ------------------+-- slot 0 ----------------+-- slot 1 ----------------+
     | seq0 ver0 seq1 ver1 host0 host1 | tensors of one version   | tensors of another       |
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from aiorl.protocol.weights import SegmentRef
-from aiorl.transport._shm import ShmUnavailable, open_segment
+from aiorl.transport.shared_memory import ShmUnavailable, open_segment
 
 __all__ = ["SLOTS", "SegmentReader", "VersionedSegment", "read_slot"]
 
@@ -84,7 +84,7 @@ def read_slot(header: Any, slot: int, version: int, copy: Callable[[], None],
 def _sparse_segment(size: int) -> tuple[int, mmap.mmap]:
     """A memfd of ``size`` bytes of which only the header page is backed and mapped.
 
-    Not `aiorl.transport._shm.create_segment`: that one reserves (``fallocate``) and
+    Not `aiorl.transport.shared_memory.create_segment`: that one reserves (``fallocate``) and
     populates every page at once (about a second for a 1 GB model's two slots;
     docs/weights.md), memory a model read only from its GPU never uses. The rest is
     reserved by `VersionedSegment.ensure_host` before it is first written, so that running

@@ -27,7 +27,7 @@ from aiorl.protocol.weights import HostPull, Layout, NodeView, Poll, SegmentRef,
 from aiorl.runtime import AsyncWork
 from aiorl.runtime.promise import trace_until_settled
 from aiorl.trace import recorder as _trace
-from aiorl.transport._shm import ShmUnavailable
+from aiorl.transport.shared_memory import ShmUnavailable
 from aiorl.weights import cuda
 from aiorl.weights.gpu_representative import GpuRepresentative
 from aiorl.weights.layout import tensor_bytes

@@ -31,7 +31,7 @@ from aiorl.p2p.paths.base import (
 from aiorl.p2p.settings import CMA_ENABLED, CMA_MIN
 from aiorl.protocol.ops import P2POp
 from aiorl.protocol.p2p import CMA, CmaDesc, Hello, HelloReply, PathAck, TransferDone
-from aiorl.transport import _shm
+from aiorl.transport import shared_memory
 from aiorl.transport.serialization import byte_view
 
 #: The op as a plain str (an enum member costs msgpack a slow path per message).
@@ -59,7 +59,7 @@ class CmaSend(SendPathBase):
         return self.ok is None and msg.raw and msg.nbytes >= CMA_MIN
 
     def ask(self, msg: OutMessage) -> dict[str, Any] | None:
-        self._probe = _shm.cma_probe_buffer()  # must stay alive until the reply
+        self._probe = shared_memory.cma_probe_buffer()  # must stay alive until the reply
         return {"cma": ctypes.addressof(self._probe)}
 
     def on_hello(self, reply: HelloReply) -> None:
@@ -95,7 +95,7 @@ class CmaRecv(RecvPathBase):
 
     def answer(self, ask: Hello, reply: dict[str, Any]) -> None:
         if ask.cma is not None:
-            reply["cma"] = _shm.check_cma(ask.pid, ask.cma)
+            reply["cma"] = shared_memory.check_cma(ask.pid, ask.cma)
 
     def accept(
         self,
@@ -118,7 +118,7 @@ class CmaRecv(RecvPathBase):
             msg.sources = [(n, [dst])]
         err = None
         try:
-            _shm.cma_read(pid, addr, dst.ctypes.data, n)
+            shared_memory.cma_read(pid, addr, dst.ctypes.data, n)
         except OSError as exc:
             err = exc
         endpoint = self.host.endpoint

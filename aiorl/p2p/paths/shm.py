@@ -41,7 +41,7 @@ from aiorl.protocol.p2p import (
     SegmentDrop,
     ShmDesc,
 )
-from aiorl.transport import _shm
+from aiorl.transport import shared_memory
 
 log = logging.getLogger("aiorl.p2p")
 
@@ -59,8 +59,8 @@ class ShmSend(SendPathBase):
         self.address = address
         self.ok: bool | None = None  # may the receiver map our segments? None: not asked
         self.settled = False
-        self.pool: _shm.SegmentPool | None = None
-        self._probe: _shm.Segment | None = None
+        self.pool: shared_memory.SegmentPool | None = None
+        self._probe: shared_memory.Segment | None = None
 
     @classmethod
     def create(cls, host: PathHost, dest: Destination) -> ShmSend | None:
@@ -73,8 +73,8 @@ class ShmSend(SendPathBase):
 
     def ask(self, msg: OutMessage) -> dict[str, Any] | None:
         try:
-            self._probe = _shm.probe_segment()
-        except _shm.ShmUnavailable as exc:
+            self._probe = shared_memory.probe_segment()
+        except shared_memory.ShmUnavailable as exc:
             log.info("%s: no shared memory (%s); bulk data goes through ZMQ", self.host.name, exc)
             self.ok, self.settled = False, True
             return None
@@ -86,7 +86,7 @@ class ShmSend(SendPathBase):
             self._probe = None
         self.ok, self.settled = bool(reply.shm), True
         if self.ok:
-            self.pool = _shm.SegmentPool()
+            self.pool = shared_memory.SegmentPool()
         else:
             log.info(
                 "%s: %s cannot map our shared memory; bulk data goes through ZMQ",
@@ -106,16 +106,16 @@ class ShmSend(SendPathBase):
         total = 0
         for b in msg.bufs:
             offsets.append(total)
-            total = _shm.align(total + b.nbytes)
+            total = shared_memory.align(total + b.nbytes)
         try:
             seg, evicted = pool.acquire(total)
-        except _shm.PoolFull as exc:
+        except shared_memory.PoolFull as exc:
             # The receiver is behind (or keeps what it got): don't grow, use ZMQ this time.
             log.debug(
                 "%s: shared memory toward %s is full (%s)", self.host.name, self.dest.name, exc
             )
             return None
-        except _shm.ShmUnavailable as exc:
+        except shared_memory.ShmUnavailable as exc:
             log.warning(
                 "%s: shared memory for %d bytes to %s unavailable (%s); using ZMQ",
                 self.host.name,
@@ -131,7 +131,7 @@ class ShmSend(SendPathBase):
             seg.arr = np.frombuffer(seg.mm, dtype=np.uint8)
         arr = seg.arr
         for b, off in zip(msg.bufs, offsets, strict=True):
-            _shm.copy_into(arr[off : off + b.nbytes], b)
+            shared_memory.copy_into(arr[off : off + b.nbytes], b)
         new = None
         if not seg.announced:
             seg.announced = True
@@ -166,14 +166,14 @@ class ShmRecv(RecvPathBase):
 
     def __init__(self, host: PathHost, source: str) -> None:
         super().__init__(host, source)
-        self.segs = _shm.SegmentMap()
+        self.segs = shared_memory.SegmentMap()
         self.reply_address: str | None = None  # the sender's endpoint, as it told us
 
     def answer(self, ask: Hello, reply: dict[str, Any]) -> None:
         self.reply_address = ask.addr
         if ask.probe is not None:
             fd, size = ask.probe
-            reply["shm"] = _shm.check_probe(ask.pid, fd, size)
+            reply["shm"] = shared_memory.check_probe(ask.pid, fd, size)
 
     def accept(
         self,
@@ -191,7 +191,7 @@ class ShmRecv(RecvPathBase):
             self.reply_address = new.address
             try:
                 mm = self.segs.open(seg_id, pid, fd, size)
-            except _shm.ShmUnavailable as exc:
+            except shared_memory.ShmUnavailable as exc:
                 self._send_ack(seg_id)
                 raise ProtocolError(
                     f"cannot read the shared memory of {self.source}: {exc}"
@@ -202,7 +202,7 @@ class ShmRecv(RecvPathBase):
                 raise ProtocolError(
                     f"p2p message from {self.source} names unknown segment {seg_id}"
                 )
-        msg.lease = _shm.Lease(mm, functools.partial(self.give_back, seg_id))
+        msg.lease = shared_memory.Lease(mm, functools.partial(self.give_back, seg_id))
         msg.sources = list(zip(sizes, offsets, strict=True))
 
     def give_back(self, seg_id: int) -> None:
