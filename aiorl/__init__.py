@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from aiorl.actors.polling import PollingWorker, PollResult
     from aiorl.channels import Channel
     from aiorl.cluster import Cluster
-    from aiorl.group.events import EventKind, GroupEvent
+    from aiorl.group.group_events import EventKind, GroupEvent
     from aiorl.group.per_rank import PerRank
     from aiorl.runtime.working_dir import WorkingDir
 
@@ -81,8 +81,8 @@ _LAZY = {
     "PollResult": ("aiorl.actors.polling", "PollResult"),
     "Channel": ("aiorl.channels", "Channel"),
     "Cluster": ("aiorl.cluster", "Cluster"),
-    "EventKind": ("aiorl.group.events", "EventKind"),
-    "GroupEvent": ("aiorl.group.events", "GroupEvent"),
+    "EventKind": ("aiorl.group.group_events", "EventKind"),
+    "GroupEvent": ("aiorl.group.group_events", "GroupEvent"),
     "PerRank": ("aiorl.group.per_rank", "PerRank"),
     "WorkingDir": ("aiorl.runtime.working_dir", "WorkingDir"),
 }

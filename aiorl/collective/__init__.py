@@ -5,7 +5,7 @@ below ``weights`` and ``actors``. See ``docs/broadcast.md``.
 """
 
 from aiorl.collective.broadcast import Broadcaster, BroadcastStatistics, get_broadcaster
-from aiorl.collective.plan import BroadcastPlan, RelayTree, plan_broadcast, relay_tree
+from aiorl.collective.broadcast_plan import BroadcastPlan, RelayTree, plan_broadcast, relay_tree
 
 __all__ = [
     "BroadcastPlan",

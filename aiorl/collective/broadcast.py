@@ -13,7 +13,7 @@ strictly in number order (an *in-order pump* per set): the source's sends and a 
 landing of number k start after number k-1's, which keeps CUDA collectives issued in the same
 order on every member.
 
-**Where bytes go** (`aiorl.collective.plan.relay_tree`). The object is encoded once, on
+**Where bytes go** (`aiorl.collective.broadcast_plan.relay_tree`). The object is encoded once, on
 the source's calling thread, with the point-to-point codec (``aiorl.p2p.message``). Large CPU
 buffers for members on the source's node are written once into one shared segment; each such
 member maps it copy-on-write (``MAP_PRIVATE``): it reads the source's pages without copying,
@@ -43,12 +43,12 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, cast
 
+from aiorl.collective.broadcast_plan import BroadcastPlan, plan_broadcast
 from aiorl.collective.broadcast_tree import TreeSender
 from aiorl.collective.members import MemberWatch
 from aiorl.collective.nccl_broadcast import CudaBroadcast
 from aiorl.collective.oneway import read_oneway
 from aiorl.collective.payload import SharedSegments, take_frames
-from aiorl.collective.plan import BroadcastPlan, plan_broadcast
 from aiorl.collective.rounds import MemberSet, Round, member_gone
 from aiorl.errors import PeerLostError, ProtocolError
 from aiorl.names import WorkerAddress

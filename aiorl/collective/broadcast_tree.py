@@ -1,4 +1,4 @@
-"""Sending a broadcast down its relay tree (`aiorl.collective.plan.relay_tree`).
+"""Sending a broadcast down its relay tree (`aiorl.collective.broadcast_plan.relay_tree`).
 
 The source sends the members of its node one small message each, its buffers written once
 into a shared segment they all map (frames when shared memory is unavailable), and each
@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from aiorl.collective.broadcast_plan import BroadcastPlan, relay_tree
 from aiorl.collective.members import MemberWatch
 from aiorl.collective.nccl_broadcast import CudaBroadcast
 from aiorl.collective.payload import SharedSegments, chunks
-from aiorl.collective.plan import BroadcastPlan, relay_tree
 from aiorl.p2p.message import InMessage, OutMessage
 from aiorl.p2p.settings import SHM_MIN
 from aiorl.protocol.broadcast import BroadcastData, Buffers, FramedBuffers

@@ -46,7 +46,7 @@ from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.util.cuda_device import selected_device
 
 if TYPE_CHECKING:
-    from aiorl.collective.plan import BroadcastPlan
+    from aiorl.collective.broadcast_plan import BroadcastPlan
 
 __all__ = ["CudaBroadcast", "NcclCommunicator"]
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from aiorl.errors import PeerLostError
 
 if TYPE_CHECKING:
-    from aiorl.collective.plan import BroadcastPlan
+    from aiorl.collective.broadcast_plan import BroadcastPlan
     from aiorl.p2p.message import InMessage, OutMessage
     from aiorl.protocol.broadcast import BroadcastData
     from aiorl.runtime import AsyncWork

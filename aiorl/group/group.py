@@ -13,7 +13,7 @@ later calls with [`PeerLostError`][aiorl.PeerLostError] naming the rank, its
 exit code and its last output lines. The first error of a fan-out call is the
 call's error. ``launch(restart="on_failure")`` starts a dead rank again (calls
 made meanwhile wait for it); ``fate="group"`` stops every rank when one dies;
-``group.events()`` tells the driver (`aiorl.group.events`).
+``group.events()`` tells the driver (`aiorl.group.group_events`).
 
 Membership: ``add_ranks`` and ``remove_ranks`` start a new epoch and return a
 view of its members; a view (and every call made through it) keeps the ranks of
@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from aiorl.group.events import GroupEvent, GroupEvents
+from aiorl.group.group_events import GroupEvent, GroupEvents
 from aiorl.group.launch import ship_class
 from aiorl.group.method_names import check_method_names
 from aiorl.group.per_rank import check_per_rank

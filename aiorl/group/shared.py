@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiorl.errors import ClusterClosedError, PeerLostError, WorkerInitError
 from aiorl.group.calls import CallDispatch
-from aiorl.group.events import EventKind
+from aiorl.group.group_events import EventKind
 from aiorl.group.launch import Launcher
 from aiorl.group.state import GroupState, RankSlot
 from aiorl.group.supervision import Restarts, Supervision

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiorl.errors import PeerLostError
-from aiorl.group.events import EventKind, EventLog, GroupEvent, GroupEvents
+from aiorl.group.group_events import EventKind, EventLog, GroupEvent, GroupEvents
 from aiorl.protocol.spawn import WorkerLaunch
 from aiorl.runtime import AsyncWork, Runtime, Session
 from aiorl.runtime.promise import reject, resolve

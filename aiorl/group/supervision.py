@@ -5,7 +5,7 @@ backoff=..., fate=..., on_restart=...)``; `Restarts` applies it on the runtime l
 the registry reports a rank dead: nothing more, a new process for the rank after a backoff
 (same name and rank, the next incarnation; calls made meanwhile wait for it), or, with
 ``fate="group"``, the end (or a restart) of every rank. What the driver hears of it is a
-[`GroupEvent`][aiorl.GroupEvent] (`aiorl.group.events`).
+[`GroupEvent`][aiorl.GroupEvent] (`aiorl.group.group_events`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from aiorl.errors import PeerLostError
 from aiorl.group.calls import CallDispatch
-from aiorl.group.events import EventKind, GroupEvent
+from aiorl.group.group_events import EventKind, GroupEvent
 from aiorl.group.launch import Launcher
 from aiorl.group.state import GroupState, RankSlot
 

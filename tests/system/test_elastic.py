@@ -10,7 +10,7 @@ import time
 import pytest
 
 import aiorl
-from aiorl.group.events import EventKind
+from aiorl.group.group_events import EventKind
 from tests._processes import gone_within
 
 pytestmark = pytest.mark.timeout(90)

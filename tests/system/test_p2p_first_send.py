@@ -33,7 +33,7 @@ import pytest
 import torch
 
 import aiorl
-from aiorl.group.events import EventKind
+from aiorl.group.group_events import EventKind
 from aiorl.p2p import get_p2p
 from aiorl.placement import NodePlacementStrategy
 

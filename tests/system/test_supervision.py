@@ -13,7 +13,7 @@ import time
 import pytest
 
 import aiorl
-from aiorl.group.events import EventKind, GroupEvent, GroupEvents
+from aiorl.group.group_events import EventKind, GroupEvent, GroupEvents
 from aiorl.runtime.runtime import Runtime
 from tests._processes import gone_within
 
