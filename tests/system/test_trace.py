@@ -100,13 +100,17 @@ def test_clock_offset_estimate_and_correction():
 def test_recording_cost_is_bounded(tracing):
     """Opening and closing a span (the hooks' work) costs a few Python calls, whatever the
     buffer holds: a regression guard with room for a loaded 2-core box; the budget itself
-    (≤ 2 µs per span) is measured by benchmarks/bench_trace.py."""
-    n = 20_000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        recorder.begin("call", "step", "g:0").end()
-    per_span = (time.perf_counter() - t0) / n
-    recorder.drain()
+    (≤ 2 µs per span) is measured by benchmarks/bench_trace.py. Timed by this thread's CPU
+    time, best of five rounds: a loaded machine delays the thread, it does not make the
+    recording cost more."""
+    n, rounds = 4_000, []
+    for _ in range(5):
+        t0 = time.thread_time()
+        for _ in range(n):
+            recorder.begin("call", "step", "g:0").end()
+        rounds.append((time.thread_time() - t0) / n)
+        recorder.drain()
+    per_span = min(rounds)
     assert per_span < 10e-6, f"{per_span * 1e6:.2f} µs per span"
 
 
