@@ -493,13 +493,13 @@ def test_other_node_uses_no_shared_memory(group: Any) -> None:
 
 
 def test_segment_pool_limit_and_reuse() -> None:
-    from aiorl.transport import _shm
+    from aiorl.transport import shared_memory
 
-    pool = _shm.SegmentPool(max_bytes=6 << 20)
+    pool = shared_memory.SegmentPool(max_bytes=6 << 20)
     a, ev = pool.acquire(3 << 20)  # 4 MiB class
     assert a.size == 4 << 20 and ev == []
     b, _ = pool.acquire(100)  # 1 MiB class
-    with pytest.raises(_shm.PoolFull):
+    with pytest.raises(shared_memory.PoolFull):
         pool.acquire(2 << 20)  # 4 + 1 + 2 > 6 and nothing is free
     pool.release(b.seg_id)
     c, ev = pool.acquire(1000)
