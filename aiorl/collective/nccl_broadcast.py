@@ -25,6 +25,7 @@ import datetime
 import hashlib
 import importlib
 import logging
+import math
 import pickle
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -244,7 +245,7 @@ class CudaBroadcast:
         followers, specs = desc.followers, desc.specs
         device = selected_device()
         fut: asyncio.Future[None] = self.host.loop.create_future()
-        if all(not _numel(shape) for _dt, shape in specs):
+        if all(not math.prod(shape) for _dt, shape in specs):
             import torch
 
             inc.cuda = [torch.empty(shape, dtype=dtype_of(dt), device=device)
@@ -365,13 +366,6 @@ class CudaBroadcast:
         self._ipc.clear()
         if self._copier is not None:
             self._copier.close()
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _ipc_copy(work_thread: CudaWorkThread, handles: bytes, inc: InMessage, specs: Sequence[Any],

@@ -1,9 +1,8 @@
 """Many tensors copied, or allocated, as one: what a state dict of 1,000 tensors costs.
 
 A trainer's state dict is hundreds to thousands of tensors. Handled one at a time, each
-costs several Python-level torch calls and a kernel launch: 5-15 us apiece on the GPU
-machines measured, so for 1,000 tensors more than the copy of 1 GB itself (0.5 ms on an
-H200). So everything per tensor is done once per *layout* (the dtypes and shapes, and
+costs several Python-level torch calls and a kernel launch, microseconds apiece (docs/gpu.md
+has the figures), so for 1,000 tensors more than a GPU's copy of 1 GB itself. So everything per tensor is done once per *layout* (the dtypes and shapes, and
 where each tensor lies) and kept; per message or per version only a few calls remain:
 
 * `copy_grouped` copies a list of pairs with one ``torch._foreach_copy_`` per dtype

@@ -70,9 +70,9 @@ def blocking_event() -> Any:
 
 #: How long a thread may poll a just-recorded event (``query()``, ~0.3 us) before it hands
 #: the event to a waiter thread. A small copy is done within a few microseconds, and a
-#: hand-off to a thread and back to the loop costs far more than the poll: on an H100 machine
-#: a thread hand-off measured 19 us and every blocking system call ~50 us
-#: (`benchmarks/profile_gpu_messages.py`, docs/gpu.md). The loop polls at most `LOOP_SPIN_S`
+#: hand-off to a thread and back to the loop costs far more than the poll: tens of
+#: microseconds for a hand-off or a blocking system call on the GPU machines measured
+#: (`benchmarks/profile_gpu_messages.py` prints them; docs/gpu.md). The loop polls at most `LOOP_SPIN_S`
 #: (it serves everyone else meanwhile); a `CudaWorkThread`, which serves only its transfers,
 #: `WORK_THREAD_SPIN_S`. ``AIORL_CUDA_LOOP_SPIN_US`` and ``AIORL_CUDA_LANE_SPIN_US`` override
 #: them, in microseconds.

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["allocate", "flat_u8", "reinterpret"]
+__all__ = ["allocate", "flat_u8", "reinterpret", "typed_view"]
 
 
 def reinterpret(src: Any, like: Any) -> Any:
@@ -16,6 +16,12 @@ def reinterpret(src: Any, like: Any) -> Any:
     if src.dtype == like.dtype:
         return src.reshape(like.shape)
     return flat_u8(src).view(like.dtype).reshape(like.shape)
+
+
+def typed_view(flat: Any, offset: int, nbytes: int, dtype: Any, shape: Sequence[int]) -> Any:
+    """``nbytes`` of the flat uint8 tensor ``flat`` from ``offset``, as a tensor of ``dtype``
+    and ``shape`` (no copy)."""
+    return flat[offset : offset + nbytes].view(dtype).view(tuple(shape))
 
 
 def flat_u8(t: Any) -> Any:

@@ -25,6 +25,7 @@ from typing import Any
 
 from aiorl.cuda.bulk_copy import copy_grouped, dtype_groups
 from aiorl.cuda.devices import device_uuid
+from aiorl.cuda.tensors import typed_view
 from aiorl.p2p.message import dtype_of
 from aiorl.protocol.weights import CudaExport, Layout, TensorSpec
 
@@ -175,5 +176,4 @@ class GpuSlot:
 
 def typed_places(slot: Any, specs: list[TensorSpec]) -> list[Any]:
     """Each tensor's place in a slot (flat uint8), as a view of its dtype and shape."""
-    return [slot[s.offset : s.offset + s.nbytes].view(dtype_of(s.dtype)).view(tuple(s.shape))
-            for s in specs]
+    return [typed_view(slot, s.offset, s.nbytes, dtype_of(s.dtype), s.shape) for s in specs]

@@ -132,8 +132,8 @@ def stage(msg: OutMessage, limit: int | None = None) -> bool:
     waited: set[int] = set()
     offset = 0
     # One stream context per tensor and nothing more: it selects the stream's device too, and
-    # each context or device guard costs tens of microseconds of driver calls on a
-    # sandboxed machine (docs/gpu.md, the H100 profile), more than the copy itself.
+    # each context or device guard can cost tens of microseconds of driver calls
+    # (docs/gpu.md), more than the copy itself.
     last = len(live) - 1
     for i, t in enumerate(live):
         device = t.device.index

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -54,7 +55,7 @@ from aiorl.cuda.bulk_copy import FLAT_MIN_TENSORS, FlatLayout, copy_grouped
 from aiorl.cuda.byte_window import ByteWindow
 from aiorl.cuda.devices import device_uuid, host_identity, local_cuda_info
 from aiorl.cuda.events import blocking_event, wait_events
-from aiorl.cuda.tensors import allocate, flat_u8
+from aiorl.cuda.tensors import allocate, flat_u8, typed_view
 from aiorl.cuda.untyped_torch import untyped
 from aiorl.cuda.work_thread import CudaWorkThread
 from aiorl.errors import PeerLostError, ProtocolError
@@ -226,7 +227,7 @@ class ManyPlan:
     def __init__(self, specs: Sequence[tuple[Any, Sequence[int]]], sources: list[Any],
                  share_ids: set[int]) -> None:
         self.layout = FlatLayout(specs)
-        self.live = [i for i, (_, shape) in enumerate(specs) if _numel(shape)]
+        self.live = [i for i, (_, shape) in enumerate(specs) if math.prod(shape)]
         self.sources = sources
         self.share_ids = share_ids
         position = {i: k for k, i in enumerate(self.live)}
@@ -241,13 +242,6 @@ class ManyPlan:
         live = [targets[i] for i in self.live]
         copy_grouped(live, self.sources, self.groups)
         return targets
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 @dataclass
@@ -580,12 +574,12 @@ class IpcRecv(RecvPathBase):
             self._plans.move_to_end(key)
             return plan
         specs = [(dtype_of(d), s) for d, s in job.specs]
-        live_specs = [spec for spec in specs if _numel(spec[1])]
+        live_specs = [spec for spec in specs if math.prod(spec[1])]
         sources = []
         for (share_id, args, offset, n), (dtype, shape) in zip(job.parts, live_specs,
                                                                strict=True):
             whole = self._open(share_id, args, job.ipc_device)
-            sources.append(whole[offset : offset + n].view(dtype).view(tuple(shape)))
+            sources.append(typed_view(whole, offset, n, dtype, shape))
         plan = self._plans[key] = ManyPlan(specs, sources, {p[0] for p in job.parts})
         while len(self._plans) > PLANS_PER_PEER:
             self._plans.popitem(last=False)
