@@ -198,7 +198,7 @@ class Endpoint:
         self._lanes: dict[bytes, LaneConnection] = {}
         #: Answers for clients whose lane broke, until they are back by ZMQ.
         self._parked = ParkedAnswers(name, self.loop, verdict_wait)
-        self._handlers[RESUME] = _resumed  # what is held leaves on arrival (_on_router_message)
+        self._handlers[RESUME] = self._resumed
         self._lane_listener: LaneListener | None = None
         if lane and lane_path(self.address) is not None:
             try:
@@ -347,6 +347,21 @@ class Endpoint:
         self._parked.expect(identity)
         for parts in unsent:
             self._send_parked(identity, parts)
+
+    def _resumed(self, msg: Incoming) -> None:
+        """`RESUME`: a client whose lane broke is back by ZMQ (what was held for it left on
+        arrival, in `_on_router_message`). Its lane is over even where we have not read its
+        end yet (a loaded loop reads the ROUTER first): it is ended now, so that the answers
+        to what the client sends from here on go back the way it came, and what never left
+        on the lane follows by ZMQ. (An answer sent on that lane could be lost with it, and
+        a request sent after the break has no verdict to end it: it waits for its answer.)"""
+        if msg.lane is not None:
+            return
+        lane = self._lanes.get(msg.identity)
+        if lane is not None:
+            lane.end("its client came back by ZMQ")
+            for parts in self._parked.take(msg.identity):  # it is back: nothing to hold
+                self._send_parked(msg.identity, parts)
 
     def _send_parked(self, identity: bytes, parts: Sequence[Any]) -> None:
         """Send a message held for (or not yet sent to) ``identity`` through the ROUTER, or
@@ -600,10 +615,6 @@ def _contents(kind: int, meta: Any, payload: list[Any]) -> list[list[Any]]:
 
 def _never() -> bool:
     return False
-
-
-def _resumed(msg: Incoming) -> None:
-    """`RESUME`: a client whose lane broke is back (what was held for it left already)."""
 
 
 def _refuse_plain_over_tcp(keys: ClusterKeys | None, action: str) -> None:

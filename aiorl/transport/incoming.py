@@ -70,4 +70,4 @@ class Incoming:
             return
         self._answered = True
         self.endpoint._send_router(self.identity, _ERROR, self.request_id, self.op,
-                                   to_wire(exc, **extra), ())
+                                   to_wire(exc, **extra), (), self.lane)

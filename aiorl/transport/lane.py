@@ -27,7 +27,10 @@ answers leave while a burst of calls is still being read.
 
 A lane is a `aiorl.transport.connection.Connection` and keeps its contract: a send on a
 closed lane raises `ConnectionClosed`; a lane that ends or breaks by itself tells its owner
-once (``on_broken(reason, unsent)``, with the messages this turn held, which never left);
+once (``on_broken(reason, unsent)``, with the messages that never left: those whose write
+failed before a byte of them left, from any thread, then what this turn held; what waited
+for a full socket goes with it, as a ZMQ pipe's does, and its requests end as any that may
+have reached the peer);
 a reader that raises closes its lane and is never run again; a read buffer grows with what
 has arrived, not with what a head announces, and is given back when the lane closes.
 
@@ -202,7 +205,8 @@ class LaneConnection:
     __slots__ = ("sock", "loop", "on_message", "on_broken", "lock", "closed", "_fd", "_out",
                  "_queued", "_writing", "_clock", "_turn", "_held", "_buf", "_view", "_start",
                  "_end", "_need", "_reading", "_parse_scheduled", "_expect_hello",
-                 "peer_identity", "max_queued", "_expect_answer", "_greeting", "on_refused")
+                 "peer_identity", "max_queued", "_expect_answer", "_greeting", "on_refused",
+                 "_unsent")
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop,
                  on_message: Callable[[list[Any]], None],
@@ -224,6 +228,11 @@ class LaneConnection:
         self._clock = turn_clock_of(loop)
         self._turn = 0  # the last turn in which a message left at once (`aiorl.util.batching.TurnClock`)
         self._held: list[Sequence[Any]] = []  # this turn's later messages, until it ends
+        #: Messages whose write failed before a byte of them left, until `_broken` hands
+        #: them to the owner. Under the lock, with ``closed``: a thread's write that fails
+        #: while the loop is already telling the owner of the break (the peer's end was read)
+        #: lands here before that news leaves, or finds the lane closed and raises.
+        self._unsent: list[Sequence[Any]] = []
         self._buf = bytearray(_READ_CHUNK)
         #: A view of ``_buf`` kept for reads and frame copies (replaced with the buffer).
         self._view = memoryview(self._buf)
@@ -308,7 +317,9 @@ class LaneConnection:
                     pass
                 if sent == len(data):
                     return
-            self._emit([memoryview(data)[sent:] if sent else data], 1, True)
+            # Unsent if it breaks, unless part of it left already.
+            self._emit([memoryview(data)[sent:] if sent else data], 1, True,
+                       None if sent else [[frame]])
 
     def send_hello(self, hello: bytes) -> bool:
         """A client's first bytes (`aiorl.transport.lane_setup.connect_lane`): False when the
@@ -339,7 +350,6 @@ class LaneConnection:
         now, or queue what the socket does not take yet behind what waits already (any
         thread: under the lock)."""
         broke: OSError | None = None
-        unsent: list[Sequence[Any]] = []
         with self.lock:
             if self.closed:
                 raise ConnectionClosed("the lane is closed")
@@ -355,14 +365,14 @@ class LaneConnection:
                     self.closed = True
                 except OSError as exc:  # not a byte of it left: the owner sends it again
                     broke = exc
-                    unsent = parts or []
+                    self._unsent.extend(parts or ())
                     self.closed = True
                 else:
                     if not left:  # all sent: most sends end here
                         return
                     self._queue(left, messages)
         if broke is not None:
-            self._broken(from_thread, f"a write failed: {broke.strerror or broke}", unsent)
+            self._broken(from_thread, f"a write failed: {broke.strerror or broke}")
             return
         if self._out and not self._writing:
             if from_thread:
@@ -625,12 +635,18 @@ class LaneConnection:
         if refused is not None:
             refused(_REFUSALS.get(answer, f"it answered our hello with {answer}"))
 
-    def _broken(self, from_thread: bool, reason: str,
-                unsent: list[Sequence[Any]] | None = None) -> None:
-        """The stream ended or broke: close it, and tell the owner once, with ``unsent`` and
-        what this turn held (none of it left)."""
+    def end(self, reason: str) -> None:
+        """The peer gave this lane up, and its owner heard so another way before the end of
+        the stream was read (a client that came back by ZMQ): end it now, as if it broke by
+        itself, so that nothing more is sent on it. Loop thread."""
+        if self._fd >= 0:
+            self._broken(False, reason)
+
+    def _broken(self, from_thread: bool, reason: str) -> None:
+        """The stream ended or broke: close it, and tell the owner once, with what never left
+        (failed writes, then what this turn held)."""
         if from_thread:
-            self.loop.call_soon_threadsafe(self._broken, False, reason, unsent)
+            self.loop.call_soon_threadsafe(self._broken, False, reason)
             return
         if self._expect_answer and self._fd >= 0:
             # A client's write can fail (EPIPE) before its loop read the server's answer to
@@ -642,11 +658,14 @@ class LaneConnection:
             if answer and answer[0] != ADMITTED:
                 self._refused(answer[0])
                 return
+        with self.lock:  # from here a thread's write raises ConnectionClosed
+            self.closed = True
+            unsent, self._unsent = self._unsent, []
         callback, self.on_broken = self.on_broken, None
         held, self._held = self._held, []
         self.close()
         if callback is not None:
-            callback(reason, [*(unsent or ()), *held])
+            callback(reason, [*unsent, *held])
 
     def close(self) -> None:
         """Close the stream; what was sent this turn leaves first (as far as it can now),

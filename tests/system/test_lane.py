@@ -115,6 +115,62 @@ def test_large_frames_and_answers_from_another_thread(tmp_path: Path) -> None:
     _run(tmp_path, body)
 
 
+@pytest.mark.parametrize("send", ["send_from_thread", "send_frame_from_thread"])
+def test_a_threads_failed_write_reaches_the_owner_even_when_the_end_was_read_first(
+        send: str) -> None:
+    """A method thread's answer whose write fails before a byte of it left is handed to the
+    owner with the news of the break (to go by ZMQ), also when the loop reads the stream's
+    end before the thread's own news of the failure is run: the order a busy loop takes."""
+    async def main() -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.setblocking(False)
+        told: list[tuple[str, list[Any]]] = []
+        conn = LaneConnection(ours, asyncio.get_running_loop(), lambda frames: None,
+                              lambda reason, unsent: told.append((reason, unsent)))
+        theirs.sendall(bytes([lane_module.ADMITTED]))  # the server's answer to our hello...
+        theirs.close()  # ...and it is gone
+        if send == "send_from_thread":
+            thread = threading.Thread(target=conn.send_from_thread, args=([b"answer"],))
+        else:
+            thread = threading.Thread(target=conn.send_frame_from_thread, args=(b"answer",))
+        thread.start()
+        thread.join()  # the write failed (EPIPE); its news waits for the loop
+        conn._on_readable()  # what the loop runs first: the server's answer...
+        conn._on_readable()  # ...then the stream's end
+        for _ in range(3):
+            await asyncio.sleep(0)  # the thread's news runs: the owner was told already
+        assert [(reason, [list(m) for m in unsent]) for reason, unsent in told] == [
+            ("the peer closed it", [[b"answer"]])]
+        assert conn.closed
+
+    asyncio.run(main())
+
+
+def test_a_client_back_by_zmq_is_answered_by_zmq_before_its_lanes_end_is_read(
+        tmp_path: Path) -> None:
+    """A client whose lane broke comes back through the ROUTER (RESUME first). A server whose
+    loop has not read the lane's end yet ends that lane when RESUME arrives: the answers to
+    what the client sends next go back by ZMQ, from a method thread too, and never onto the
+    lane, where they could be lost with nothing left to end the client's wait for them."""
+    async def body(server: Endpoint, client: Endpoint, keys: ClusterKeys, host: str) -> None:
+        def where(msg: Incoming) -> None:  # answers from a thread, as a method thread does
+            state = {"by_lane": msg.lane is not None, "lane_held": msg.identity in server._lanes}
+            threading.Thread(target=msg.reply, args=(state,)).start()
+
+        server.handle("where", where)
+        assert (await client.request(server.address, "where", timeout=10))[0] == {
+            "by_lane": True, "lane_held": True}
+        old = server._lanes[client.identity]
+        old._pause_reading()  # a loop that has not read the lane's end yet
+        client._peers[server.address].connection.sock.shutdown(socket.SHUT_RDWR)
+        for _ in range(3):
+            meta, _ = await client.request(server.address, "where", timeout=20)
+            assert meta == {"by_lane": False, "lane_held": False}
+        assert old.closed and client.connection_kind(server.address) == "zmq"
+
+    _run(tmp_path, body)
+
+
 def test_calls_to_many_lanes_in_one_turn_keep_each_lanes_order(tmp_path: Path) -> None:
     """One loop turn sends to several lanes (as a group call does): each lane's first
     message leaves at once and the rest at the turn's end (or every `_MAX_HELD`), all
