@@ -378,8 +378,10 @@ def test_a_call_nobody_waited_on_is_quiet_when_its_cluster_closes(tmp_path) -> N
 
 
 _INTERRUPTED = textwrap.dedent("""\
-    import time
+    import faulthandler, signal, time
     import aiorl
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view when stuck
 
     class Idle(aiorl.Worker):
         def ping(self):
@@ -410,7 +412,15 @@ def test_ctrl_c_in_a_terminal_reaches_the_driver_alone(tmp_path) -> None:
         assert driver.stdout is not None
         assert driver.stdout.readline().strip() == "ready"
         os.killpg(driver.pid, signal.SIGINT)  # what the terminal does
-        out, err = driver.communicate(timeout=60)
+        try:
+            out, err = driver.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            driver.send_signal(signal.SIGUSR1)  # every thread's stack, then the failure
+            time.sleep(2)
+            driver.kill()
+            out, err = driver.communicate()
+            raise AssertionError(f"the driver did not stop within 60 s of Ctrl-C; its "
+                                 f"stdout:\n{out}\nits threads:\n{err}") from None
     finally:
         if driver.poll() is None:
             driver.kill()
