@@ -27,10 +27,9 @@ answers leave while a burst of calls is still being read.
 
 A lane is a `aiorl.transport.connection.Connection` and keeps its contract: a send on a
 closed lane raises `ConnectionClosed`; a lane that ends or breaks by itself tells its owner
-once (``on_broken(reason, unsent)``, with the messages that never left: those whose write
-failed before a byte of them left, from any thread, then what this turn held; what waited
-for a full socket goes with it, as a ZMQ pipe's does, and its requests end as any that may
-have reached the peer);
+once (``on_broken(reason, unsent)``, with every message not a byte of which left, in order:
+those queued for a full socket, those whose write failed, from any thread, then what this
+turn held; a message cut short may have reached the peer and is not among them);
 a reader that raises closes its lane and is never run again; a read buffer grows with what
 has arrived, not with what a head announces, and is given back when the lane closes.
 
@@ -125,11 +124,13 @@ def _as_bytes_view(part: Any) -> memoryview:
 
 
 class _PartlySent(OSError):
-    """A write failed after some of its bytes left: what was in it may have reached the peer."""
+    """A write failed after some of its bytes left: what was in it may have reached the peer;
+    ``rest`` is what had not left (the messages wholly in it never did)."""
 
-    def __init__(self, error: OSError) -> None:
+    def __init__(self, error: OSError, rest: list[bytes | memoryview]) -> None:
         super().__init__(error.errno, error.strerror)
         self.error = error
+        self.rest = rest
 
 
 def _framed(messages: list[Sequence[Any]], answer: int | None) -> list[bytes | memoryview]:
@@ -183,7 +184,7 @@ def _send_buffers(sock: socket.socket,
         except OSError as exc:
             if first:
                 raise
-            raise _PartlySent(exc) from exc
+            raise _PartlySent(exc, buffers) from exc
         first = False
         for i, view in enumerate(chunk):
             if sent < len(view):
@@ -193,6 +194,44 @@ def _send_buffers(sock: socket.socket,
             sent -= len(view)
         buffers = buffers[len(chunk):]
     return buffers
+
+
+def _framed_size(parts: Sequence[Any]) -> int:
+    """The bytes ``parts`` takes on the stream (`_framed`): its head, then its frames."""
+    return 4 + 8 * len(parts) + sum(memoryview(p).nbytes for p in parts)
+
+
+def _sent_of(buffers: list[bytes | memoryview], rest: list[bytes | memoryview]) -> int:
+    """Bytes of ``buffers`` that left, ``rest`` being what `_send_buffers` left of them (a
+    suffix, its first buffer possibly cut)."""
+    done = len(buffers) - len(rest)
+    sent = sum(map(len, buffers[:done]))
+    if rest:
+        sent += len(buffers[done]) - len(rest[0])
+    return sent
+
+
+def _untouched(parts: Sequence[Sequence[Any]], buffers: list[bytes | memoryview],
+               sent: int) -> list[tuple[int, Sequence[Any]]]:
+    """The messages of ``parts`` (framed as ``buffers``, of which the first ``sent`` bytes
+    left) that not a byte of left, each with its offset in ``buffers``' bytes."""
+    sizes = [_framed_size(m) for m in parts]
+    start = sum(map(len, buffers)) - sum(sizes)  # a hello's answer byte comes first
+    out: list[tuple[int, Sequence[Any]]] = []
+    for message, size in zip(parts, sizes, strict=True):
+        if start >= sent:
+            out.append((start - sent, message))
+        start += size
+    return out
+
+
+def _kept(parts: Sequence[Any]) -> Sequence[Any]:
+    """A message kept to be sent again: small frames that are not bytes are copied (their
+    owner may reuse them once the send returned), as `LaneConnection._queue` does."""
+    if all(p.__class__ is bytes for p in parts):
+        return parts
+    return [p if p.__class__ is bytes or memoryview(p).nbytes >= _COPY_BELOW else bytes(p)
+            for p in parts]
 
 
 class LaneConnection:
@@ -206,7 +245,7 @@ class LaneConnection:
                  "_queued", "_writing", "_clock", "_turn", "_held", "_buf", "_view", "_start",
                  "_end", "_need", "_reading", "_parse_scheduled", "_expect_hello",
                  "peer_identity", "max_queued", "_expect_answer", "_greeting", "on_refused",
-                 "_unsent")
+                 "_unsent", "_out_messages", "_out_bytes", "_out_left")
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop,
                  on_message: Callable[[list[Any]], None],
@@ -224,6 +263,12 @@ class LaneConnection:
         #: What waits for the socket to take it, in order (whole buffers, or views of them).
         self._out: collections.deque[bytes | memoryview] = collections.deque()
         self._queued = 0  # messages in _out, for MAX_QUEUED
+        #: The messages in `_out` not a byte of which has left, with where each starts in
+        #: the bytes ever queued (`_out_bytes` of them; `_out_left` have left): a lane that
+        #: breaks hands them to its owner, to go another way.
+        self._out_messages: collections.deque[tuple[int, Sequence[Any]]] = collections.deque()
+        self._out_bytes = 0
+        self._out_left = 0
         self._writing = False  # a writer callback is registered
         self._clock = turn_clock_of(loop)
         self._turn = 0  # the last turn in which a message left at once (`aiorl.util.batching.TurnClock`)
@@ -354,14 +399,18 @@ class LaneConnection:
             if self.closed:
                 raise ConnectionClosed("the lane is closed")
             if self._out:  # earlier messages still wait for the socket: keep the order
-                self._queue(buffers, messages)
+                self._queue(buffers, messages, parts, buffers, 0)
             else:
                 try:
                     left = _send_buffers(self.sock, buffers)
                 except _PartlySent as exc:
-                    # Part of it may have reached the peer: the owner's pending requests wait
-                    # for their answers or a verdict (aiorl.transport.peer); none is sent twice.
+                    # The message cut may have reached the peer: the owner's pending requests
+                    # wait for their answers or a verdict (aiorl.transport.peer); none is sent
+                    # twice. Those after it never left: the owner sends them again.
                     broke = exc.error
+                    if parts:
+                        self._unsent.extend(m for _, m in _untouched(
+                            parts, buffers, _sent_of(buffers, exc.rest)))
                     self.closed = True
                 except OSError as exc:  # not a byte of it left: the owner sends it again
                     broke = exc
@@ -370,7 +419,7 @@ class LaneConnection:
                 else:
                     if not left:  # all sent: most sends end here
                         return
-                    self._queue(left, messages)
+                    self._queue(left, messages, parts, buffers, _sent_of(buffers, left))
         if broke is not None:
             self._broken(from_thread, f"a write failed: {broke.strerror or broke}")
             return
@@ -380,18 +429,34 @@ class LaneConnection:
             else:
                 self._start_writer()
 
-    def _queue(self, buffers: list[bytes | memoryview], messages: int) -> None:
+    def _queue(self, buffers: list[bytes | memoryview], messages: int,
+               parts: list[Sequence[Any]] | None, framed: list[bytes | memoryview],
+               sent: int) -> None:
+        """Queue ``buffers``, what is left of ``framed`` (the framed ``parts``, ``messages``
+        whole messages) once its first ``sent`` bytes left. Under the lock."""
         if self._queued + messages > self.max_queued:
             _refused.warning("lane queue full", "a peer does not read what it is sent on its "
                              "lane (%d messages queued): dropped %d message(s)",
                              self._queued, messages)
             return
+        if parts:
+            base = self._out_bytes
+            self._out_messages.extend((base + at, _kept(m))
+                                      for at, m in _untouched(parts, framed, sent))
         out = self._out
         for view in buffers:
             # bytes cannot change; a small view is copied (its owner may reuse the buffer).
             out.append(view if view.__class__ is bytes or len(view) >= _COPY_BELOW
                        else bytes(view))
+            self._out_bytes += len(view)
         self._queued += messages
+
+    def _left_out(self, sent: int) -> None:
+        """``sent`` more bytes of `_out` left: its messages begun are not sent again."""
+        self._out_left += sent
+        messages = self._out_messages
+        while messages and messages[0][0] < self._out_left:
+            messages.popleft()
 
     def _start_writer(self) -> None:
         if not self._writing and not self.closed:
@@ -402,12 +467,16 @@ class LaneConnection:
         failure: OSError | None = None
         with self.lock:
             out = self._out
+            buffers = list(out)
             try:
-                left = _send_buffers(self.sock, list(out)) if out else []
+                left = _send_buffers(self.sock, buffers) if out else []
             except OSError as exc:
+                if isinstance(exc, _PartlySent):
+                    self._left_out(_sent_of(buffers, exc.rest))
                 failure = exc
                 self.closed = True
             else:
+                self._left_out(_sent_of(buffers, left))
                 out.clear()
                 out.extend(left)
                 if not left:
@@ -660,7 +729,10 @@ class LaneConnection:
                 return
         with self.lock:  # from here a thread's write raises ConnectionClosed
             self.closed = True
-            unsent, self._unsent = self._unsent, []
+            unsent = [m for _, m in self._out_messages]  # queued, not a byte of them left
+            unsent += self._unsent
+            self._unsent = []
+            self._out_messages.clear()
         callback, self.on_broken = self.on_broken, None
         held, self._held = self._held, []
         self.close()
@@ -689,6 +761,9 @@ class LaneConnection:
             self.loop.remove_writer(self._fd)
         self._fd = -1
         self.sock.close()
+        with self.lock:  # what waited for the socket goes with it
+            self._out.clear()
+            self._out_messages.clear()
         self._buf = bytearray()
         self._view = memoryview(self._buf)
         self._start = self._end = self._need = 0

@@ -146,6 +146,60 @@ def test_a_threads_failed_write_reaches_the_owner_even_when_the_end_was_read_fir
     asyncio.run(main())
 
 
+def test_messages_queued_for_a_full_socket_that_never_left_reach_the_owner() -> None:
+    """Messages wait in the lane's queue while the peer does not read. When the peer goes,
+    every queued message not a byte of which left is handed to the owner (to go by ZMQ), in
+    order: what the peer received, at most one message cut short, and those, are all that
+    was sent, once each."""
+    async def main() -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.setblocking(False)
+        told: asyncio.Future[tuple[str, list[Any]]] = asyncio.get_running_loop().create_future()
+        conn = LaneConnection(ours, asyncio.get_running_loop(), lambda frames: None,
+                              lambda reason, unsent: told.set_result((reason, unsent)))
+        theirs.sendall(bytes([lane_module.ADMITTED]))
+        sizes = [100, 70_000, 3, 200_000, 5_000]  # small ones copied, large ones referenced
+        sent = 0
+        while not conn._out or sent < 40:  # until the socket is full, and more after that
+            payload = bytearray(sizes[sent % len(sizes)])
+            payload[:4] = struct.pack("<I", sent)[:len(payload)]
+            conn.send_direct([b"%06d" % sent, memoryview(payload)])
+            if len(payload) < lane_module._COPY_BELOW:  # larger ones are referenced, as ZMQ does
+                payload[:4] = b"XXXX"  # the caller may reuse a small buffer once send returned
+            sent += 1
+        theirs.setblocking(False)
+        stream = bytearray()
+        while True:
+            try:
+                chunk = theirs.recv(1 << 20)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            stream += chunk
+        theirs.close()  # the peer goes with the rest unread
+        reason, unsent = await asyncio.wait_for(told, 20)
+        received, pos = [], 0
+        while len(stream) - pos >= 4:
+            (count,) = struct.unpack_from("<I", stream, pos)
+            lengths = struct.unpack_from(f"<{count}Q", stream, pos + 4)
+            end = pos + 4 + 8 * count + sum(lengths)
+            if end > len(stream):
+                break  # the message cut short
+            received.append(int(stream[pos + 4 + 8 * count:][:lengths[0]]))
+            pos = end
+        cut = pos < len(stream)
+        again = [int(bytes(m[0])) for m in unsent]
+        assert received == list(range(len(received)))
+        assert again == list(range(len(received) + cut, sent)) and again, (reason, cut)
+        for m in unsent:  # whole, and as they were when sent
+            n = int(bytes(m[0]))
+            assert len(m[1]) == sizes[n % len(sizes)]
+            assert bytes(m[1][:4]) == struct.pack("<I", n)[:len(m[1])]
+
+    asyncio.run(main())
+
+
 def test_a_client_back_by_zmq_is_answered_by_zmq_before_its_lanes_end_is_read(
         tmp_path: Path) -> None:
     """A client whose lane broke comes back through the ROUTER (RESUME first). A server whose
