@@ -40,7 +40,6 @@ answer) writes under the lane's lock.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import socket
 import struct
@@ -49,6 +48,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiorl.transport.connection import Broken, ConnectionClosed
+from aiorl.transport.lane_queue import (
+    COPY_BELOW,
+    MAX_QUEUED,
+    OutQueue,
+    PartlySent,
+    send_buffers,
+    sent_of,
+    untouched,
+)
 from aiorl.util.batching import turn_clock_of
 from aiorl.util.ratelimit import RateLimitedLog
 
@@ -86,11 +94,6 @@ _GROWTH = 4
 _DISPATCH_BATCH = 64
 #: Messages one turn holds for a lane before they leave anyway.
 _MAX_HELD = 64
-#: Buffers per ``sendmsg`` (Linux allows 1,024).
-_MAX_IOV = 512
-#: Frames below this are copied when they must wait for the socket (a caller may reuse its
-#: buffer once `send` returned); larger ones are referenced, as ZMQ does.
-_COPY_BELOW = 64 * 1024
 #: A lane's read buffer to start with, grown for a large message and given back after it:
 #: a driver holds a lane per worker of its machine, and a worker one per caller, so this is
 #: paid hundreds of times (256 KiB each would be 64 MiB in a driver of 256 workers).
@@ -99,9 +102,6 @@ _READ_CHUNK = 16 * 1024
 _MIN_ROOM = _READ_CHUNK // 4
 #: A buffer larger than this (grown for a large message) is given back once empty.
 _KEEP_BUFFER = 4 * _READ_CHUNK
-#: Messages a server holds for a client that does not read its answers before it drops
-#: more (what ZMQ's ROUTER high-water mark does on the other path).
-MAX_QUEUED = 100_000
 
 
 #: Layouts by frame count, made once for the counts messages have (a large count's is made
@@ -123,16 +123,6 @@ def _as_bytes_view(part: Any) -> memoryview:
     return view
 
 
-class _PartlySent(OSError):
-    """A write failed after some of its bytes left: what was in it may have reached the peer;
-    ``rest`` is what had not left (the messages wholly in it never did)."""
-
-    def __init__(self, error: OSError, rest: list[bytes | memoryview]) -> None:
-        super().__init__(error.errno, error.strerror)
-        self.error = error
-        self.rest = rest
-
-
 def _framed(messages: list[Sequence[Any]], answer: int | None) -> list[bytes | memoryview]:
     """``messages`` as the lane's stream: ``<u32 count> <u64 length>... <frames>`` each (after
     ``answer``'s byte, a server's answer to a hello). A message of small bytes frames (a
@@ -143,95 +133,23 @@ def _framed(messages: list[Sequence[Any]], answer: int | None) -> list[bytes | m
         count = len(parts)
         if count == 1:  # a header alone (a call without arguments, an empty answer)
             only = parts[0]
-            if only.__class__ is bytes and len(only) < _COPY_BELOW:
+            if only.__class__ is bytes and len(only) < COPY_BELOW:
                 buffers.append(_ONE_FRAME.pack(1, len(only)) + only)
                 continue
         size = 0
         for part in parts:
             if part.__class__ is not bytes:
-                size = _COPY_BELOW
+                size = COPY_BELOW
                 break
             size += len(part)
         head = _HEADS[count] if count <= _CACHED_COUNTS else _heads(count)
-        if size < _COPY_BELOW:
+        if size < COPY_BELOW:
             buffers.append(b"".join([head.pack(count, *map(len, parts)), *parts]))
         else:
             views = list(map(_as_bytes_view, parts))
             buffers.append(head.pack(count, *map(len, views)))
             buffers.extend(views)
     return buffers
-
-
-def _send_buffers(sock: socket.socket,
-                  buffers: list[bytes | memoryview]) -> list[bytes | memoryview]:
-    """Send as much of ``buffers`` as ``sock`` takes now; return the rest. An error before a
-    byte left is raised as it is; one after some left, as `_PartlySent`. (Every view is
-    one-dimensional bytes: its ``len`` is its size.)"""
-    if len(buffers) == 1:  # one message of small frames: most sends
-        only = buffers[0]
-        try:
-            sent = sock.send(only)
-        except (BlockingIOError, InterruptedError):
-            return buffers
-        return [] if sent == len(only) else [memoryview(only)[sent:]]
-    first = True
-    while buffers:
-        chunk = buffers[:_MAX_IOV]
-        try:
-            sent = sock.sendmsg(chunk)
-        except (BlockingIOError, InterruptedError):
-            return buffers
-        except OSError as exc:
-            if first:
-                raise
-            raise _PartlySent(exc, buffers) from exc
-        first = False
-        for i, view in enumerate(chunk):
-            if sent < len(view):
-                rest = buffers[i:]
-                rest[0] = memoryview(view)[sent:]
-                return rest
-            sent -= len(view)
-        buffers = buffers[len(chunk):]
-    return buffers
-
-
-def _framed_size(parts: Sequence[Any]) -> int:
-    """The bytes ``parts`` takes on the stream (`_framed`): its head, then its frames."""
-    return 4 + 8 * len(parts) + sum(memoryview(p).nbytes for p in parts)
-
-
-def _sent_of(buffers: list[bytes | memoryview], rest: list[bytes | memoryview]) -> int:
-    """Bytes of ``buffers`` that left, ``rest`` being what `_send_buffers` left of them (a
-    suffix, its first buffer possibly cut)."""
-    done = len(buffers) - len(rest)
-    sent = sum(map(len, buffers[:done]))
-    if rest:
-        sent += len(buffers[done]) - len(rest[0])
-    return sent
-
-
-def _untouched(parts: Sequence[Sequence[Any]], buffers: list[bytes | memoryview],
-               sent: int) -> list[tuple[int, Sequence[Any]]]:
-    """The messages of ``parts`` (framed as ``buffers``, of which the first ``sent`` bytes
-    left) that not a byte of left, each with its offset in ``buffers``' bytes."""
-    sizes = [_framed_size(m) for m in parts]
-    start = sum(map(len, buffers)) - sum(sizes)  # a hello's answer byte comes first
-    out: list[tuple[int, Sequence[Any]]] = []
-    for message, size in zip(parts, sizes, strict=True):
-        if start >= sent:
-            out.append((start - sent, message))
-        start += size
-    return out
-
-
-def _kept(parts: Sequence[Any]) -> Sequence[Any]:
-    """A message kept to be sent again: small frames that are not bytes are copied (their
-    owner may reuse them once the send returned), as `LaneConnection._queue` does."""
-    if all(p.__class__ is bytes for p in parts):
-        return parts
-    return [p if p.__class__ is bytes or memoryview(p).nbytes >= _COPY_BELOW else bytes(p)
-            for p in parts]
 
 
 class LaneConnection:
@@ -242,10 +160,9 @@ class LaneConnection:
 
     kind = "lane"
     __slots__ = ("sock", "loop", "on_message", "on_broken", "lock", "closed", "_fd", "_out",
-                 "_queued", "_writing", "_clock", "_turn", "_held", "_buf", "_view", "_start",
+                 "_writing", "_clock", "_turn", "_held", "_buf", "_view", "_start",
                  "_end", "_need", "_reading", "_parse_scheduled", "_expect_hello",
-                 "peer_identity", "max_queued", "_expect_answer", "_greeting", "on_refused",
-                 "_unsent", "_out_messages", "_out_bytes", "_out_left")
+                 "peer_identity", "_expect_answer", "_greeting", "on_refused", "_unsent")
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop,
                  on_message: Callable[[list[Any]], None],
@@ -260,15 +177,10 @@ class LaneConnection:
         self.lock = threading.RLock()
         self.closed = False
         self._fd = sock.fileno()
-        #: What waits for the socket to take it, in order (whole buffers, or views of them).
-        self._out: collections.deque[bytes | memoryview] = collections.deque()
-        self._queued = 0  # messages in _out, for MAX_QUEUED
-        #: The messages in `_out` not a byte of which has left, with where each starts in
-        #: the bytes ever queued (`_out_bytes` of them; `_out_left` have left): a lane that
-        #: breaks hands them to its owner, to go another way.
-        self._out_messages: collections.deque[tuple[int, Sequence[Any]]] = collections.deque()
-        self._out_bytes = 0
-        self._out_left = 0
+        #: What waits for the socket to take it. Messages held for a peer that does not
+        #: read before more are dropped: a server's bound (`MAX_QUEUED`); a client's
+        #: requests are never dropped (as a DEALER's).
+        self._out = OutQueue(MAX_QUEUED if expect_hello is not None else 1 << 62)
         self._writing = False  # a writer callback is registered
         self._clock = turn_clock_of(loop)
         self._turn = 0  # the last turn in which a message left at once (`aiorl.util.batching.TurnClock`)
@@ -296,9 +208,6 @@ class LaneConnection:
         #: Either of the two above is still to come (one check on the hot path).
         self._greeting = True
         self.on_refused: Callable[[str], None] | None = None
-        #: Messages held for a peer that does not read before more are dropped: a server's
-        #: bound (`MAX_QUEUED`); a client's requests are never dropped (as a DEALER's).
-        self.max_queued = MAX_QUEUED if expect_hello is not None else 1 << 62
         self._resume_reading()
 
     # ------------------------------------------------------------------ sending
@@ -371,7 +280,7 @@ class LaneConnection:
         socket does not take them whole at once (the server is going away)."""
         try:
             with self.lock:
-                return not _send_buffers(self.sock, [memoryview(hello)])
+                return not send_buffers(self.sock, [memoryview(hello)])
         except OSError:
             return False
 
@@ -402,15 +311,15 @@ class LaneConnection:
                 self._queue(buffers, messages, parts, buffers, 0)
             else:
                 try:
-                    left = _send_buffers(self.sock, buffers)
-                except _PartlySent as exc:
+                    left = send_buffers(self.sock, buffers)
+                except PartlySent as exc:
                     # The message cut may have reached the peer: the owner's pending requests
                     # wait for their answers or a verdict (aiorl.transport.peer); none is sent
                     # twice. Those after it never left: the owner sends them again.
                     broke = exc.error
                     if parts:
-                        self._unsent.extend(m for _, m in _untouched(
-                            parts, buffers, _sent_of(buffers, exc.rest)))
+                        self._unsent.extend(m for _, m in untouched(
+                            parts, buffers, sent_of(buffers, exc.rest)))
                     self.closed = True
                 except OSError as exc:  # not a byte of it left: the owner sends it again
                     broke = exc
@@ -419,7 +328,7 @@ class LaneConnection:
                 else:
                     if not left:  # all sent: most sends end here
                         return
-                    self._queue(left, messages, parts, buffers, _sent_of(buffers, left))
+                    self._queue(left, messages, parts, buffers, sent_of(buffers, left))
         if broke is not None:
             self._broken(from_thread, f"a write failed: {broke.strerror or broke}")
             return
@@ -432,31 +341,11 @@ class LaneConnection:
     def _queue(self, buffers: list[bytes | memoryview], messages: int,
                parts: list[Sequence[Any]] | None, framed: list[bytes | memoryview],
                sent: int) -> None:
-        """Queue ``buffers``, what is left of ``framed`` (the framed ``parts``, ``messages``
-        whole messages) once its first ``sent`` bytes left. Under the lock."""
-        if self._queued + messages > self.max_queued:
+        """`OutQueue.add`, with the warning when a peer that does not read loses messages."""
+        if not self._out.add(buffers, messages, parts, framed, sent):
             _refused.warning("lane queue full", "a peer does not read what it is sent on its "
                              "lane (%d messages queued): dropped %d message(s)",
-                             self._queued, messages)
-            return
-        if parts:
-            base = self._out_bytes
-            self._out_messages.extend((base + at, _kept(m))
-                                      for at, m in _untouched(parts, framed, sent))
-        out = self._out
-        for view in buffers:
-            # bytes cannot change; a small view is copied (its owner may reuse the buffer).
-            out.append(view if view.__class__ is bytes or len(view) >= _COPY_BELOW
-                       else bytes(view))
-            self._out_bytes += len(view)
-        self._queued += messages
-
-    def _left_out(self, sent: int) -> None:
-        """``sent`` more bytes of `_out` left: its messages begun are not sent again."""
-        self._out_left += sent
-        messages = self._out_messages
-        while messages and messages[0][0] < self._out_left:
-            messages.popleft()
+                             self._out.count, messages)
 
     def _start_writer(self) -> None:
         if not self._writing and not self.closed:
@@ -466,22 +355,12 @@ class LaneConnection:
     def _flush_out(self) -> None:
         failure: OSError | None = None
         with self.lock:
-            out = self._out
-            buffers = list(out)
             try:
-                left = _send_buffers(self.sock, buffers) if out else []
+                emptied = self._out.flush(self.sock)
             except OSError as exc:
-                if isinstance(exc, _PartlySent):
-                    self._left_out(_sent_of(buffers, exc.rest))
                 failure = exc
                 self.closed = True
-            else:
-                self._left_out(_sent_of(buffers, left))
-                out.clear()
-                out.extend(left)
-                if not left:
-                    self._queued = 0
-        if failure is not None or not out:
+        if failure is not None or emptied:
             self._writing = False
             self.loop.remove_writer(self._fd)
         if failure is not None:
@@ -729,10 +608,9 @@ class LaneConnection:
                 return
         with self.lock:  # from here a thread's write raises ConnectionClosed
             self.closed = True
-            unsent = [m for _, m in self._out_messages]  # queued, not a byte of them left
+            unsent = self._out.take_unsent()  # queued, not a byte of them left
             unsent += self._unsent
             self._unsent = []
-            self._out_messages.clear()
         callback, self.on_broken = self.on_broken, None
         held, self._held = self._held, []
         self.close()
@@ -763,7 +641,6 @@ class LaneConnection:
         self.sock.close()
         with self.lock:  # what waited for the socket goes with it
             self._out.clear()
-            self._out_messages.clear()
         self._buf = bytearray()
         self._view = memoryview(self._buf)
         self._start = self._end = self._need = 0

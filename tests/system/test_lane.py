@@ -22,7 +22,7 @@ import pytest
 
 import aiorl
 from aiorl.transport import lane as lane_module
-from aiorl.transport import lane_setup
+from aiorl.transport import lane_queue, lane_setup
 from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.transport.lane import LaneConnection
 from aiorl.transport.lane_setup import lane_path
@@ -164,7 +164,7 @@ def test_messages_queued_for_a_full_socket_that_never_left_reach_the_owner() -> 
             payload = bytearray(sizes[sent % len(sizes)])
             payload[:4] = struct.pack("<I", sent)[:len(payload)]
             conn.send_direct([b"%06d" % sent, memoryview(payload)])
-            if len(payload) < lane_module._COPY_BELOW:  # larger ones are referenced, as ZMQ does
+            if len(payload) < lane_queue.COPY_BELOW:  # larger ones are referenced, as ZMQ does
                 payload[:4] = b"XXXX"  # the caller may reuse a small buffer once send returned
             sent += 1
         theirs.setblocking(False)
