@@ -31,7 +31,9 @@ once (``on_broken(reason, unsent)``, with every message not a byte of which left
 those queued for a full socket, those whose write failed, from any thread, then what this
 turn held; a message cut short may have reached the peer and is not among them);
 a reader that raises closes its lane and is never run again; a read buffer grows with what
-has arrived, not with what a head announces, and is given back when the lane closes.
+has arrived, not with what a head announces, and is given back when the lane closes. A large
+message (`aiorl.transport.large_message`) is read into memory of its own, bounded the same,
+and its large frames are handed out as writable views of it, without a copy.
 
 Threads: the loop thread owns a lane; `LaneConnection.send_from_thread` (a method thread's
 answer) writes under the lane's lock.
@@ -57,6 +59,7 @@ from aiorl.transport.lane_queue import (
     sent_of,
     untouched,
 )
+from aiorl.transport.large_message import LARGE_MESSAGE, LargeMessage
 from aiorl.util.batching import turn_clock_of
 from aiorl.util.ratelimit import RateLimitedLog
 
@@ -162,7 +165,8 @@ class LaneConnection:
     __slots__ = ("sock", "loop", "on_message", "on_broken", "lock", "closed", "_fd", "_out",
                  "_writing", "_clock", "_turn", "_held", "_buf", "_view", "_start",
                  "_end", "_need", "_reading", "_parse_scheduled", "_expect_hello",
-                 "peer_identity", "_expect_answer", "_greeting", "on_refused", "_unsent")
+                 "peer_identity", "_expect_answer", "_greeting", "on_refused", "_unsent",
+                 "_large")
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop,
                  on_message: Callable[[list[Any]], None],
@@ -190,6 +194,8 @@ class LaneConnection:
         #: while the loop is already telling the owner of the break (the peer's end was read)
         #: lands here before that news leaves, or finds the lane closed and raises.
         self._unsent: list[Sequence[Any]] = []
+        #: The large message being read into memory of its own (`aiorl.transport.large_message`).
+        self._large: LargeMessage | None = None
         self._buf = bytearray(_READ_CHUNK)
         #: A view of ``_buf`` kept for reads and frame copies (replaced with the buffer).
         self._view = memoryview(self._buf)
@@ -382,6 +388,9 @@ class LaneConnection:
         memory) closes this lane: a reader left registered after raising would be called
         again at once, for ever."""
         try:
+            if self._large is not None:
+                self._read_large(self._large)
+                return
             end = self._end
             if len(self._buf) - end < _MIN_ROOM:
                 self._make_room()
@@ -413,6 +422,27 @@ class LaneConnection:
             self._parse()
         except Exception as exc:
             self._reader_failed(exc)
+
+    def _read_large(self, large: LargeMessage) -> None:
+        """Read on into the large message; dispatch it once it is whole (nothing after it
+        was read: the lane's buffer takes the next message)."""
+        try:
+            n = self.sock.recv_into(large.room())
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            n = 0
+        if n == 0:
+            self._broken(False, "the peer closed it")
+            return
+        large.have += n
+        if not large.complete:
+            return
+        self._large = None
+        try:
+            self.on_message(large.frames())
+        except Exception as exc:
+            self._dispatch_failed(exc)
 
     def _reader_failed(self, exc: Exception) -> None:
         _refused.warning("lane reader failed", "closed a lane whose reader failed: %r", exc,
@@ -506,6 +536,12 @@ class LaneConnection:
             self._malformed(f"a message of {total} bytes")
             return None
         if end - start < total:
+            if total >= LARGE_MESSAGE:  # the rest goes into memory of its own
+                self._large = LargeMessage(lengths, total, self._view[start:end])
+                self._start = self._end = self._need = 0
+                if len(buf) > _KEEP_BUFFER:
+                    self._shrink()
+                return None
             self._need = total
             return None
         self._need = 0
@@ -644,5 +680,6 @@ class LaneConnection:
         self._buf = bytearray()
         self._view = memoryview(self._buf)
         self._start = self._end = self._need = 0
+        self._large = None
 
 

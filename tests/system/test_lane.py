@@ -10,6 +10,7 @@ driver to its workers do take their lanes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 import struct
@@ -26,6 +27,7 @@ from aiorl.transport import lane_queue, lane_setup
 from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.transport.lane import LaneConnection
 from aiorl.transport.lane_setup import lane_path
+from aiorl.transport.large_message import LARGE_MESSAGE
 from aiorl.transport.security import ClusterKeys
 from aiorl.util.batching import turn_clock_of
 
@@ -452,6 +454,10 @@ def test_dropping_a_peer_mid_handshake_never_stalls_the_processs_other_links(
 
 
 
+def _large_has(conn: LaneConnection, nbytes: int) -> bool:
+    return conn._large is not None and conn._large.have == nbytes
+
+
 def test_every_way_a_message_can_arrive_on_the_stream_gives_the_same_messages() -> None:
     """A read may bring one whole one-frame message (dispatched at once), part of one, the
     rest of one, several, or one larger than the read buffer: each is delivered whole, once,
@@ -461,7 +467,10 @@ def test_every_way_a_message_can_arrive_on_the_stream_gives_the_same_messages() 
         return struct.pack(f"<I{len(frames)}Q", len(frames), *map(len, frames)) + b"".join(frames)
 
     split, body, big = framed(b"split"), framed(b"b" * 100), os.urandom(3 * lane_module._READ_CHUNK)
-    # (what the peer writes, whether the lane must have read it before the next write)
+    huge_frame = os.urandom(LARGE_MESSAGE + 12_345)
+    huge = framed(b"h" * 10, huge_frame)  # read into memory of its own
+    # (what the peer writes, whether the lane must have read it before the next write: for
+    # a large message, how much of it by then)
     writes = [
         (framed(b"one"), False),  # one whole one-frame message in one read
         (split[:5], True), (split[5:], False),  # its head split across two reads
@@ -469,9 +478,12 @@ def test_every_way_a_message_can_arrive_on_the_stream_gives_the_same_messages() 
         (framed(b"x", b"y") + framed(b"two") + framed(b"raise") + framed(b"after"), False),
         (framed(big), False),  # larger than the read buffer: grown, then given back
         (framed(b"small again"), False),
+        (huge[:1000], 1000),  # a large message's head, then its frames in pieces...
+        (huge[1000:200_000], 200_000),
+        (huge[200_000:] + framed(b"after huge"), False),  # ...its end and the next message
     ]
     expected = [[b"one"], [b"split"], [b"b" * 100], [b"x", b"y"], [b"two"], [b"after"], [big],
-                [b"small again"]]
+                [b"small again"], [b"h" * 10, huge_frame], [b"after huge"]]
 
     async def main() -> list[list[Any]]:
         loop = asyncio.get_running_loop()
@@ -496,10 +508,14 @@ def test_every_way_a_message_can_arrive_on_the_stream_gives_the_same_messages() 
             await loop.sock_sendall(theirs, bytes((lane_module.ADMITTED,)))
             for data, read_first in writes:
                 await loop.sock_sendall(theirs, data)
-                if read_first:  # the next part must come in a read of its own
+                if read_first is True:  # the next part must come in a read of its own
                     await until(lambda: conn._end > conn._start)
+                elif read_first:
+                    await until(functools.partial(_large_has, conn, read_first))
             await until(lambda: len(got) == len(expected))
             assert len(conn._buf) == lane_module._READ_CHUNK  # the big one's buffer given back
+            assert conn._large is None
+            assert isinstance(got[-2][1], memoryview)  # the large frame, in place
         finally:
             conn.close()
             theirs.close()

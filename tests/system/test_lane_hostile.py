@@ -19,9 +19,10 @@ import pytest
 
 import aiorl
 from aiorl.transport import lane as lane_module
-from aiorl.transport import lane_setup
+from aiorl.transport import lane_setup, large_message
 from aiorl.transport.endpoint import Endpoint
 from aiorl.transport.lane_setup import lane_path
+from aiorl.transport.large_message import GROWTH
 from aiorl.transport.security import ClusterKeys
 from tests.system.test_lane import lane_hello
 
@@ -110,21 +111,25 @@ def test_a_head_announcing_a_terabyte_costs_what_arrived_and_spins_nothing(
         sock.sendall(struct.pack("<IQ", 1, size) + b"\0" * 16384)
         (conn,) = [c for c in server._lane_listener._clients  # type: ignore[union-attr]
                    if c.peer_identity == b"huge"]
-        await _until(lambda: conn._end - conn._start >= 16384, 10)
-        assert len(conn._buf) <= 5 * 16384 + lane_module._READ_CHUNK
+        # Read into memory of its own (aiorl/transport/large_message.py), bounded the same.
+        await _until(lambda: conn._large is not None and conn._large.have >= 16384, 10)
+        large = conn._large
+        assert large is not None and large.total == 1 << 40
+        assert large.capacity <= GROWTH * large.have + 256 * 1024
+        assert len(conn._buf) <= lane_module._READ_CHUNK
         assert await _cpu_while_idle(1.0) < 0.5  # nobody spins on it
         assert (await client.request(server.address, "ping", timeout=10))[0] == "pong"
         sock.close()
-        await _until(lambda: conn.closed and len(conn._buf) == 0, 1.0)
+        await _until(lambda: conn.closed and len(conn._buf) == 0 and conn._large is None, 1.0)
 
     _run(tmp_path, body)
 
 
 def test_a_reader_that_fails_closes_its_lane_and_is_not_run_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The read buffer allowed to grow to what a head announces (a terabyte): the allocation
-    fails, and that lane closes instead of its reader being called again for ever."""
-    monkeypatch.setattr(lane_module, "_GROWTH", 1 << 62)
+    """A large message's memory allowed to grow to what a head announces (a terabyte): the
+    allocation fails, and that lane closes instead of its reader being called again for ever."""
+    monkeypatch.setattr(large_message, "GROWTH", 1 << 62)
 
     async def body(server: Endpoint, client: Endpoint, keys: ClusterKeys, path: str) -> None:
         sock = lane_hello(path, keys, b"wedge")
@@ -147,11 +152,11 @@ def test_a_head_announcing_a_gibibyte_does_not_cost_one(tmp_path: Path) -> None:
         sock.sendall(struct.pack("<IQ", 1, 1 << 30) + b"\1" * 40_000)
         (conn,) = [c for c in server._lane_listener._clients  # type: ignore[union-attr]
                    if c.peer_identity == b"gib"]
-        await _until(lambda: conn._end - conn._start >= 40_000, 10)
-        assert len(conn._buf) < 1 << 20
+        await _until(lambda: conn._large is not None and conn._large.have >= 40_000, 10)
+        assert len(conn._buf) < 1 << 20 and conn._large.capacity < 1 << 20
         assert psutil.Process().memory_info().rss - rss < 64 << 20
         sock.close()
-        await _until(lambda: conn.closed and len(conn._buf) == 0, 1.0)
+        await _until(lambda: conn.closed and len(conn._buf) == 0 and conn._large is None, 1.0)
 
     _run(tmp_path, body)
 
