@@ -1,4 +1,4 @@
-"""Call latency, throughput and launch time: aiorl side by side with Ray and raw pyzmq.
+"""Call latency, throughput, tensor arguments and launch time: aiorl beside Ray and raw pyzmq.
 
 Run: ``python benchmarks/bench_calls.py [--reps 5]``. Prints a table of medians
 and writes ``benchmarks/results/calls.json``. Ray columns appear when ``ray`` is
@@ -24,6 +24,9 @@ import aiorl
 
 SEQ_CALLS = 2000
 IN_FLIGHT = 1000
+#: Tensor arguments, worker to worker on one machine: (label, bytes).
+TENSOR_SIZES = [("1mib", 1 << 20), ("64mib", 64 << 20)]
+TENSOR_CALLS = 15
 
 
 class Bench(aiorl.Worker):
@@ -44,6 +47,41 @@ class Bench(aiorl.Worker):
         t = time.perf_counter()
         await asyncio.gather(*(runtime.call_worker(peer, "anoop") for _ in range(IN_FLIGHT)))
         return seq_us, IN_FLIGHT / (time.perf_counter() - t)
+
+    def take(self, t: Any) -> int:
+        return int(t.numel())
+
+    async def tensor_calls(self, dst: int, nbytes: int, n: int) -> float:
+        """Median ms of calling ``take`` on rank ``dst`` with a tensor of ``nbytes``."""
+        import torch
+
+        t = torch.ones(nbytes // 4)
+        peer = (await self.async_group(self.worker_group_name)).execute_on(dst)
+        times = []
+        for _ in range(n + 1):
+            start = time.perf_counter()
+            await peer.take(t)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:]) * 1e3
+
+    async def tensor_sends(self, dst: int, nbytes: int, n: int) -> float:
+        """Median ms of ``send_tensor`` of ``nbytes`` to rank ``dst`` (one way, landed)."""
+        import torch
+
+        t = torch.ones(nbytes // 4)
+        times = []
+        for _ in range(n + 1):
+            start = time.perf_counter()
+            await self.send_tensor(t, self.worker_group_name, dst, async_op=True).async_wait()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:]) * 1e3
+
+    async def tensor_recvs(self, src: int, nbytes: int, n: int) -> None:
+        import torch
+
+        buf = torch.empty(nbytes // 4)
+        for _ in range(n + 1):
+            await self.recv_tensor(buf, self.worker_group_name, src, async_op=True).async_wait()
 
 
 def median_of(reps: int, fn: Callable[[], float]) -> float:
@@ -103,6 +141,14 @@ def bench_aiorl(reps: int) -> dict[str, float]:
         runs = [pair.execute_on(0).call_peer("pair:1", SEQ_CALLS).wait(120)[0] for _ in range(reps)]
         out["worker_to_worker_seq_us"] = statistics.median(r[0] for r in runs)
         out["worker_to_worker_in_flight_per_s"] = statistics.median(r[1] for r in runs)
+        for label, nbytes in TENSOR_SIZES:
+            out[f"tensor_arg_{label}_ms"] = statistics.median(
+                pair.execute_on(0).tensor_calls(1, nbytes, TENSOR_CALLS).wait(600)[0]
+                for _ in range(reps))
+            received = pair.execute_on(1).tensor_recvs(0, nbytes, TENSOR_CALLS)
+            out[f"send_tensor_{label}_ms"] = pair.execute_on(0).tensor_sends(
+                1, nbytes, TENSOR_CALLS).wait(600)[0]
+            received.wait(60)
         pair.close()
 
         counter = iter(range(10**6))
@@ -177,7 +223,10 @@ def _zmq_server(q: Any) -> None:
     s = ctx.socket(zmq.ROUTER)
     q.put(s.bind_to_random_port("tcp://127.0.0.1"))
     while True:
-        s.send_multipart(s.recv_multipart())
+        parts = s.recv_multipart()
+        if len(parts[-1]) > 1024:  # a tensor's bytes: a short answer, as a call's
+            parts = [parts[0], b"ok"]
+        s.send_multipart(parts)
 
 
 def bench_pyzmq(reps: int) -> dict[str, float]:
@@ -207,6 +256,19 @@ def bench_pyzmq(reps: int) -> dict[str, float]:
         return IN_FLIGHT / (time.perf_counter() - t)
 
     out = {"seq_sync_method_us": median_of(reps, seq), "in_flight_calls_per_s": median_of(reps, in_flight)}
+    for label, nbytes in TENSOR_SIZES:
+        payload = bytearray(nbytes)
+
+        def tensor_round_trip(payload: bytearray = payload) -> float:
+            times = []
+            for _ in range(TENSOR_CALLS):
+                start = time.perf_counter()
+                s.send(payload, copy=False)
+                s.recv()
+                times.append(time.perf_counter() - start)
+            return statistics.median(times) * 1e3
+
+        out[f"tensor_arg_{label}_ms"] = median_of(reps, tensor_round_trip)
     s.close(0)
     proc.kill()
     proc.join()
@@ -220,6 +282,10 @@ ROWS = [
     ("in_flight_calls_per_s", f"{IN_FLIGHT} calls in flight (calls/s)"),
     ("worker_to_worker_seq_us", "worker to worker, sequential (µs)"),
     ("worker_to_worker_in_flight_per_s", f"worker to worker, {IN_FLIGHT} in flight (calls/s)"),
+    ("tensor_arg_1mib_ms", "worker to worker, 1 MiB tensor argument (ms)"),
+    ("send_tensor_1mib_ms", "  send_tensor of it, one way (ms)"),
+    ("tensor_arg_64mib_ms", "worker to worker, 64 MiB tensor argument (ms)"),
+    ("send_tensor_64mib_ms", "  send_tensor of it, one way (ms)"),
     ("launch_8_workers_s", "launch 8 torch workers to first answer (s)"),
     ("cluster_ready_s", "embedded cluster ready (s)"),
 ]
