@@ -395,14 +395,8 @@ class LaneConnection:
             if len(self._buf) - end < _MIN_ROOM:
                 self._make_room()
                 end = self._end
-            try:
-                n = self.sock.recv_into(self._view[end:])
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                n = 0
-            if n == 0:
-                self._broken(False, "the peer closed it")
+            n = self._receive(self._view[end:])
+            if n <= 0:
                 return
             self._end = end = end + n
             # Most wake-ups read one whole message of one frame (a call without arguments,
@@ -423,17 +417,25 @@ class LaneConnection:
         except Exception as exc:
             self._reader_failed(exc)
 
-    def _read_large(self, large: LargeMessage) -> None:
-        """Read on into the large message; dispatch it once it is whole (nothing after it
-        was read: the lane's buffer takes the next message)."""
+    def _receive(self, room: memoryview) -> int:
+        """Read into ``room``: the bytes read; 0 when none are there yet; -1 when the stream
+        ended or failed (the lane is broken then)."""
         try:
-            n = self.sock.recv_into(large.room())
+            n = self.sock.recv_into(room)
         except (BlockingIOError, InterruptedError):
-            return
+            return 0
         except OSError:
             n = 0
         if n == 0:
             self._broken(False, "the peer closed it")
+            return -1
+        return n
+
+    def _read_large(self, large: LargeMessage) -> None:
+        """Read on into the large message; dispatch it once it is whole (nothing after it
+        was read: the lane's buffer takes the next message)."""
+        n = self._receive(large.room())
+        if n <= 0:
             return
         large.have += n
         if not large.complete:
@@ -504,7 +506,7 @@ class LaneConnection:
     def _next_message(self) -> list[Any] | None:
         """The next whole message in the buffer (None: not all of it is here yet)."""
         if self._greeting:
-            return self._next_greeting()
+            return _next_greeting(self)
         start, end = self._start, self._end
         buf = self._buf
         if end - start >= _ONE_FRAME_HEAD:  # a whole message of one frame: most calls
@@ -563,47 +565,6 @@ class LaneConnection:
         """A large message passed, and the buffer is empty: give its memory back."""
         self._buf = bytearray(_READ_CHUNK)
         self._view = memoryview(self._buf)
-
-    def _next_greeting(self) -> list[Any] | None:
-        """`_next_message` before the hello (a server) or its answer (a client) was read."""
-        buf, start, end = self._buf, self._start, self._end
-        if self._expect_hello is not None:
-            return self._hello(buf, start, end)
-        if end == start:
-            return None
-        self._expect_answer = self._greeting = False
-        self._start = start + 1
-        if buf[start] != ADMITTED:
-            self._refused(buf[start])
-            return None
-        return self._next_message()
-
-    def _hello(self, buf: bytearray, start: int, end: int) -> list[Any] | None:
-        head = PROOF_BYTES + HELLO_HEAD.size
-        if end - start < head:
-            return None
-        (n,) = HELLO_HEAD.unpack_from(buf, start + PROOF_BYTES)
-        if end - start < head + n:
-            return None
-        proof = bytes(buf[start:start + PROOF_BYTES])
-        identity = bytes(buf[start + head:start + head + n])
-        check, self._expect_hello = self._expect_hello, None
-        self._greeting = False  # a server's client expects no answer from us
-        assert check is not None
-        self._start = start + head + n
-        self.peer_identity = identity
-        answer = check(self, proof, identity)
-        if answer != ADMITTED:
-            self.peer_identity = b""
-            self.on_broken = None  # refused, not broken: its listener already let go of it
-            try:
-                self._write([], answer=answer)
-            except ConnectionClosed:
-                pass
-            self.close()
-            return None
-        self._write([], answer=ADMITTED)
-        return self._next_message()
 
     def _malformed(self, what: str) -> None:
         _refused.warning("lane malformed", "closed a lane that sent %s (refused: at most "
@@ -683,3 +644,46 @@ class LaneConnection:
         self._large = None
 
 
+def _next_greeting(conn: LaneConnection) -> list[Any] | None:
+    """`LaneConnection._next_message` before the hello (a server) or its answer (a client)
+    was read: what a lane reads first, once."""
+    buf, start, end = conn._buf, conn._start, conn._end
+    if conn._expect_hello is not None:
+        return _hello(conn, buf, start, end)
+    if end == start:
+        return None
+    conn._expect_answer = conn._greeting = False
+    conn._start = start + 1
+    if buf[start] != ADMITTED:
+        conn._refused(buf[start])
+        return None
+    return conn._next_message()
+
+
+def _hello(conn: LaneConnection, buf: bytearray, start: int, end: int) -> list[Any] | None:
+    """A server reads its client's hello (its proof and routing id) and answers it."""
+    head = PROOF_BYTES + HELLO_HEAD.size
+    if end - start < head:
+        return None
+    (n,) = HELLO_HEAD.unpack_from(buf, start + PROOF_BYTES)
+    if end - start < head + n:
+        return None
+    proof = bytes(buf[start:start + PROOF_BYTES])
+    identity = bytes(buf[start + head:start + head + n])
+    check, conn._expect_hello = conn._expect_hello, None
+    conn._greeting = False  # a server's client expects no answer from us
+    assert check is not None
+    conn._start = start + head + n
+    conn.peer_identity = identity
+    answer = check(conn, proof, identity)
+    if answer != ADMITTED:
+        conn.peer_identity = b""
+        conn.on_broken = None  # refused, not broken: its listener already let go of it
+        try:
+            conn._write([], answer=answer)
+        except ConnectionClosed:
+            pass
+        conn.close()
+        return None
+    conn._write([], answer=ADMITTED)
+    return conn._next_message()
