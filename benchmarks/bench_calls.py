@@ -51,6 +51,15 @@ class Bench(aiorl.Worker):
     def take(self, t: Any) -> int:
         return int(t.numel())
 
+    def tensor(self, nbytes: int) -> Any:
+        """A tensor of ``nbytes`` as a result (made once: the call times its travel)."""
+        import torch
+
+        made = getattr(self, "_made", None)
+        if made is None or made.numel() * 4 != nbytes:
+            made = self._made = torch.ones(nbytes // 4)
+        return made
+
     async def tensor_calls(self, dst: int, nbytes: int, n: int) -> float:
         """Median ms of calling ``take`` on rank ``dst`` with a tensor of ``nbytes``."""
         import torch
@@ -134,6 +143,17 @@ def bench_aiorl(reps: int) -> dict[str, float]:
             return IN_FLIGHT / (time.perf_counter() - t)
 
         out["in_flight_calls_per_s"] = median_of(reps, in_flight)
+
+        def result_64mib() -> float:
+            g.tensor(64 << 20).wait(60)
+            times = []
+            for _ in range(TENSOR_CALLS):
+                t = time.perf_counter()
+                g.tensor(64 << 20).wait(60)
+                times.append(time.perf_counter() - t)
+            return statistics.median(times) * 1e3
+
+        out["tensor_result_64mib_ms"] = median_of(reps, result_64mib)
         g.close()
 
         pair = Bench.create_group().launch(
@@ -282,6 +302,7 @@ ROWS = [
     ("in_flight_calls_per_s", f"{IN_FLIGHT} calls in flight (calls/s)"),
     ("worker_to_worker_seq_us", "worker to worker, sequential (µs)"),
     ("worker_to_worker_in_flight_per_s", f"worker to worker, {IN_FLIGHT} in flight (calls/s)"),
+    ("tensor_result_64mib_ms", "64 MiB tensor result to the driver (ms)"),
     ("tensor_arg_1mib_ms", "worker to worker, 1 MiB tensor argument (ms)"),
     ("send_tensor_1mib_ms", "  send_tensor of it, one way (ms)"),
     ("tensor_arg_64mib_ms", "worker to worker, 64 MiB tensor argument (ms)"),
