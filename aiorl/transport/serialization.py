@@ -173,26 +173,30 @@ def _rebuild_cuda_tensor(
 
 
 def _reduce_tensor(t: Any) -> Any:
+    # Per tensor of a state dict: the checks are the cheap boolean properties, and the
+    # Parameter check (a Python-level __instancecheck__) only for a subclass of Tensor.
     import torch
 
-    if t.layout != torch.strided or t.is_quantized or t.device.type not in ("cpu", "cuda"):
+    cuda = t.is_cuda
+    if not (cuda or t.is_cpu) or t.layout != torch.strided or t.is_quantized:
         return t.__reduce_ex__(5)  # torch's own format; rare kinds
+    param = t.__class__ is not torch.Tensor and isinstance(t, torch.nn.Parameter)
     enc = _tls.encoder
     if not t.is_contiguous():
         if enc is not None and enc.strict:
             raise _NotContiguous(str(not_contiguous_error(t)))
-        if t.device.type != "cuda" or (enc is not None and enc.cuda_out is not None):
+        if not cuda or (enc is not None and enc.cuda_out is not None):
             return t.__reduce_ex__(5)  # keeps the strides
         # A CUDA view in a call: its values, compactly (docs/gpu.md).
-        return _reduce_cuda(t.contiguous(), None, isinstance(t, torch.nn.Parameter))
-    if t.device.type == "cuda":
-        return _reduce_cuda(t, enc, isinstance(t, torch.nn.Parameter))
+        return _reduce_cuda(t.contiguous(), None, param)
+    if cuda:
+        return _reduce_cuda(t, enc, param)
     return _rebuild_tensor, (
         t.dtype,
         tuple(t.shape),
         t.requires_grad,
         pickle.PickleBuffer(byte_view(t)),
-        isinstance(t, torch.nn.Parameter),
+        param,
     )
 
 
