@@ -56,6 +56,9 @@ __all__ = [
 
 log = logging.getLogger("aiorl.cluster")
 
+#: How long stopping waits for each embedded process after SIGTERM, and again after SIGKILL.
+STOP_WAIT_S = 5.0
+
 #: The prefix of an embedded cluster's session directory (under the user's runtime dir).
 SESSION_PREFIX = "aiorl-"
 #: The file in a session directory naming the driver that owns it (see the module docstring).
@@ -175,7 +178,11 @@ class EmbeddedProcesses:
 
     def stop(self) -> None:
         """Stop the agents (they kill their workers and unregister), then the registry;
-        remove the session directory (``AIORL_KEEP_LOGS=1`` keeps the logs, never the key)."""
+        remove the session directory (``AIORL_KEEP_LOGS=1`` keeps the logs, never the key).
+
+        Bounded: a child gets `STOP_WAIT_S` after SIGTERM, then SIGKILL and as long again;
+        one that is still there (stuck in the kernel) is named in a warning and left to die
+        on its own, so that closing a Cluster never hangs on it."""
         if self.runtime_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.runtime_file)
@@ -186,10 +193,14 @@ class EmbeddedProcesses:
                     child.send_signal(signal.SIGTERM)
             for child in batch:
                 try:
-                    child.wait(timeout=5)
+                    child.wait(timeout=STOP_WAIT_S)
                 except subprocess.TimeoutExpired:
                     child.kill()
-                    child.wait()
+                    try:
+                        child.wait(timeout=STOP_WAIT_S)
+                    except subprocess.TimeoutExpired:
+                        log.warning("aiorl: embedded process %d did not exit %g s after "
+                                    "SIGKILL; leaving it", child.pid, STOP_WAIT_S)
                 for stream in (child.stdin, child.stdout):
                     if stream:
                         stream.close()

@@ -635,7 +635,11 @@ class NodeAgent:
         self._link.stop()
         if self.zygote.poll() is None:
             self.zygote.kill()
-        self.zygote.wait()
+        try:  # bounded: a zygote stuck in the kernel must not keep its agent from exiting
+            self.zygote.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            log.warning("the zygote (pid %d) did not exit 5 s after SIGKILL; leaving it",
+                        self.zygote.pid)
         self.endpoint.close()
         self.working_dirs.close()
         if self.owns_log_dir and os.environ.get("AIORL_KEEP_LOGS") != "1":
