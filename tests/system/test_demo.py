@@ -49,7 +49,8 @@ class DemoRun:
         self._out = open(self.out_path, "w")  # noqa: SIM115 - closed in finish()
         self._err = open(self.err_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aiorl.cli.main", "demo", *args],
+            # faulthandler: a demo that does not finish shows its threads (SIGABRT, finish()).
+            [sys.executable, "-X", "faulthandler", "-m", "aiorl.cli.main", "demo", *args],
             stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
@@ -83,8 +84,13 @@ class DemoRun:
             while self.proc.poll() is None:
                 self._record()
                 if time.monotonic() > deadline:
-                    self.proc.kill()
-                    raise AssertionError("aiorl demo did not finish in time")
+                    self.proc.send_signal(signal.SIGABRT)  # its threads' stacks, on stderr
+                    try:
+                        self.proc.wait(5)
+                    except subprocess.TimeoutExpired:
+                        self.proc.kill()
+                    raise AssertionError("aiorl demo did not finish in time; its stderr:\n"
+                                         + self.err_path.read_text()[-8000:])
                 time.sleep(0.1)
         finally:
             self._out.close()
