@@ -1,8 +1,10 @@
-"""Shared fixtures, and a guard that fails the run if any aiorl process outlives it."""
+"""Shared fixtures, a guard that fails the run if any aiorl process outlives it, and Ctrl-C
+restored for the processes the tests start."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import psutil
@@ -26,6 +28,18 @@ def aiorl_processes() -> list[psutil.Process]:
 
 
 _session_start = time.time()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give the processes the tests start the default Ctrl-C.
+
+    Tests send SIGINT as a terminal would and expect ``KeyboardInterrupt``. A suite started as
+    a background job of a shell without job control (``make test-stress &``) inherits SIGINT
+    ignored, and Python keeps an inherited ignore, for itself and for every process it starts:
+    those tests would then wait in vain. A caught signal is reset to the default in a child.
+    """
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _ours(p: psutil.Process) -> bool:
