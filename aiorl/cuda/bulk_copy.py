@@ -40,18 +40,20 @@ def dtype_groups(dtypes: Sequence[Any]) -> list[list[int]]:
     return list(groups.values())
 
 
-def copy_grouped(dsts: Sequence[Any], srcs: Sequence[Any], groups: Sequence[Sequence[int]]) -> None:
+def copy_grouped(dsts: Sequence[Any], srcs: Sequence[Any], groups: Sequence[Sequence[int]],
+                 non_blocking: bool = True) -> None:
     """``dsts[i].copy_(srcs[i])`` for every index of ``groups`` (`dtype_groups` of the
-    destinations' dtypes), queued on the current stream with one fused call per group."""
+    destinations' dtypes), with one fused call per group: queued on the current stream,
+    or, with ``non_blocking=False``, each copy between host and GPU finished on return."""
     import torch
 
     with torch.no_grad():
         for idx in groups:
             if len(idx) == 1:
-                dsts[idx[0]].copy_(srcs[idx[0]], non_blocking=True)
+                dsts[idx[0]].copy_(srcs[idx[0]], non_blocking=non_blocking)
             else:
                 torch._foreach_copy_([dsts[i] for i in idx], [srcs[i] for i in idx],
-                                     non_blocking=True)
+                                     non_blocking=non_blocking)
 
 
 def copy_many(dsts: Sequence[Any], srcs: Sequence[Any]) -> None:

@@ -62,6 +62,17 @@ class Fields:
     def error(self, key: str, why: str) -> ProtocolError:
         return ProtocolError(f"{self._message}.{key}: {why}")
 
+    def packed(self) -> bytes | None:
+        """The whole map packed by msgpack: a key under which to keep what was read from it
+        (the same content packs to the same bytes); None when it holds what msgpack cannot
+        pack (reading it field by field then says what is wrong)."""
+        import msgpack
+
+        try:
+            return bytes(msgpack.packb(self._meta))
+        except (TypeError, ValueError, OverflowError):
+            return None
+
     def has(self, key: str) -> bool:
         return self._meta.get(key) is not None
 

@@ -39,12 +39,20 @@ _REGISTER_PORTABLE = 1
 
 
 def cuda_device_of(state_dict: Mapping[str, Any]) -> int | None:
-    """The one CUDA device index holding every tensor, or None (CPU, mixed, or empty)."""
-    devices = {(t.device.type, t.device.index) for t in state_dict.values()}
-    if len(devices) != 1:
-        return None
-    kind, index = devices.pop()
-    return int(index or 0) if kind == "cuda" else None
+    """The one CUDA device index holding every tensor, or None (CPU, mixed, or empty).
+
+    Asked per pull: the cheap properties only (``t.device`` makes an object per tensor),
+    and a CPU state dict is answered at its first tensor."""
+    index = None
+    for t in state_dict.values():
+        if not t.is_cuda:
+            return None
+        here = t.get_device()
+        if index is None:
+            index = here
+        elif here != index:
+            return None
+    return index
 
 
 def _device_uuid(index: int) -> str:

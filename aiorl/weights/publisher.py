@@ -7,8 +7,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
+from aiorl.cuda.bulk_copy import copy_grouped
 from aiorl.errors import PeerLostError
 from aiorl.protocol.weights import Announce, Layout, RegisterPublisher, ShardSource
 from aiorl.runtime import AsyncWork
@@ -16,7 +15,7 @@ from aiorl.runtime.promise import trace_until_settled
 from aiorl.trace import recorder as _trace
 from aiorl.weights import cuda
 from aiorl.weights.cuda import CudaSlots, cuda_device_of
-from aiorl.weights.layout import check_layout, layout_of, tensor_bytes
+from aiorl.weights.layout import TensorPlan, check_types, layout_of
 from aiorl.weights.nccl import GpuFanout
 from aiorl.weights.segment import SLOTS, VersionedSegment
 from aiorl.weights.service import DirectoryCall, WeightsService
@@ -76,6 +75,7 @@ class WeightPublisher:
         self.num_shards = num_shards
         self.bucket_bytes = bucket_bytes
         self._layout: Layout | None = None
+        self._plan: TensorPlan | None = None  # made from the layout of the first publish
         self._segment: VersionedSegment | None = None
         self._gpu: CudaSlots | None = None  # GPU copies of the slots, for a CUDA state dict
         self._fanout: GpuFanout | None = None  # NCCL rounds to other GPUs (aiorl.weights.nccl)
@@ -141,7 +141,11 @@ class WeightPublisher:
         """
         if type(version) is not int:
             raise TypeError(f"a version must be an int, got {type(version).__name__}")
-        layout_of(state_dict, self.bucket_bytes)  # type errors now, on the caller's thread
+        # Type errors now, on the caller's thread (the layout is checked in the work).
+        if self._plan is None:
+            layout_of(state_dict, self.bucket_bytes)
+        else:
+            check_types(state_dict)
         work = self.service.run(self._publish(state_dict, version))
         if _trace.ON:  # the version tag follows a trainer step through the pipeline
             trace_until_settled(work, _trace.begin("weights", f"publish {self.name}", None,
@@ -155,7 +159,8 @@ class WeightPublisher:
             if self._version is not None and version <= self._version:
                 raise ValueError(f"version {version} is not newer than the published "
                                  f"{self._version}: versions must increase")
-            segment, layout = await self._segment_for(state_dict)
+            segment, plan = await self._segment_for(state_dict)
+            tensors = plan.sources(state_dict)
             if self._version is None and self._floor is not None and version <= self._floor:
                 raise ValueError(
                     f"version {version} of weights {self.name!r} is not newer than version "
@@ -172,8 +177,9 @@ class WeightPublisher:
             complete = False
             try:
                 if gpu is None:
-                    await self.service.copy(lambda: write_tensors(layout, state_dict,
-                                                                  segment.slot(slot)))
+                    await self.service.copy(lambda: write_tensors(
+                        tensors, plan.host_places(segment, slot, segment.slot(slot)),
+                        plan.groups))
                 else:  # the GPU slot, then (if wanted) its host bytes from it: one copy each
                     dst = segment.slot(slot) if host else None
                     await self.service.copy(lambda: gpu.write(slot, state_dict, dst))
@@ -300,10 +306,12 @@ class WeightPublisher:
                 await call(Announce(self.service.worker, self.shard, version, slot,
                                     host=segment.host_version(slot) == version))
 
-    async def _segment_for(self, state_dict: Mapping[str, Any]) -> tuple[VersionedSegment, Layout]:
-        if self._segment is not None and self._layout is not None:
-            check_layout(self._layout, state_dict)
-            return self._segment, self._layout
+    async def _segment_for(self, state_dict: Mapping[str, Any]
+                           ) -> tuple[VersionedSegment, TensorPlan]:
+        """The segment and the plan of this publisher's layout, made and registered by the
+        first publish (from ``state_dict``); later ones check against the plan."""
+        if self._segment is not None and self._plan is not None:
+            return self._segment, self._plan
         layout = layout_of(state_dict, self.bucket_bytes)
         device = cuda_device_of(state_dict)
         gpu = None if device is None else CudaSlots(layout, device, SLOTS)
@@ -330,9 +338,10 @@ class WeightPublisher:
         service.on_close(self._unpin)
         self._floor = registered.floor
         self._segment, self._layout, self._gpu, self._fanout = segment, layout, gpu, fanout
+        self._plan = TensorPlan(layout)
         self._source = source
         await service.on_directory_restart(self.name, self._restore)
-        return segment, layout
+        return segment, self._plan
 
 
     def _unpin(self) -> None:
@@ -345,17 +354,8 @@ class WeightPublisher:
                 log.info("weights %r: host slots not unpinned: %r", self.name, exc)
 
 
-def write_tensors(layout: Layout, state_dict: Mapping[str, Any], slot: Any) -> None:
-    """Copy every tensor of ``state_dict`` into its place in ``slot`` (a uint8 array)."""
-    import torch
-
-    for spec in layout.tensors:
-        if spec.nbytes == 0:
-            continue
-        src = state_dict[spec.name]
-        dst = slot[spec.offset : spec.offset + spec.nbytes]
-        if src.device.type == "cpu" and src.is_contiguous():
-            np.copyto(dst, tensor_bytes(src))
-        else:  # a CUDA or strided tensor: torch copies it into a typed view of the slot
-            with torch.no_grad():
-                torch.from_numpy(dst).view(src.dtype).view(src.shape).copy_(src)
+def write_tensors(tensors: list[Any], places: list[Any], groups: list[list[int]]) -> None:
+    """Copy the tensors of a state dict (`TensorPlan.sources`) to their places in a host slot
+    (`TensorPlan.host_places`), one fused copy per dtype (`TensorPlan.groups`); CUDA and
+    strided tensors too, each finished on return."""
+    copy_grouped(places, tensors, groups, non_blocking=False)

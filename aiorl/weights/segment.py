@@ -126,6 +126,10 @@ class VersionedSegment:
         self._fd, self._header_mm = _sparse_segment(self.size)
         self._mm: mmap.mmap | None = None  # the whole segment, once the host bytes exist
         self._bytes: Any = None
+        #: What users of the slots made from their bytes and keep, by their own key (the
+        #: typed views of `aiorl.weights.layout.TensorPlan.host_places`): it goes with the
+        #: mapping, which cannot close while a view of it exists.
+        self.kept: dict[Any, Any] = {}
         self.header = np.frombuffer(self._header_mm, dtype=np.int64, count=_WORDS)
         self.header[1 : 2 * SLOTS : 2] = _NO_VERSION
         self.header[_HOST:] = _NO_VERSION
@@ -229,6 +233,7 @@ class VersionedSegment:
         return True
 
     def close(self) -> None:
+        self.kept.clear()
         del self.header  # numpy views must go before the mappings can close
         self._bytes = None
         _close_mapping(self._mm)
@@ -253,6 +258,10 @@ class SegmentReader:
         self._header_mm = open_segment(ref.pid, ref.fd, _HEADER, writable=False)
         self.header = np.frombuffer(self._header_mm, dtype=np.int64, count=_WORDS)
         self._bytes: Any = None
+        #: What users of the slots made from their bytes and keep, by their own key (the
+        #: typed views of `aiorl.weights.layout.TensorPlan.host_places`): it goes with the
+        #: mapping, which cannot close while a view of it exists.
+        self.kept: dict[Any, Any] = {}
 
     def slot(self, slot: int) -> Any:
         if self._bytes is None:

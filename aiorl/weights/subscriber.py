@@ -15,13 +15,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
+from aiorl.cuda.bulk_copy import copy_grouped
 from aiorl.errors import PeerLostError
 from aiorl.protocol.weights import HostPull, Layout, NodeView, Poll, SegmentRef, ShardSource
 from aiorl.runtime import AsyncWork
@@ -30,7 +28,7 @@ from aiorl.trace import recorder as _trace
 from aiorl.transport.shared_memory import ShmUnavailable
 from aiorl.weights import cuda
 from aiorl.weights.gpu_representative import GpuRepresentative
-from aiorl.weights.layout import tensor_bytes
+from aiorl.weights.layout import TensorPlan, plan_of
 from aiorl.weights.node_relay import NodeRelay
 from aiorl.weights.segment import SLOTS, SegmentReader
 from aiorl.weights.service import POLL_S, DirectoryCall, WeightsService
@@ -393,7 +391,8 @@ class WeightSubscriber:
     def _copy_sources(self, view: NodeView, into: Mapping[str, Any]) -> bool:
         version = view.version
         assert version is not None
-        check_into(view.layouts, into)
+        plans = [plan_of(layout) for layout in view.layouts]
+        dsts = [plan.destinations(into) for plan in plans]  # raises on a wrong into
         for shard, (source, layout) in enumerate(zip(view.sources, view.layouts, strict=True)):
             on_gpu = view.gpu_sources[shard] if view.gpu_sources else None
             if source.cuda is not None and cuda.same_device(source.cuda, into):
@@ -403,8 +402,9 @@ class WeightSubscriber:
                 assert on_gpu is not None
                 copied = self._read_gpu(on_gpu, version, layout, into)
             else:  # from the host slot (also while a GPU round is still in flight)
-                copied = self._reader(source.ref).read(source.slots[version], version,
-                                                       _from_host(layout, into))
+                reader, slot = self._reader(source.ref), source.slots[version]
+                copied = reader.read(slot, version,
+                                     _from_host(plans[shard], dsts[shard], reader, slot))
             if not copied:
                 return False
         return True
@@ -474,9 +474,11 @@ class WeightSubscriber:
         self._gpu_slots.clear()
 
 
-def _from_host(layout: Layout, into: Mapping[str, Any]) -> Callable[[Any], None]:
+def _from_host(plan: TensorPlan, dsts: list[Any], reader: SegmentReader,
+               slot: int) -> Callable[[Any], None]:
     """The copy of one shard out of its host slot (given to the seqlocked read)."""
-    return lambda host_slot: read_tensors(layout, host_slot, into)
+    return lambda host_slot: read_tensors(plan.host_places(reader, slot, host_slot), dsts,
+                                          plan.groups)
 
 
 def _from_gpu(layout: Layout, gpu_slot: cuda.GpuSlot,
@@ -486,34 +488,8 @@ def _from_gpu(layout: Layout, gpu_slot: cuda.GpuSlot,
     return lambda _host_slot: gpu_slot.read(layout, into)
 
 
-def check_into(layouts: tuple[Layout, ...], into: Mapping[str, Any]) -> None:
-    """Raise unless ``into`` has every published tensor, with the same dtype and shape."""
-    published = {spec.name: spec for layout in layouts for spec in layout.tensors}
-    missing = sorted(set(published) - set(into))
-    if missing:
-        raise KeyError(f"into has no tensor for published {missing[:5]}")
-    for name, spec in published.items():
-        t = into[name]
-        dtype = str(getattr(t, "dtype", "")).removeprefix("torch.")
-        if dtype != spec.dtype or tuple(getattr(t, "shape", ())) != spec.shape:
-            raise ValueError(f"into[{name!r}] is {dtype}{list(getattr(t, 'shape', []))}; the "
-                             f"published tensor is {spec.dtype}{list(spec.shape)}")
-
-
-def read_tensors(layout: Layout, slot: Any, into: Mapping[str, Any]) -> None:
-    """Copy every tensor of ``layout`` from ``slot`` (uint8 array) into ``into``, in place."""
-    import torch
-
-    for spec in layout.tensors:
-        if spec.nbytes == 0:
-            continue
-        src = slot[spec.offset : spec.offset + spec.nbytes]
-        dst = into[spec.name]
-        if dst.device.type == "cpu" and dst.is_contiguous():
-            np.copyto(tensor_bytes(dst), src)
-            continue
-        # A CUDA or strided tensor: torch copies from a typed view (read only, so torch
-        # warns that it is not writable; it is only read).
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore", UserWarning)
-            dst.copy_(torch.from_numpy(src).view(dst.dtype).view(dst.shape))
+def read_tensors(places: list[Any], dsts: list[Any], groups: list[list[int]]) -> None:
+    """Copy each tensor's place in a host slot (`TensorPlan.host_places`) into its tensor of
+    ``into`` (`TensorPlan.destinations`), one fused copy per dtype (`TensorPlan.groups`);
+    CUDA and strided destinations too, each finished on return."""
+    copy_grouped(dsts, places, groups, non_blocking=False)

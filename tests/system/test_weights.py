@@ -8,7 +8,6 @@ versions shows up as a tensor that is not uniform or not equal to the version re
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import time
@@ -71,9 +70,9 @@ class Trainer(aiorl.Worker):
         """Start writing ``version`` and get SIGKILLed after half of the tensors."""
         import aiorl.weights.publisher as publisher
 
-        def write_half_then_die(layout: Any, state_dict: Any, slot: Any) -> None:
-            for spec in layout.tensors[: len(layout.tensors) // 2]:
-                slot[spec.offset : spec.offset + spec.nbytes] = 0x7F
+        def write_half_then_die(tensors: Any, places: Any, groups: Any) -> None:
+            for place in places[: len(places) // 2]:
+                place.fill_(0x7F)
             os.kill(os.getpid(), signal.SIGKILL)
 
         publisher.write_tensors = write_half_then_die
@@ -110,9 +109,9 @@ class Rollout(aiorl.Worker):
 
         fast_read = subscriber.read_tensors
 
-        def slow_read(layout: Any, slot: Any, into: Any) -> None:
-            for spec in layout.tensors:
-                fast_read(dataclasses.replace(layout, tensors=(spec,)), slot, into)
+        def slow_read(places: Any, dsts: Any, groups: Any) -> None:
+            for place, dst in zip(places, dsts, strict=True):
+                fast_read([place], [dst], [[0]])
                 time.sleep(0.02)
 
         if slow:
