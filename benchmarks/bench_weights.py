@@ -1,12 +1,15 @@
 """One weight update, 1 publisher -> N subscribers on one node: aiorl.weights side by side.
 
-Run: ``python benchmarks/bench_weights.py [--size-mb 1024] [--subs 1,4,8] [--reps 3]``.
+Run: ``python benchmarks/bench_weights.py [--size-mb 1024] [--subs 1,4,8] [--reps 3]
+[--tensors N]``.
 Prints a table of medians, writes ``benchmarks/results/weights.json`` and plots time
 against subscribers to ``docs/img/weights.png`` (when matplotlib is importable).
 
 The state dict: ~200 tensors of mixed sizes (a few large "embedding" tensors, many
 mid-sized matrices, small biases), half fp32 and half bf16, ``--size-mb`` in total. Every
-subscriber receives it *in place*, into a state dict of its own allocated beforehand. The
+subscriber receives it *in place*, into a state dict of its own allocated beforehand.
+``--tensors N`` makes it N tensors of one size instead (fp32 and bf16 in turn), where the
+cost per tensor shows. The
 time of one update runs from the moment the publisher starts (``time.perf_counter``, one
 clock for every process of the host) to the moment the last subscriber holds the version.
 
@@ -47,9 +50,16 @@ NUM_TENSORS = 200
 RAW: dict[str, dict[int, list[float]]] = {}
 
 
+#: ``--tensors``: that many tensors of one size instead of the mixed state dict (0: mixed);
+#: from the environment, which the workers and floor readers inherit.
+EQUAL_TENSORS = int(os.environ.get("BENCH_WEIGHTS_TENSORS", "0"))
+
+
 def make_state(total_bytes: int, fill: float = 0.0) -> dict[str, torch.Tensor]:
-    """~200 tensors summing to ``total_bytes``: 4 large, 96 mid-sized, 100 small; fp32/bf16."""
-    weights = [40.0] * 4 + [8.0] * 96 + [0.05] * (NUM_TENSORS - 100)
+    """~200 tensors summing to ``total_bytes``: 4 large, 96 mid-sized, 100 small; fp32/bf16
+    (or `EQUAL_TENSORS` of one size)."""
+    weights = ([1.0] * EQUAL_TENSORS if EQUAL_TENSORS
+               else [40.0] * 4 + [8.0] * 96 + [0.05] * (NUM_TENSORS - 100))
     scale = total_bytes / sum(weights)
     sd: dict[str, torch.Tensor] = {}
     for i, w in enumerate(weights):
@@ -321,7 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subs", default="1,4,8")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--no-ray", action="store_true")
+    parser.add_argument("--tensors", type=int, default=0,
+                        help="that many tensors of one size instead of the mixed ~200")
     args = parser.parse_args(argv)
+    global EQUAL_TENSORS
+    EQUAL_TENSORS = args.tensors
+    os.environ["BENCH_WEIGHTS_TENSORS"] = str(args.tensors)  # before any process starts
     subs = [int(x) for x in args.subs.split(",")]
     total = args.size_mb << 20
     sd = make_state(total)
@@ -335,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
                  "torch": torch.__version__, "loadavg_at_start": os.getloadavg()},
-        "size_mb": args.size_mb, "num_tensors": NUM_TENSORS, "reps": args.reps,
+        "size_mb": args.size_mb, "num_tensors": args.tensors or NUM_TENSORS, "reps": args.reps,
         "series": {k: {str(n): v for n, v in s.items()} for k, s in series.items()},
         "ray": ray_out if isinstance(ray_out, str) else "ran",
         "raw": {k: {str(n): v for n, v in s.items()} for k, s in RAW.items()},
