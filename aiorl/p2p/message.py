@@ -54,12 +54,8 @@ class Lease(Protocol):
         """``nbytes`` from ``offset`` as a flat uint8 numpy array (no copy)."""
         ...
 
-    def hold(self) -> None:
-        """One more holder (a second array viewing the same memory)."""
-        ...
-
     def release(self) -> None:
-        """One holder fewer; the last one gives the memory back (any thread)."""
+        """Give the memory back (once; any thread)."""
         ...
 
 
@@ -200,15 +196,17 @@ class InMessage:
                     out.append(arr)
             return out
         self.lease = None  # the arrays own the segment from here on
-        for k, (n, offset) in enumerate(self.sources):
-            arr = lease.view(n, offset)
-            if k:
-                lease.hold()
-            f = weakref.finalize(arr, lease.release)
-            f.atexit = False
-            out.append(arr)
         if not self.sources:
             lease.release()
+            return out
+        # One array over every buffer, which each buffer's array slices (numpy's ``base``):
+        # the segment is given back when the last of them is gone, with one finalizer per
+        # message instead of one per tensor.
+        start = min(offset for _, offset in self.sources)
+        whole = lease.view(max(offset + n for n, offset in self.sources) - start, start)
+        weakref.finalize(whole, lease.release).atexit = False
+        for n, offset in self.sources:
+            out.append(whole[offset - start : offset - start + n])
         return out
 
     def release(self) -> None:

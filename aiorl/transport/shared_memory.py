@@ -199,14 +199,14 @@ class SegmentPool:
 
 
 class Lease:
-    """A mapping of a segment that received arrays view; ``on_free`` runs once, when the last
-    holder lets go (any thread: finalizers of received arrays release their hold)."""
+    """A mapping of a segment that a received message's arrays view; ``on_free`` runs once,
+    at the first `release`: from the finalizer of the one array every received array of
+    the message slices (any thread), or when the message's bytes were copied out."""
 
-    __slots__ = ("mm", "count", "lock", "_on_free")
+    __slots__ = ("mm", "lock", "_on_free")
 
     def __init__(self, mm: Any, on_free: Callable[[], None]) -> None:
-        self.mm: Any = mm  # None once freed
-        self.count = 1  # holders
+        self.mm: Any = mm  # None once released
         self.lock = threading.Lock()
         self._on_free = on_free
 
@@ -214,20 +214,15 @@ class Lease:
         """``nbytes`` of the segment from ``offset`` as a flat uint8 numpy array (no copy)."""
         import numpy as np
 
-        assert self.mm is not None, "a segment was read after its last holder let go"
+        assert self.mm is not None, "a segment was read after it was released"
         return np.frombuffer(self.mm, dtype=np.uint8, count=nbytes, offset=offset)
 
-    def hold(self) -> None:
-        with self.lock:
-            self.count += 1
-
     def release(self) -> None:
-        """One holder fewer; the last one unmaps the segment and runs ``on_free``."""
+        """Give the segment back (once; later calls do nothing). The mapping itself is
+        unmapped when the last array viewing it is gone."""
         with self.lock:
-            self.count -= 1
-            last = self.count == 0
-        if last:
-            self.mm = None  # unmapped when the last array viewing it is gone
+            held, self.mm = self.mm is not None, None
+        if held:
             self._on_free()
 
 
