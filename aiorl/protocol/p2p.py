@@ -189,15 +189,22 @@ def _desc(value: object, message: str, field: str) -> list[Any] | None:
 
 
 def _specs(value: object, message: str) -> list[TensorSpec]:
-    """A CUDA descriptor's ``[[dtype, shape], ...]``, one per tensor of the message."""
+    """A CUDA descriptor's ``[[dtype, shape], ...]``, one per tensor of the message.
+
+    A state dict names 1,000 tensors or more: each is checked by plain comparisons, and
+    the error naming the field is worded only for a spec that fails them."""
     if (type(value) is not list and type(value) is not tuple) or len(value) > _MAX_LIST:
         raise _bad(message, "specs", f"expected a list of at most {_MAX_LIST} tensor specs")
     for i, spec in enumerate(value):
-        where = f"specs[{i}]"
-        if (type(spec) is not list and type(spec) is not tuple) or len(spec) != 2:
-            raise _bad(message, where, "expected [dtype, shape]")
-        _text(spec[0], message, f"{where}.dtype", _MAX_DTYPE)
-        _ints(spec[1], message, f"{where}.shape")
+        if not ((type(spec) is list or type(spec) is tuple) and len(spec) == 2
+                and type(spec[0]) is str and 0 < len(spec[0]) <= _MAX_DTYPE
+                and (type(spec[1]) is list or type(spec[1]) is tuple)
+                and all(type(n) is int and 0 <= n <= _INT64 for n in spec[1])):
+            where = f"specs[{i}]"
+            if (type(spec) is not list and type(spec) is not tuple) or len(spec) != 2:
+                raise _bad(message, where, "expected [dtype, shape]")
+            _text(spec[0], message, f"{where}.dtype", _MAX_DTYPE)
+            _ints(spec[1], message, f"{where}.shape")
     return list(value)
 
 
@@ -419,6 +426,15 @@ def _parts(value: object, message: str) -> list[IpcPart]:
         raise _bad(message, "parts", f"expected a list of at most {_MAX_LIST} parts")
     parts = []
     for i, part in enumerate(value):
+        # Plain comparisons first (a state dict has 1,000 parts); the error is worded only
+        # for a part that fails them.
+        if (type(part) is list or type(part) is tuple) and len(part) == 4:
+            share_id, args, offset, nbytes = part
+            if (type(share_id) is int and type(offset) is int and type(nbytes) is int
+                    and 0 <= share_id <= _INT64 and 0 <= offset <= _INT64
+                    and 0 <= nbytes <= _INT64 and args is None):
+                parts.append(IpcPart(share_id, None, offset, nbytes))
+                continue
         where = f"{message}.parts[{i}]"
         share_id, args, offset, nbytes = _fields(
             part, ("share_id", "args", "offset", "nbytes"), where)
