@@ -25,7 +25,7 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -lt 2 ] && n=2;
 # every supported Python besides the one that runs the whole suite (.ci/pythons).
 UNIT_TESTS = tests/unit
 
-.PHONY: torch setup demo test test-unit test-fast smoke test-stress lock chaos bench gpu-check lint docs docs-build
+.PHONY: torch setup demo test test-unit test-fast smoke test-stress lock chaos bench gpu-check gpu-wheels lint docs docs-build
 
 # torch alone from its index, with one short try (no retries: an unreachable index costs
 # seconds, not minutes of retry warnings; PyPI instead, said in one line), then its
@@ -85,6 +85,16 @@ chaos:
 # benchmarks/results/gpu-<device>.json to commit. Without CUDA it says so and exits 0.
 gpu-check:
 	$(PYTHON) benchmarks/gpu_check.py
+
+# The wheels a GPU machine's image lacks (the lock's versions), for the device tool's carry
+# (.whl, ignored by git): then `bash benchmarks/gpu_session.sh` there.
+GPU_WHEELS = pyzmq==27.3.0 omegaconf==2.4.0 setproctitle==1.3.8 pytest-asyncio==1.5.0
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $(GPU_WHEELS)
+	@grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
+	@ls .whl
 
 bench: setup
 	$(PYTHON) -m pip install -q "ray==2.60.0" || echo "ray not installed: its columns stay empty"
