@@ -51,6 +51,7 @@ from aiorl.p2p.paths.cuda_host import stage
 from aiorl.p2p.paths.cuda_ipc import release_ref_counter_files
 from aiorl.p2p.sender import Sender, SenderStatistics
 from aiorl.p2p.settings import RESOLVE_RETRY_S
+from aiorl.p2p.window import ReceiveWindow, receive_window
 from aiorl.protocol.ops import AgentOp, P2POp
 from aiorl.protocol.p2p import (
     Hello,
@@ -58,6 +59,7 @@ from aiorl.protocol.p2p import (
     PathControl,
     SegmentAck,
     SegmentDrop,
+    Taken,
     TransferDone,
     batch_from_wire,
     cuda_control_from_wire,
@@ -84,8 +86,10 @@ _REWATCH_FIRST_S = 0.02
 _RELAY_P2P = AgentOp.RELAY_P2P.value
 _DATA, _BATCH = P2POp.DATA.value, P2POp.BATCH.value
 #: Credit owed to a relayed source below a quarter of its window waits this long for more
-#: (`P2PEngine._grant`).
+#: (`P2PEngine._grant`), and so does a direct source's count of messages taken
+#: (`P2PEngine._owe_taken`).
 GRANT_DELAY_S = 0.01
+_TAKEN = P2POp.TAKEN.value
 _REWATCH_MAX_S = 1.0
 _M = TypeVar("_M")
 
@@ -170,6 +174,11 @@ class P2PEngine:
         self._grants: dict[tuple[str, str], int] = {}
         self._grants_soon = False  # a send of the grants at the end of this loop iteration
         self._grants_later: asyncio.TimerHandle | None = None  # ... or after GRANT_DELAY_S
+        #: A direct pair's receive window: what a receiver may hold from one sender untaken.
+        self.receive_window = receive_window()
+        #: Inboxes whose sender is owed a count of messages taken (`_owe_taken`).
+        self._owing: list[Inbox] = []
+        self._taken_later: asyncio.TimerHandle | None = None
         # Bound once: on every call's path.
         self._loop_tid = runtime.loop_thread.thread_id  # compared inline on each send/recv
         self._submit = runtime.submit
@@ -182,6 +191,7 @@ class P2PEngine:
         ep.handle(P2POp.CUDA.value, partial(self._on_control, read=cuda_control_from_wire))
         ep.handle(P2POp.HELLO.value, self._on_hello)
         ep.handle(P2POp.VIA.value, self._on_via)
+        ep.handle(_TAKEN, self._on_taken)
         self._via_handlers = {_DATA: self._on_data, _BATCH: self._on_batch}
         ep.on_peer_lost(self._on_peer_lost)
         runtime.on_close(self.close)
@@ -318,7 +328,7 @@ class P2PEngine:
         """The Inbox for worker ``name``, created (and the source watched for loss) once."""
         ib = self._inboxes.get(name)
         if ib is None:
-            ib = self._inboxes[name] = Inbox(self, name)
+            ib = self._inboxes[name] = Inbox(self, name, self._owe_taken)
             if not self._closed:
                 self.spawn(self._watch_source(ib))
         return ib
@@ -368,7 +378,8 @@ class P2PEngine:
                 relay = await self._relay_route(peer_node, address)
                 if s.lost_exc is not None:
                     return  # lost while this node's agent was looked up
-        s.on_resolved(address, same_node, relay)
+        s.on_resolved(address, same_node, relay,
+                      None if relay is not None else ReceiveWindow(self.receive_window))
 
     async def _relay_route(self, peer_node: str, address: str) -> RelayRoute | None:
         """The route through the node agents to ``address``; None (a direct connection)
@@ -516,13 +527,16 @@ class P2PEngine:
         if via.op == P2P_CREDIT:
             s = self._sender_by_address.get(via.src_address)
             if s is not None and s.relay is not None:
-                s.relay.credit(via.meta[0])
+                s.relay.release(via.meta[0])
             return  # else: a Sender that is gone, or a direct one: nothing to grant
         inner = Incoming(self.endpoint, via.src_identity, msg.kind, 0, via.op, via.meta, msg.frames)
         try:
             self._via_handlers[via.op](inner)
         finally:  # read, handled or not: the sender may send these bytes again
             self._grant(via.src_node, via.src_address, envelope_bytes(msg.frames))
+        src = via.meta[0] if via.meta else None  # the handler made its Inbox, if well formed
+        if type(src) is str and (ib := self._inboxes.get(src)) is not None:
+            ib.relayed = True  # its window is the relay's credit: no p2p.taken goes back
 
     def _grant(self, node: str, address: str, nbytes: int) -> None:
         """Owe ``nbytes`` of credit to the relayed source at ``address``.
@@ -574,6 +588,38 @@ class P2PEngine:
                 _warn.warning("p2p.credit", "%s: cannot grant relayed credit: %s", self.name, exc)
                 return
 
+    def _owe_taken(self, ib: Inbox) -> None:
+        """Receives took a message from ``ib``'s source: tell it within ``GRANT_DELAY_S``,
+        with whatever else was taken meanwhile (one ``p2p.taken`` per source and delay, not
+        per message: a small message's round trip stays one message each way)."""
+        self._owing.append(ib)
+        if self._taken_later is None:
+            self._taken_later = self.loop.call_later(GRANT_DELAY_S, self._send_taken)
+
+    def _send_taken(self) -> None:
+        """Tell each owed source how many of its messages were taken (its window's grant)."""
+        self._taken_later = None
+        owing, self._owing = self._owing, []
+        for ib in owing:
+            if ib.relayed or ib.lost_exc is not None or self._closed:
+                ib.taken = 0  # a relayed source's window is its credit; a lost one needs none
+                continue
+            if ib.address is None:  # its name not resolved yet: told on the next round
+                self._owe_taken(ib)
+                continue
+            count, ib.taken = ib.taken, 0
+            try:
+                self.endpoint.send_oneway(ib.address, _TAKEN, Taken(self.name, count).to_wire())
+            except Exception as exc:  # noqa: BLE001 - the source is gone: its loss is reported
+                log.debug("%s: cannot tell %s what was taken: %r", self.name, ib.name, exc)
+
+    def _on_taken(self, msg: Incoming) -> None:
+        """``p2p.taken`` from a receiver: its receives took that many of our messages."""
+        taken = self._read(msg, Taken.from_wire)
+        if taken is not None and (s := self._senders.get(taken.src)) is not None \
+                and s.receive is not None:
+            s.receive.taken(taken.count)
+
     def _on_hello(self, msg: Incoming) -> None:
         """A sender's set-up questions; a malformed one raises, and the endpoint answers the
         error (the sender goes on without the paths that asked)."""
@@ -622,6 +668,8 @@ class P2PEngine:
             ib.close()
         for task in list(self._tasks):
             task.cancel()
+        if self._taken_later is not None:
+            self._taken_later.cancel()
         # Last: torch unlinks its CUDA IPC reference-counter files only in a static
         # destructor, which a forked worker's os._exit skips (the files stayed in /dev/shm).
         release_ref_counter_files()

@@ -76,9 +76,13 @@ class Inbox:
         "cpu_paths",
         "cuda_paths",
         "inflight",
+        "taken",
+        "relayed",
+        "_on_taken",
     )
 
-    def __init__(self, engine: PathHost, name: str) -> None:
+    def __init__(self, engine: PathHost, name: str,
+                 on_taken: Callable[[Inbox], None] | None = None) -> None:
         self.engine = engine
         self.name = name
         self.address: str | None = None  # from the registry watch (for loss detection)
@@ -91,6 +95,12 @@ class Inbox:
         self.cpu_paths: dict[int, RecvPath] = {}  # by tag, created on first use
         self.cuda_paths: dict[int, RecvPath] = {}
         self.inflight: set[InMessage] = set()  # messages whose CUDA payload is still landing
+        #: Messages receives took since the sender was last told (its window's grant,
+        #: ``p2p.taken``): ``on_taken(self)`` runs when this leaves 0 (the engine sends it).
+        self.taken = 0
+        self._on_taken = on_taken
+        #: The source's messages come through the node agents (its window is the relay's).
+        self.relayed = False
 
     def _path(self, cuda: bool, tag: int) -> RecvPath:
         paths = self.cuda_paths if cuda else self.cpu_paths
@@ -145,6 +155,9 @@ class Inbox:
         ):
             # Fast path: a small object for a waiting recv().
             posted.popleft()
+            self.taken += 1
+            if self.taken == 1 and self._on_taken is not None:
+                self._on_taken(self)
             try:
                 value = _loads(frames[0])
             except Exception as exc:  # noqa: BLE001 - e.g. a class missing here
@@ -178,6 +191,9 @@ class Inbox:
                 r = posted[0]
                 if r.buf is None and not r.work.done():  # done(): see handle()
                     posted.popleft()
+                    self.taken += 1
+                    if self.taken == 1 and self._on_taken is not None:
+                        self._on_taken(self)
                     try:
                         value = _loads(frame)
                     except Exception as exc:  # noqa: BLE001 - e.g. a class missing here
@@ -214,7 +230,14 @@ class Inbox:
                 fut.add_done_callback(lambda _f: self.inflight.discard(inc))
 
     # ------------------------------------------------------------------ delivery
+    def _took(self) -> None:
+        """A receive took one of the source's messages (or a receive was waiting for it)."""
+        self.taken += 1
+        if self.taken == 1 and self._on_taken is not None:
+            self._on_taken(self)
+
     def _deliver(self, r: PostedRecv, inc: InMessage) -> None:
+        self._took()
         if inc.error is not None:
             inc.release()
             reject_work(r.work, inc.error)

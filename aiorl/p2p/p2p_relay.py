@@ -29,12 +29,12 @@ bounded by the sender, not by how fast the receiver or the agents drain it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
+from aiorl.p2p.window import Window
 from aiorl.protocol.ops import AgentOp
 from aiorl.protocol.p2p_relay import envelope_bytes
 from aiorl.util.settings import count_setting
@@ -82,16 +82,18 @@ def relay_window(environ: Mapping[str, str] = os.environ) -> int:
     return value
 
 
-class RelayRoute:
+class RelayRoute(Window):
     """How a relayed Sender's control messages leave: wrapped for this node's agent, within
-    the pair's credit window (see the module docstring)."""
+    the pair's credit window (see the module docstring): a `Window` of the bytes sent
+    that the receiver has not granted back yet."""
 
-    __slots__ = ("endpoint", "agent", "_head", "_tail", "window", "outstanding", "_waiter")
+    __slots__ = ("endpoint", "agent", "_head", "_tail")
 
     def __init__(
         self, endpoint: Endpoint, agent: str, dst_node: str, dst_address: str, identity: bytes,
         src_node: str, window: int,
     ) -> None:
+        super().__init__(window)
         self.endpoint = endpoint
         self.agent = agent  # this worker's node agent: the first hop
         #: The envelope's fixed fields: the destination, and the routing id the receiver
@@ -99,30 +101,6 @@ class RelayRoute:
         self._head = (dst_node, dst_address, identity)
         #: ... and where the receiver's credit comes back to.
         self._tail = (src_node, endpoint.address)
-        self.window = window
-        #: Bytes sent toward the receiver that it has not granted back yet.
-        self.outstanding = 0
-        self._waiter: asyncio.Future[None] | None = None
-
-    def has_room(self, queued: int = 0) -> bool:
-        """Whether a message may go now (``queued``: bytes already batched to go)."""
-        return self.outstanding + queued < self.window
-
-    def wait_room(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
-        """Resolves when a credit arrives (or `wake` is called: the pair is lost)."""
-        if self._waiter is None or self._waiter.done():
-            self._waiter = loop.create_future()
-        return self._waiter
-
-    def credit(self, nbytes: int) -> None:
-        """The receiver consumed ``nbytes``: they may be sent again."""
-        self.outstanding = max(0, self.outstanding - nbytes)
-        self.wake()
-
-    def wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
 
     def send(self, op: str, meta: list[Any], frames: Sequence[Any]) -> None:
         """Send the p2p message ``op``/``meta`` toward the destination (raises what

@@ -25,8 +25,10 @@ the receiver, in call order (``docs/ordering.md``). The Sender keeps that order:
      behind it.
 4. **Completion**: when every path that placed part of the message says its bytes may
    be reused (at once, ZMQ released the frames, the receiver read them, the GPU is done).
-   A relayed Sender also waits, before each message, for its pair's credit
-   (`aiorl.p2p.p2p_relay`): sends behind a spent window wait in the backlog, in order.
+   Before each message a Sender checks its pair's window (`aiorl.p2p.window`): a direct
+   pair's, what the receiver holds that no receive has taken (each message charged its
+   `message_cost` once it left); a relayed pair's, its credit (`aiorl.p2p.p2p_relay`).
+   Sends behind a spent window wait in the backlog, in order.
 
 Loss: `Sender.lost` fails the backlog, the batch and the pending sends, then lets
 each path fail what it still waits for (its own completion tokens) and release its
@@ -44,7 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiorl.errors import PeerLostError, ProtocolError
-from aiorl.p2p.message import OutMessage, cuda_specs
+from aiorl.p2p.message import OutMessage, cuda_specs, nbytes_of
 from aiorl.p2p.paths import CPU_PATHS, CUDA_PATHS, RELAYED_PATHS
 from aiorl.p2p.paths.base import (
     PathHost,
@@ -57,6 +59,7 @@ from aiorl.p2p.paths.base import (
 )
 from aiorl.p2p.paths.cuda_host import stage, staged_future, staged_ready
 from aiorl.p2p.settings import BATCH_MAX_BYTES, BATCH_MAX_MSGS, HELLO_TIMEOUT_S
+from aiorl.p2p.window import MESSAGE_COST, ReceiveWindow, Window
 from aiorl.protocol.ops import P2POp
 from aiorl.protocol.p2p import (
     K_OBJ,
@@ -104,7 +107,8 @@ class SenderStatistics:
     lost: bool
     paths: Mapping[str, PathStatistics]  # by path name; only the paths that apply
     relayed: bool = False  # through the node agents (`aiorl.p2p.p2p_relay`), not a connection
-    #: Relayed: bytes sent that the receiver has not granted back yet (its window's use).
+    #: The pair's window in use (`aiorl.p2p.window`): relayed, the bytes sent that the
+    #: receiver has not read; direct, what it holds that no receive has taken.
     outstanding: int = 0
 
     def usable(self, path: str) -> bool | None:
@@ -122,6 +126,8 @@ class Sender:
         "address",
         "same_node",
         "relay",
+        "window",
+        "receive",
         "ready",
         "resolved",
         "backlog",
@@ -147,6 +153,10 @@ class Sender:
         self.address: str | None = None
         self.same_node = False
         self.relay: RelayRoute | None = None
+        #: What a send waits for when it is spent: the relay's credit, or the receive window.
+        self.window: Window | None = None
+        #: A direct pair's messages the receiver holds untaken (`aiorl.p2p.window`).
+        self.receive: ReceiveWindow | None = None
         self.ready = False
         self.resolved: asyncio.Future[None] = engine.loop.create_future()
         self.backlog: deque[tuple[OutMessage, AsyncWork[None]]] = deque()
@@ -172,15 +182,20 @@ class Sender:
         return next(self._tokens)
 
     # ------------------------------------------------------------------ resolution
-    def on_resolved(self, address: str, same_node: bool, relay: RelayRoute | None = None) -> None:
+    def on_resolved(self, address: str, same_node: bool, relay: RelayRoute | None = None,
+                    receive: ReceiveWindow | None = None) -> None:
         """The destination is known: create the paths that apply to it and start sending.
 
         ``relay``: this pair's messages go through the node agents (for the Sender's
-        life), so only the paths that need no set-up and send nothing back apply.
+        life), so only the paths that need no set-up and send nothing back apply; its
+        credit is the pair's window. ``receive``: a direct pair's window (what the
+        receiver holds untaken).
         """
         self.address = address
         self.same_node = same_node
         self.relay = relay
+        self.receive = receive if relay is None else None
+        self.window = relay if relay is not None else self.receive
         engine = self.engine
         cpu: list[SendPath] = []
         cuda: list[SendPath] = []
@@ -203,8 +218,11 @@ class Sender:
         if self.lost_exc is not None:
             reject_work(work, lost_error(self.lost_exc, f"cannot send to {self.name}"))
             return
-        relay = self.relay
-        if self.ready and not self.backlog and (relay is None or relay.has_room(self.outbox_bytes)):
+        window = self.window
+        if self.ready and not self.backlog and (
+            window is None or window.outstanding < window.open_below or window.has_room(
+                self.outbox_bytes + MESSAGE_COST * len(self.outbox_works))
+        ):
             if msg.inline is not None:
                 self._enqueue(msg, work)
                 return
@@ -267,11 +285,13 @@ class Sender:
                 if self.askers and self._needs_setup(msg):
                     await self._hello(msg)
                     continue  # re-check: the loss of the peer may have emptied the backlog
-                relay = self.relay
-                if relay is not None and not relay.has_room(self.outbox_bytes):
-                    # The pair's credit is spent: wait for the receiver to consume (the
-                    # module docstring of aiorl.p2p.p2p_relay); later sends wait behind.
-                    await relay.wait_room(self.engine.loop)
+                window = self.window
+                if window is not None and not window.has_room(
+                        self.outbox_bytes + MESSAGE_COST * len(self.outbox_works)):
+                    # The pair's window is spent: wait for the receiver to read (a relay's
+                    # credit) or take (a direct pair's receives) what it holds
+                    # (aiorl.p2p.window); later sends wait behind.
+                    await window.wait_room(self.engine.loop)
                     continue  # re-check: the loss of the peer may have emptied the backlog
                 backlog.popleft()
                 self._emit(msg, work)
@@ -341,6 +361,8 @@ class Sender:
                     cudadesc = EmptyCudaDesc(specs).to_wire()
             self._send(_DATA, data_to_wire(self._src, msg.kind, msg.head, bufdesc, cudadesc),
                        frames)
+            if self.receive is not None:
+                self.receive.charge(message_cost(msg))
         except BaseException as exc:  # noqa: BLE001 - nothing went out: the send fails, not hangs
             for placed in (placed_cpu, placed_cuda):
                 if placed is not None and placed.undo is not None:
@@ -389,11 +411,11 @@ class Sender:
         frame = msg.inline
         if msg.kind == K_OBJ:
             self.outbox.append(OBJECT_ENTRY)
-            self.outbox_bytes += len(frame)
+            n = len(frame)
         else:
             n = msg.nbytes
             self.outbox.append([msg.kind, msg.head, frames_to_wire([n], [1])])
-            self.outbox_bytes += n
+        self.outbox_bytes += n
         self.outbox_frames.append(frame)
         works = self.outbox_works
         works.append(work)
@@ -409,7 +431,7 @@ class Sender:
         works = self.outbox_works
         if not works:
             return
-        metas, frames = self.outbox, self.outbox_frames
+        metas, frames, nbytes = self.outbox, self.outbox_frames, self.outbox_bytes
         self.outbox, self.outbox_frames, self.outbox_works, self.outbox_bytes = [], [], [], 0
         try:
             if len(works) == 1:
@@ -418,6 +440,8 @@ class Sender:
             else:
                 op, meta = _BATCH, batch_to_wire(self._src, metas)
             self._send(op, meta, frames)
+            if self.receive is not None:  # each its `message_cost`, in all
+                self.receive.charge_batch(len(works), nbytes + MESSAGE_COST * len(works))
         except BaseException as exc:  # noqa: BLE001 - the sends fail, they do not hang
             for w in works:
                 reject_work(w, exc)
@@ -462,8 +486,8 @@ class Sender:
         self.pending.clear()
         for path in (*self.cpu_paths, *self.cuda_paths):
             path.lost(exc)
-        if self.relay is not None:
-            self.relay.wake()  # a backlog waiting for credit: its pump ends
+        if self.window is not None:
+            self.window.wake()  # a backlog waiting for its window: its pump ends
 
     def close(self) -> None:
         for path in (*self.cpu_paths, *self.cuda_paths):
@@ -479,8 +503,19 @@ class Sender:
             lost=self.lost_exc is not None,
             paths={name: path.statistics() for name, path in self.path_names.items()},
             relayed=self.relay is not None,
-            outstanding=0 if self.relay is None else self.relay.outstanding,
+            outstanding=0 if self.window is None else self.window.outstanding,
         )
+
+
+def message_cost(msg: OutMessage) -> int:
+    """What ``msg`` counts in its pair's receive window: its payload's bytes (pickle, CPU
+    buffers, CUDA tensors) and `MESSAGE_COST`."""
+    cost = MESSAGE_COST + msg.nbytes
+    if msg.pickle is not None:
+        cost += len(msg.pickle)
+    for t in msg.cuda:
+        cost += nbytes_of(t)
+    return cost
 
 
 def _place(paths: tuple[SendPath, ...], msg: OutMessage, frames: list[Any]) -> Placed:

@@ -176,6 +176,9 @@ class P2POp(StrEnum):
     #: Receiver -> sender, relayed: the bytes the receiver consumed, its grant
     #: (`aiorl.protocol.p2p_relay`).
     CREDIT = "p2p.credit"
+    #: Receiver -> sender, one-way: receives took that many more of the sender's messages,
+    #: the direct pair's window grant (`Taken`, ``aiorl.p2p.window``).
+    TAKEN = "p2p.taken"
 
 
 class ChannelOp(StrEnum):

@@ -79,6 +79,7 @@ __all__ = [
     "SegmentAck",
     "SegmentDrop",
     "ShmDesc",
+    "Taken",
     "TensorSpec",
     "TransferDone",
     "batch_from_wire",
@@ -124,6 +125,7 @@ _MAX_LIST: Final = 1 << 20
 _DATA, _BATCH, _ACK, _DROP = (P2POp.DATA.value, P2POp.BATCH.value, P2POp.ACK.value,
                               P2POp.DROP.value)
 _DONE, _CUDA, _HELLO = P2POp.DONE.value, P2POp.CUDA.value, P2POp.HELLO.value
+_TAKEN = P2POp.TAKEN.value
 _BUFDESC, _CUDADESC = f"{_DATA}.bufdesc", f"{_DATA}.cudadesc"
 
 
@@ -532,6 +534,23 @@ class SegmentDrop(_SegmentNote):
     """`P2POp.DROP`, sender -> receiver: forget shared segment ``seg_id`` (the sender closed it)."""
 
     _OP: ClassVar[str] = _DROP
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """`P2POp.TAKEN`, receiver -> sender: receives at ``src`` took ``count`` more of the
+    sender's messages (what its receive window releases: ``aiorl.p2p.window``)."""
+
+    src: str
+    count: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.src, self.count]
+
+    @classmethod
+    def from_wire(cls, meta: object) -> Self:
+        src, count = _fields(meta, ("src", "count"), _TAKEN)
+        return cls(_src(src, _TAKEN), _int(count, _TAKEN, "count", lo=1))
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ from aiorl.protocol.p2p import (
     SegmentAck,
     SegmentDrop,
     ShmDesc,
+    Taken,
     TransferDone,
     batch_from_wire,
     batch_to_wire,
@@ -72,6 +73,7 @@ MESSAGES: list[Any] = [
     NcclDesc(None, None, SPECS, 11, ADDR),
     SegmentAck("g:1", 3),
     SegmentDrop("g:0", 3),
+    Taken("g:1", 12),
     TransferDone("g:1", 7, None),
     TransferDone("g:1", 7, "OSError(1, 'Operation not permitted')"),
     TransferDone("g:1", 7, NcclReply("ready")),
@@ -116,7 +118,7 @@ def test_the_wire_keeps_its_layout() -> None:
     """Both ends read fields by position (maps for the set-up): the layout is the wire format."""
     assert [o.value for o in P2POp] == [
         "p2p.data", "p2p.batch", "p2p.ack", "p2p.drop", "p2p.hello", "p2p.done", "p2p.cuda",
-        "p2p.via", "p2p.credit"]
+        "p2p.via", "p2p.credit", "p2p.taken"]
     assert (K_OBJ, K_CPU, K_CUDA) == (0, 1, 2)
     assert (FRAMES, SHM, CMA) == (0, 1, 2)
     assert (NCCL, IPC, NOTHING, HOST) == (0, 1, 2, 3)
@@ -133,6 +135,7 @@ def test_the_wire_keeps_its_layout() -> None:
                                    11, ADDR]
     assert SegmentAck("g:1", 3).to_wire() == ["g:1", 3]
     assert SegmentDrop("g:0", 3).to_wire() == ["g:0", 3]
+    assert Taken("g:1", 12).to_wire() == ["g:1", 12]
     assert TransferDone("g:1", 7, None).to_wire() == ["g:1", 7, None]
     assert TransferDone("g:1", 7, NcclReply("ready")).to_wire() == ["g:1", 7, ["ready"]]
     assert NcclReply("go", "gid", ["h", 1]).to_wire() == ["go", "gid", ["h", 1]]
@@ -179,6 +182,7 @@ READERS: dict[str, Callable[[Any], Any]] = {
     "nccl": NcclDesc.from_wire,
     "ack": SegmentAck.from_wire,
     "drop": SegmentDrop.from_wire,
+    "taken": Taken.from_wire,
     "done": TransferDone.from_wire,
     "cuda": cuda_control_from_wire,
     "hello": Hello.from_wire,
@@ -252,6 +256,10 @@ READERS: dict[str, Callable[[Any], Any]] = {
     ("ack", [None, 3], r"p2p\.ack\.src"),
     ("ack", ["g:1"], r"p2p\.ack: expected a list of 2 fields"),
     ("drop", ["g:0", -3], r"p2p\.drop\.seg_id"),
+    ("taken", ["g:1", 0], r"p2p\.taken\.count"),  # a grant of nothing is no grant
+    ("taken", ["g:1", "3"], r"p2p\.taken\.count"),
+    ("taken", ["", 3], r"p2p\.taken\.src"),
+    ("taken", ["g:1"], r"p2p\.taken: expected a list of 2 fields"),
     ("done", ["g:1", -7, None], r"p2p\.done\.token"),
     ("done", ["g:1", 7, 404], r"p2p\.done\.reply"),
     ("done", ["g:1", 7, ["maybe"]], r"p2p\.done\.reply\.kind"),
