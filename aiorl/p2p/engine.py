@@ -191,7 +191,7 @@ class P2PEngine:
         ep.handle(P2POp.CUDA.value, partial(self._on_control, read=cuda_control_from_wire))
         ep.handle(P2POp.HELLO.value, self._on_hello)
         ep.handle(P2POp.VIA.value, self._on_via)
-        ep.handle(_TAKEN, self._on_taken)
+        ep.on_event(_TAKEN, self._on_taken)
         self._via_handlers = {_DATA: self._on_data, _BATCH: self._on_batch}
         ep.on_peer_lost(self._on_peer_lost)
         runtime.on_close(self.close)
@@ -597,27 +597,27 @@ class P2PEngine:
             self._taken_later = self.loop.call_later(GRANT_DELAY_S, self._send_taken)
 
     def _send_taken(self) -> None:
-        """Tell each owed source how many of its messages were taken (its window's grant)."""
+        """Tell each owed source how many of its messages were taken (its window's grant),
+        back over the connection its messages came on (no connection of our own to it)."""
         self._taken_later = None
         owing, self._owing = self._owing, []
         for ib in owing:
-            if ib.relayed or ib.lost_exc is not None or self._closed:
-                ib.taken = 0  # a relayed source's window is its credit; a lost one needs none
-                continue
-            if ib.address is None:  # its name not resolved yet: told on the next round
-                self._owe_taken(ib)
-                continue
             count, ib.taken = ib.taken, 0
-            try:
-                self.endpoint.send_oneway(ib.address, _TAKEN, Taken(self.name, count).to_wire())
-            except Exception as exc:  # noqa: BLE001 - the source is gone: its loss is reported
-                log.debug("%s: cannot tell %s what was taken: %r", self.name, ib.name, exc)
+            if ib.relayed or ib.sender is None or ib.lost_exc is not None or self._closed:
+                continue  # a relayed source's window is its credit; a lost one needs none
+            self.endpoint.push_event(ib.sender, _TAKEN, Taken(self.name, count).to_wire())
 
-    def _on_taken(self, msg: Incoming) -> None:
-        """``p2p.taken`` from a receiver: its receives took that many of our messages."""
-        taken = self._read(msg, Taken.from_wire)
-        if taken is not None and (s := self._senders.get(taken.src)) is not None \
-                and s.receive is not None:
+    def _on_taken(self, address: str, meta: Any, frames: list[Any]) -> None:
+        """``p2p.taken`` from the receiver at ``address``: its receives took that many of our
+        messages. Matched by address, so a dead receiver's word never reaches the Sender
+        toward its successor."""
+        try:
+            taken = Taken.from_wire(meta)
+        except ProtocolError as exc:
+            _warn.warning(_TAKEN, "%s: dropped a malformed %s event: %s", self.name, _TAKEN, exc)
+            return
+        s = self._sender_by_address.get(address)
+        if s is not None and s.name == taken.src and s.receive is not None:
             s.receive.taken(taken.count)
 
     def _on_hello(self, msg: Incoming) -> None:

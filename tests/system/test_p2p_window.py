@@ -2,8 +2,9 @@
 sender's messages that no receive has taken (plus one message), and the sender's later sends
 wait, in order, until receives take some (`aiorl.p2p.window`).
 
-Real workers on one node (shared memory and CMA paths); the groups set a small window in
-their environment so that the bound shows with megabytes.
+Real workers on one node (shared memory and CMA paths) and on two (ZMQ frames; the count
+comes back over the sender's own connection); the groups set a small window in their
+environment so that the bound shows with megabytes.
 """
 
 from __future__ import annotations
@@ -80,15 +81,15 @@ GROUP: dict[str, Any] = {}
 
 @pytest.fixture(scope="module")
 def cluster():
-    with aiorl.Cluster(num_nodes=1) as c:
+    with aiorl.Cluster(num_nodes=2) as c:
         yield c
 
 
 @pytest.fixture
 def pair(cluster: Any, request: Any) -> Any:
-    window = request.param
-    g = Pair.create_group().launch(cluster, name=f"win{window}",
-                                   placement_strategy=NodePlacementStrategy([0, 0]),
+    window, nodes = request.param if isinstance(request.param, tuple) else (request.param, 0)
+    g = Pair.create_group().launch(cluster, name=f"win{window}n{nodes}",
+                                   placement_strategy=NodePlacementStrategy([0, nodes]),
                                    env={"AIORL_P2P_WINDOW": str(window)})
     GROUP["g"] = g
     try:
@@ -97,7 +98,8 @@ def pair(cluster: Any, request: Any) -> Any:
         g.close()
 
 
-@pytest.mark.parametrize("pair", [4 * MiB], indirect=True)
+@pytest.mark.parametrize("pair", [(4 * MiB, 0), (4 * MiB, 1)], indirect=True,
+                         ids=["one node", "two nodes"])
 def test_sends_wait_while_the_receiver_holds_a_window_and_go_as_receives_take(pair: Any) -> None:
     pair.execute_on(0).start_sends(8, MiB).wait(30)
     # Four 1 MiB messages (each also counts its header and 1 KiB) fill 4 MiB: the fifth waits.
