@@ -155,9 +155,7 @@ class Inbox:
         ):
             # Fast path: a small object for a waiting recv().
             posted.popleft()
-            self.taken += 1
-            if self.taken == 1 and self._on_taken is not None:
-                self._on_taken(self)
+            self._took()
             try:
                 value = _loads(frames[0])
             except Exception as exc:  # noqa: BLE001 - e.g. a class missing here
@@ -191,9 +189,7 @@ class Inbox:
                 r = posted[0]
                 if r.buf is None and not r.work.done():  # done(): see handle()
                     posted.popleft()
-                    self.taken += 1
-                    if self.taken == 1 and self._on_taken is not None:
-                        self._on_taken(self)
+                    self._took()
                     try:
                         value = _loads(frame)
                     except Exception as exc:  # noqa: BLE001 - e.g. a class missing here
