@@ -591,7 +591,10 @@ class P2PEngine:
     def _owe_taken(self, ib: Inbox) -> None:
         """Receives took a message from ``ib``'s source: tell it within ``GRANT_DELAY_S``,
         with whatever else was taken meanwhile (one ``p2p.taken`` per source and delay, not
-        per message: a small message's round trip stays one message each way)."""
+        per message: a small message's round trip stays one message each way). A relayed
+        source is not told (its window is the relay's credit): its count just grows."""
+        if ib.relayed:
+            return
         self._owing.append(ib)
         if self._taken_later is None:
             self._taken_later = self.loop.call_later(GRANT_DELAY_S, self._send_taken)

@@ -23,11 +23,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from aiorl.cuda.bulk_copy import copy_grouped, dtype_groups
+from aiorl.cuda.bulk_copy import copy_grouped
 from aiorl.cuda.devices import device_uuid
-from aiorl.cuda.tensors import typed_view
-from aiorl.p2p.message import dtype_of
-from aiorl.protocol.weights import CudaExport, Layout, TensorSpec
+from aiorl.protocol.weights import CudaExport, Layout
+from aiorl.weights.layout import TensorPlan, plan_of
 
 __all__ = ["CudaSlots", "cuda_device_of", "device_uuid_of", "open_slots",
            "pin_host", "GpuSlot", "same_device", "unpin_host"]
@@ -77,10 +76,8 @@ class CudaSlots:
         # Each tensor's place in each slot, a typed view made once, and the places grouped
         # by dtype: per publish one fused copy per dtype (`aiorl.cuda.bulk_copy`), since the
         # slicings and launches of 1,000 tensors would cost more than the copies.
-        specs = [spec for spec in layout.tensors if spec.nbytes]
-        self._names = [spec.name for spec in specs]
-        self._places = [typed_places(slot, specs) for slot in self.slots]
-        self._groups = dtype_groups([spec.dtype for spec in specs])
+        self._plan = plan_of(layout)
+        self._places = [self._plan.places(slot) for slot in self.slots]
 
     def write(self, slot: int, state_dict: Mapping[str, Any], host: Any = None) -> None:
         """Copy ``state_dict`` into GPU slot ``slot``, then, if ``host`` (the slot's host
@@ -89,8 +86,9 @@ class CudaSlots:
         import torch
 
         with torch.no_grad(), torch.cuda.device(self.device):
-            copy_grouped(self._places[slot], [state_dict[name] for name in self._names],
-                         self._groups)
+            plan = self._plan
+            copy_grouped(self._places[slot], [state_dict[name] for name in plan.copied_names],
+                         plan.groups)
             if host is not None:
                 torch.from_numpy(host).copy_(self.slots[slot], non_blocking=True)
             # The current stream is the copier thread's default stream, which orders after
@@ -161,27 +159,19 @@ class GpuSlot:
 
     def __init__(self, slot: Any) -> None:
         self.slot = slot
-        self._layout: Layout | None = None
-        self._names: list[str] = []
+        self._plan: TensorPlan | None = None
         self._places: list[Any] = []
-        self._groups: list[list[int]] = []
 
     def read(self, layout: Layout, into: Mapping[str, Any]) -> None:
         """Copy every tensor of ``layout`` from this slot into ``into`` (same device) and
         wait for the copies, so that the seqlock check after it covers them."""
         import torch
 
-        if layout is not self._layout:
-            specs = [spec for spec in layout.tensors if spec.nbytes]
-            self._names = [spec.name for spec in specs]
-            self._places = typed_places(self.slot, specs)
-            self._groups = dtype_groups([spec.dtype for spec in specs])
-            self._layout = layout
+        plan = plan_of(layout)
+        if plan is not self._plan:
+            self._places = plan.places(self.slot)
+            self._plan = plan
         with torch.no_grad(), torch.cuda.device(self.slot.device):
-            copy_grouped([into[name] for name in self._names], self._places, self._groups)
+            copy_grouped([into[name] for name in plan.copied_names], self._places, plan.groups)
             torch.cuda.current_stream().synchronize()
 
-
-def typed_places(slot: Any, specs: list[TensorSpec]) -> list[Any]:
-    """Each tensor's place in a slot (flat uint8), as a view of its dtype and shape."""
-    return [typed_view(slot, s.offset, s.nbytes, dtype_of(s.dtype), s.shape) for s in specs]

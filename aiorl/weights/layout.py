@@ -30,7 +30,7 @@ from aiorl.protocol.weights import Layout, TensorSpec
 from aiorl.transport.shared_memory import align
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "TensorPlan", "check_into", "check_layout", "check_types",
-           "layout_of", "plan_of", "tensor_bytes"]
+           "layout_of", "plan_of"]
 
 #: Default bucket size: large enough that a bucket's per-request cost is negligible, small
 #: enough that bucket k+1 is on the wire while a relay copies bucket k.
@@ -114,18 +114,12 @@ def _buckets(specs: list[TensorSpec], bucket_bytes: int) -> tuple[tuple[int, int
     return tuple(out)
 
 
-def tensor_bytes(tensor: Any) -> Any:
-    """A flat uint8 numpy view of a contiguous CPU tensor's bytes (any dtype, bf16 included)."""
-    import torch
-
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
-
-
 class TensorPlan:
     """A layout's tensors as torch objects, resolved once: a state dict is checked against
     it with one comparison per tensor, and copied into or out of a slot with one fused
     copy per dtype (`aiorl.cuda.bulk_copy.copy_grouped`) between the state dict's tensors
-    and typed views of the slot made once per slot (`places`)."""
+    and typed views of the slot made once per slot (`places`): host slots here, GPU
+    slots in `aiorl.weights.cuda`."""
 
     def __init__(self, layout: Layout) -> None:
         import torch
@@ -134,8 +128,10 @@ class TensorPlan:
         self._names = [spec.name for spec in layout.tensors]
         self._expected = [(dtype_of(spec.dtype), torch.Size(spec.shape))
                           for spec in layout.tensors]
-        #: The indices of the tensors that have bytes (an empty tensor copies nothing).
+        #: The indices of the tensors that have bytes (an empty tensor copies nothing) ...
         self._copied = [i for i, spec in enumerate(layout.tensors) if spec.nbytes]
+        #: ... and their names, in slot order (what a GPU slot copies: `aiorl.weights.cuda`).
+        self.copied_names = [self._names[i] for i in self._copied]
         #: `dtype_groups` of the copied tensors, for `copy_grouped`.
         self.groups = dtype_groups([layout.tensors[i].dtype for i in self._copied])
 
