@@ -423,11 +423,13 @@ def _drive(args: argparse.Namespace, plan: _Plan, job: _Job, display: Any) -> in
         finished.wait(REFRESH_S)
     train_s = time.monotonic() - t0
     train_results = train_work.wait()  # raises a trainer's RemoteError
-    # One last look, now that rank 0's history is complete.
-    snap, new = _snapshot(job, t0, args.steps, len(job.history))
-    display.update(snap, new)
     job.rollouts.exit().wait(EXIT_TIMEOUT_S)
     finals = run_work.wait(EXIT_TIMEOUT_S)
+    # One last look, once rank 0's history is complete and every rollout's exit() has
+    # asked the weights directory for the newest version: a look taken earlier can miss
+    # the final version's announcement, still on its way to a rollout's listener.
+    snap, new = _snapshot(job, t0, args.steps, len(job.history))
+    display.update(snap, new)
     display.close()
     totals = {
         "env_steps": sum(int(f.get("env_steps", 0)) for f in finals),
