@@ -573,7 +573,11 @@ class PollingWorker(Worker):
                 if cf.cancelled():
                     return
                 exc = cf.exception()
-                if exc is not None:
+                if isinstance(exc, ClusterClosedError):
+                    # As in run(): this process's runtime is stopping, not a failing poll.
+                    self._logger().info("%s: a poll ended by the runtime stopping after run() "
+                                        "was cancelled", self._display_name())
+                elif exc is not None:
                     self._logger().error("_poll raised after run() was cancelled", exc_info=exc)
                 else:
                     self._account(cf.result())

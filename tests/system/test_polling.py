@@ -23,6 +23,7 @@ import pytest
 import aiorl
 from aiorl.actors.mapping import MappingThread
 from aiorl.actors.polling import PollingWorker, PollResult
+from aiorl.errors import ClusterClosedError
 from aiorl.placement import NodePlacementStrategy
 
 pytestmark = pytest.mark.timeout(60)
@@ -365,6 +366,41 @@ def test_cancelled_run_still_counts_the_poll_in_flight() -> None:
         await w.exit()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("error, level", [
+    (ClusterClosedError("the aiorl runtime of w is stopped"), logging.INFO),
+    (RuntimeError("env crashed"), logging.ERROR),
+])
+def test_a_poll_ending_after_a_cancelled_run_is_logged_by_its_cause(
+        caplog: pytest.LogCaptureFixture, error: Exception, level: int) -> None:
+    """A poll the runtime's stop ended is news, not an error; any other exception is one."""
+    started, release = threading.Event(), threading.Event()
+
+    class Stopping(PollingWorker):
+        def _poll(self) -> PollResult:
+            started.set()
+            release.wait(10)
+            raise error
+
+    async def main() -> None:
+        w = Stopping()
+        await w.configure({"stats_interval": 60})
+        await w.start()
+        task = asyncio.create_task(w.run())
+        assert await asyncio.to_thread(started.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        await w.pause(wait=True)  # the orphaned poll has ended and been reported
+        await w.exit()
+
+    with caplog.at_level(logging.INFO, logger="aiorl"):
+        asyncio.run(main())
+    late = [r for r in caplog.records if "after run() was cancelled" in r.getMessage()]
+    assert [r.levelno for r in late] == [level], caplog.text
+    assert (late[0].exc_info is not None) == (level == logging.ERROR)
 
 
 # ---------------------------------------------------------------------- MappingThread
