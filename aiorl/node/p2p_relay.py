@@ -7,8 +7,9 @@ destination is on this node) or, as the same ``relay_p2p``, to the agent of the
 destination's node, from the registry's node list (watched: pushed on every change).
 Forwarding is synchronous and in arrival order, and messages for a node the list does
 not show yet wait, in order, behind one look-up: one pair's messages keep their order
-(docs/ordering.md). Credits (``p2p.credit``: bytes a receiver consumed) take the same way
-back to the sender.
+(docs/ordering.md). Credits (``p2p.credit``: bytes a receiver consumed) and counts of
+messages taken (``p2p.taken``: the pair's receive window) take the same way back to the
+sender; only credits are counted (below), and only they are ever kept back.
 
 **Bounds.** Every relayed pair is credit-based (`aiorl.p2p.p2p_relay`): its sender has at most
 its window unconsumed. The agent counts, from the envelopes and credits that cross it,
@@ -48,7 +49,7 @@ from typing import Any
 
 from aiorl.errors import ProtocolError
 from aiorl.protocol.ops import AgentOp
-from aiorl.protocol.p2p_relay import P2P_CREDIT, P2P_VIA, RelayedP2P, envelope_bytes
+from aiorl.protocol.p2p_relay import BACK_OPS, P2P_CREDIT, P2P_VIA, RelayedP2P, envelope_bytes
 from aiorl.protocol.registry import NodeInfo
 from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.util.ratelimit import RateLimitedLog
@@ -161,6 +162,9 @@ class P2PRelay:
         if relayed.op == P2P_CREDIT:
             self._on_credit(relayed)
             return
+        if relayed.op in BACK_OPS:  # a count of messages taken: nothing held, nothing kept
+            self._pass_back(relayed)
+            return
         node = relayed.dst_node
         if node == self.node_id:
             self._deliver(relayed, msg.frames)
@@ -196,7 +200,7 @@ class P2PRelay:
             _warn.warning("relay_p2p_forward", "dropped a p2p message for node %s: %s",
                           relayed.dst_node, exc)
             return
-        if relayed.op != P2P_CREDIT:
+        if relayed.op not in BACK_OPS:
             self._count(relayed, envelope_bytes(frames))
 
     # ------------------------------------------------------------------ credit
@@ -238,21 +242,24 @@ class P2PRelay:
         if nbytes != credit.meta[0]:
             credit = RelayedP2P(credit.dst_node, credit.dst_address, credit.src_identity,
                                 P2P_CREDIT, [nbytes], credit.src_node, credit.src_address)
-        node = credit.dst_node
+        self._pass_back(credit)
+
+    def _pass_back(self, back: RelayedP2P) -> None:
+        """``back`` (a credit, or a count of messages taken) on toward its sender."""
+        node = back.dst_node
         if node == self.node_id:
-            if self._is_local(credit.dst_address):  # else: a sender that is gone
+            if self._is_local(back.dst_address):  # else: a sender that is gone
                 try:
-                    self.endpoint.send_oneway(credit.dst_address, P2P_VIA,
-                                              credit.via().to_wire())
+                    self.endpoint.send_oneway(back.dst_address, P2P_VIA, back.via().to_wire())
                 except Exception as exc:  # noqa: BLE001 - a worker that is gone
-                    _warn.warning("relay_p2p_deliver", "dropped a p2p credit for %s: %s",
-                                  credit.dst_address, exc)
+                    _warn.warning("relay_p2p_deliver", "dropped a %s for %s: %s", back.op,
+                                  back.dst_address, exc)
             return
         agent = self._agents.get(node)
         if agent is None:  # a node that joined a moment ago: the look-up finds it, or drops it
-            self._hold_unlisted(node, credit.to_wire(), [])
+            self._hold_unlisted(node, back.to_wire(), [])
             return
-        self._forward(agent, credit, credit.to_wire(), [])
+        self._forward(agent, back, back.to_wire(), [])
 
     def _bounce(self, data: RelayedP2P, nbytes: int) -> None:
         """Grant ``data``'s bytes back to its sender, as if its receiver had consumed them:

@@ -14,8 +14,11 @@ order, whatever its kind or path; the receiver matches control messages to poste
 receives first-in first-out per sender. Beyond ``AIORL_P2P_DIRECT_PEERS`` destinations on
 other nodes, a pair's control messages take one fixed route through the node agents
 instead (`aiorl.p2p.p2p_relay`), FIFO at every hop, and arrive as ``p2p.via``; the receiver
-grants their bytes back to the sender as it reads them (``p2p.credit``, the pair's flow
-control): at once from a quarter of a window on, else within 10 ms.
+grants their bytes back to the sender as it reads them (``p2p.credit``, what bounds the
+agents): at once from a quarter of a window on, else within 10 ms. Every pair, direct or
+relayed, also has a receive window (`aiorl.p2p.window`): the receiver tells the sender how
+many messages its receives took (``p2p.taken``, within 10 ms), over the connection they came
+on or back through the agents.
 
 Threads: every public method may be called from the event loop (no thread hop) or from
 another thread such as a worker's method thread. Validation and pickling happen at call
@@ -65,7 +68,7 @@ from aiorl.protocol.p2p import (
     cuda_control_from_wire,
     data_from_wire,
 )
-from aiorl.protocol.p2p_relay import P2P_CREDIT, RelayedP2P, ViaP2P, envelope_bytes
+from aiorl.protocol.p2p_relay import P2P_CREDIT, P2P_TAKEN, RelayedP2P, ViaP2P, envelope_bytes
 from aiorl.runtime import AsyncWork, Runtime
 from aiorl.runtime.promise import reject, trace_until_settled
 from aiorl.runtime.waiter import BlockingWaiter
@@ -174,11 +177,14 @@ class P2PEngine:
         self._grants: dict[tuple[str, str], int] = {}
         self._grants_soon = False  # a send of the grants at the end of this loop iteration
         self._grants_later: asyncio.TimerHandle | None = None  # ... or after GRANT_DELAY_S
-        #: A direct pair's receive window: what a receiver may hold from one sender untaken.
+        #: Every pair's receive window: what a receiver may hold from one sender untaken.
         self.receive_window = receive_window()
         #: Inboxes whose sender is owed a count of messages taken (`_owe_taken`).
         self._owing: list[Inbox] = []
         self._taken_later: asyncio.TimerHandle | None = None
+        #: Counts of messages taken owed to relayed sources, waiting for this node's agent
+        #: to be known: (the source's node, its address, count).
+        self._taken_back: list[tuple[str, str, int]] = []
         # Bound once: on every call's path.
         self._loop_tid = runtime.loop_thread.thread_id  # compared inline on each send/recv
         self._submit = runtime.submit
@@ -378,8 +384,7 @@ class P2PEngine:
                 relay = await self._relay_route(peer_node, address)
                 if s.lost_exc is not None:
                     return  # lost while this node's agent was looked up
-        s.on_resolved(address, same_node, relay,
-                      None if relay is not None else ReceiveWindow(self.receive_window))
+        s.on_resolved(address, same_node, ReceiveWindow(self.receive_window), relay)
 
     async def _relay_route(self, peer_node: str, address: str) -> RelayRoute | None:
         """The route through the node agents to ``address``; None (a direct connection)
@@ -529,6 +534,9 @@ class P2PEngine:
             if s is not None and s.relay is not None:
                 s.relay.release(via.meta[0])
             return  # else: a Sender that is gone, or a direct one: nothing to grant
+        if via.op == P2P_TAKEN:
+            self._on_taken(via.src_address, via.meta, msg.frames)
+            return
         inner = Incoming(self.endpoint, via.src_identity, msg.kind, 0, via.op, via.meta, msg.frames)
         try:
             self._via_handlers[via.op](inner)
@@ -536,7 +544,7 @@ class P2PEngine:
             self._grant(via.src_node, via.src_address, envelope_bytes(msg.frames))
         src = via.meta[0] if via.meta else None  # the handler made its Inbox, if well formed
         if type(src) is str and (ib := self._inboxes.get(src)) is not None:
-            ib.relayed = True  # its window is the relay's credit: no p2p.taken goes back
+            ib.route_back = (via.src_node, via.src_address)  # where its p2p.taken goes
 
     def _grant(self, node: str, address: str, nbytes: int) -> None:
         """Owe ``nbytes`` of credit to the relayed source at ``address``.
@@ -566,49 +574,76 @@ class P2PEngine:
             self._grants_later = None
         if not self._grants or self._closed:
             return
+        agent = self._agent_back(self._send_grants)
+        if agent is None:
+            return
+        grants, self._grants = self._grants, {}
+        if not agent:  # not a node's worker: no route back (relayed messages reach workers)
+            return
+        self._relay_back(agent, P2P_CREDIT, [(*src, [nbytes]) for src, nbytes in grants.items()])
+
+    def _agent_back(self, again: Callable[[], None]) -> str | None:
+        """This node's agent, where what a relayed source is owed goes back: its endpoint,
+        "" where there is none (a driver), or None while it is looked up (``again`` runs
+        once it is known)."""
         found = self._agent
         if found is None:
             found = self._agent = self.loop.create_future()
             self.spawn(self._find_agent(found))
-        if not found.done():  # sent once this node's agent is known
-            found.add_done_callback(lambda _f: self._send_grants())
-            return
-        agent = found.result()
-        if agent is None:  # not a node's worker: no route back (relayed messages reach workers)
-            self._grants.clear()
-            return
-        grants, self._grants = self._grants, {}
+        if not found.done():
+            found.add_done_callback(lambda _f: again())
+            return None
+        return found.result() or ""
+
+    def _relay_back(self, agent: str, op: str, owed: list[tuple[str, str, list[Any]]]) -> None:
+        """Send ``op`` with each meta of ``owed`` to its relayed source (node, address),
+        through this node's ``agent`` (the relayed route back)."""
         assert self.node_id is not None  # a worker's engine: relayed messages reach workers
         me, identity, node = self.endpoint.address, self.endpoint.identity, self.node_id
-        for (src_node, src_address), nbytes in grants.items():
-            credit = RelayedP2P(src_node, src_address, identity, P2P_CREDIT, [nbytes], node, me)
+        for src_node, src_address, meta in owed:
+            back = RelayedP2P(src_node, src_address, identity, op, meta, node, me)
             try:
-                self.endpoint.send_oneway(agent, _RELAY_P2P, credit.to_wire())
+                self.endpoint.send_oneway(agent, _RELAY_P2P, back.to_wire())
             except Exception as exc:  # noqa: BLE001 - our agent is gone: so is this node
-                _warn.warning("p2p.credit", "%s: cannot grant relayed credit: %s", self.name, exc)
+                _warn.warning(op, "%s: cannot send %s to a relayed source: %s", self.name, op, exc)
                 return
 
     def _owe_taken(self, ib: Inbox) -> None:
         """Receives took a message from ``ib``'s source: tell it within ``GRANT_DELAY_S``,
         with whatever else was taken meanwhile (one ``p2p.taken`` per source and delay, not
-        per message: a small message's round trip stays one message each way). A relayed
-        source is not told (its window is the relay's credit): its count just grows."""
-        if ib.relayed:
-            return
+        per message: a small message's round trip stays one message each way)."""
         self._owing.append(ib)
         if self._taken_later is None:
             self._taken_later = self.loop.call_later(GRANT_DELAY_S, self._send_taken)
 
     def _send_taken(self) -> None:
         """Tell each owed source how many of its messages were taken (its window's grant),
-        back over the connection its messages came on (no connection of our own to it)."""
+        back the way its messages came: over their connection (no connection of our own to
+        it), or through the node agents."""
         self._taken_later = None
         owing, self._owing = self._owing, []
         for ib in owing:
             count, ib.taken = ib.taken, 0
-            if ib.relayed or ib.sender is None or ib.lost_exc is not None or self._closed:
-                continue  # a relayed source's window is its credit; a lost one needs none
-            self.endpoint.push_event(ib.sender, _TAKEN, Taken(self.name, count).to_wire())
+            if ib.sender is None or ib.lost_exc is not None or self._closed:
+                continue  # a lost source needs no grant
+            if ib.route_back is not None:
+                self._taken_back.append((*ib.route_back, count))
+            else:
+                self.endpoint.push_event(ib.sender, _TAKEN, Taken(self.name, count).to_wire())
+        if self._taken_back:
+            self._send_taken_back()
+
+    def _send_taken_back(self) -> None:
+        """Send the counts owed to relayed sources, through this node's agent."""
+        if self._closed:
+            return
+        agent = self._agent_back(self._send_taken_back)
+        if agent is None:
+            return
+        owed, self._taken_back = self._taken_back, []
+        if agent:
+            self._relay_back(agent, P2P_TAKEN,
+                             [(node, address, [self.name, n]) for node, address, n in owed])
 
     def _on_taken(self, address: str, meta: Any, frames: list[Any]) -> None:
         """``p2p.taken`` from the receiver at ``address``: its receives took that many of our

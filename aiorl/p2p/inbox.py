@@ -77,7 +77,7 @@ class Inbox:
         "cuda_paths",
         "inflight",
         "taken",
-        "relayed",
+        "route_back",
         "_on_taken",
     )
 
@@ -99,8 +99,9 @@ class Inbox:
         #: ``p2p.taken``): ``on_taken(self)`` runs when this leaves 0 (the engine sends it).
         self.taken = 0
         self._on_taken = on_taken
-        #: The source's messages come through the node agents (its window is the relay's).
-        self.relayed = False
+        #: Where the source's ``p2p.taken`` goes when its messages come through the node
+        #: agents: its (node, address); None for a direct source (back over its connection).
+        self.route_back: tuple[str, str] | None = None
 
     def _path(self, cuda: bool, tag: int) -> RecvPath:
         paths = self.cuda_paths if cuda else self.cpu_paths

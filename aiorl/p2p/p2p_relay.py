@@ -24,7 +24,9 @@ A send that finds the window full waits in the Sender's backlog, in order, and c
 later, as a direct pair's does when its socket is full. The window is checked before each
 message, whatever its size, so a message larger than the window still goes: a pair has at
 most the window plus one message in flight. What the agents hold for a pair is therefore
-bounded by the sender, not by how fast the receiver or the agents drain it.
+bounded by the sender, not by how fast the receiver or the agents drain it. The pair also
+has a direct pair's receive window (`aiorl.p2p.window`: what the receiver holds that no
+receive has taken), its ``p2p.taken`` counts relayed back the same way.
 """
 
 from __future__ import annotations

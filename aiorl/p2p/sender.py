@@ -25,10 +25,10 @@ the receiver, in call order (``docs/ordering.md``). The Sender keeps that order:
      behind it.
 4. **Completion**: when every path that placed part of the message says its bytes may
    be reused (at once, ZMQ released the frames, the receiver read them, the GPU is done).
-   Before each message a Sender checks its pair's window (`aiorl.p2p.window`): a direct
-   pair's, what the receiver holds that no receive has taken (each message charged its
-   `message_cost` once it left); a relayed pair's, its credit (`aiorl.p2p.p2p_relay`).
-   Sends behind a spent window wait in the backlog, in order.
+   Before each message a Sender checks its pair's windows (`aiorl.p2p.window`): every
+   pair's receive window, what the receiver holds that no receive has taken (each message
+   charged its `message_cost` once it left), and a relayed pair's credit too
+   (`aiorl.p2p.p2p_relay`). Sends behind a spent window wait in the backlog, in order.
 
 Loss: `Sender.lost` fails the backlog, the batch and the pending sends, then lets
 each path fail what it still waits for (its own completion tokens) and release its
@@ -107,9 +107,11 @@ class SenderStatistics:
     lost: bool
     paths: Mapping[str, PathStatistics]  # by path name; only the paths that apply
     relayed: bool = False  # through the node agents (`aiorl.p2p.p2p_relay`), not a connection
-    #: The pair's window in use (`aiorl.p2p.window`): relayed, the bytes sent that the
-    #: receiver has not read; direct, what it holds that no receive has taken.
+    #: The pair's receive window (`aiorl.p2p.window`): what the receiver holds that no
+    #: receive has taken, as charged (payload bytes and `MESSAGE_COST` per message).
     outstanding: int = 0
+    #: A relayed pair's credit: the bytes sent that the receiver has not read yet.
+    unread: int = 0
 
     def usable(self, path: str) -> bool | None:
         """Whether ``path`` was found usable toward this destination (None: not probed)."""
@@ -126,7 +128,7 @@ class Sender:
         "address",
         "same_node",
         "relay",
-        "window",
+        "windows",
         "receive",
         "ready",
         "resolved",
@@ -153,10 +155,10 @@ class Sender:
         self.address: str | None = None
         self.same_node = False
         self.relay: RelayRoute | None = None
-        #: What a send waits for when it is spent: the relay's credit, or the receive window.
-        self.window: Window | None = None
-        #: A direct pair's messages the receiver holds untaken (`aiorl.p2p.window`).
+        #: The pair's messages the receiver holds untaken (`aiorl.p2p.window`).
         self.receive: ReceiveWindow | None = None
+        #: What a send waits for while one is spent: the receive window, and a relay's credit.
+        self.windows: tuple[Window, ...] = ()
         self.ready = False
         self.resolved: asyncio.Future[None] = engine.loop.create_future()
         self.backlog: deque[tuple[OutMessage, AsyncWork[None]]] = deque()
@@ -182,20 +184,20 @@ class Sender:
         return next(self._tokens)
 
     # ------------------------------------------------------------------ resolution
-    def on_resolved(self, address: str, same_node: bool, relay: RelayRoute | None = None,
-                    receive: ReceiveWindow | None = None) -> None:
+    def on_resolved(self, address: str, same_node: bool, receive: ReceiveWindow | None = None,
+                    relay: RelayRoute | None = None) -> None:
         """The destination is known: create the paths that apply to it and start sending.
 
+        ``receive``: the pair's receive window (what the receiver holds untaken).
         ``relay``: this pair's messages go through the node agents (for the Sender's
         life), so only the paths that need no set-up and send nothing back apply; its
-        credit is the pair's window. ``receive``: a direct pair's window (what the
-        receiver holds untaken).
+        credit is a second window.
         """
         self.address = address
         self.same_node = same_node
         self.relay = relay
-        self.receive = receive if relay is None else None
-        self.window = relay if relay is not None else self.receive
+        self.receive = receive
+        self.windows = tuple(w for w in (receive, relay) if w is not None)
         engine = self.engine
         cpu: list[SendPath] = []
         cuda: list[SendPath] = []
@@ -218,11 +220,7 @@ class Sender:
         if self.lost_exc is not None:
             reject_work(work, lost_error(self.lost_exc, f"cannot send to {self.name}"))
             return
-        window = self.window
-        if self.ready and not self.backlog and (
-            window is None or window.outstanding < window.open_below or window.has_room(
-                self.outbox_bytes + MESSAGE_COST * len(self.outbox_works))
-        ):
+        if self.ready and not self.backlog and self._spent() is None:
             if msg.inline is not None:
                 self._enqueue(msg, work)
                 return
@@ -250,6 +248,15 @@ class Sender:
             reject_work(work, exc)
             return False
         return True
+
+    def _spent(self) -> Window | None:
+        """The first of the pair's windows that is spent, if one is: a message may go only
+        while none is (counting the small messages batched to go)."""
+        for window in self.windows:
+            if window.outstanding >= window.open_below and not window.has_room(
+                    self.outbox_bytes + MESSAGE_COST * len(self.outbox_works)):
+                return window
+        return None
 
     def _needs_setup(self, msg: OutMessage) -> bool:
         for path in self.askers:
@@ -285,12 +292,11 @@ class Sender:
                 if self.askers and self._needs_setup(msg):
                     await self._hello(msg)
                     continue  # re-check: the loss of the peer may have emptied the backlog
-                window = self.window
-                if window is not None and not window.has_room(
-                        self.outbox_bytes + MESSAGE_COST * len(self.outbox_works)):
-                    # The pair's window is spent: wait for the receiver to read (a relay's
-                    # credit) or take (a direct pair's receives) what it holds
-                    # (aiorl.p2p.window); later sends wait behind.
+                window = self._spent()
+                if window is not None:
+                    # A window of the pair is spent: wait for the receiver's receives to
+                    # take what it holds, or (a relay's credit) for it to read what is on
+                    # its way (aiorl.p2p.window); later sends wait behind.
                     await window.wait_room(self.engine.loop)
                     continue  # re-check: the loss of the peer may have emptied the backlog
                 backlog.popleft()
@@ -486,8 +492,8 @@ class Sender:
         self.pending.clear()
         for path in (*self.cpu_paths, *self.cuda_paths):
             path.lost(exc)
-        if self.window is not None:
-            self.window.wake()  # a backlog waiting for its window: its pump ends
+        for window in self.windows:
+            window.wake()  # a backlog waiting for its window: its pump ends
 
     def close(self) -> None:
         for path in (*self.cpu_paths, *self.cuda_paths):
@@ -503,7 +509,8 @@ class Sender:
             lost=self.lost_exc is not None,
             paths={name: path.statistics() for name, path in self.path_names.items()},
             relayed=self.relay is not None,
-            outstanding=0 if self.window is None else self.window.outstanding,
+            outstanding=0 if self.receive is None else self.receive.outstanding,
+            unread=0 if self.relay is None else self.relay.outstanding,
         )
 
 

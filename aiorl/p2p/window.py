@@ -7,10 +7,13 @@ the receiver releases some. Two windows use it:
 
 * a relayed pair's credit (`aiorl.p2p.p2p_relay.RelayRoute`): bytes the receiver has not
   read yet, released as its loop reads them (what the node agents hold for the pair);
-* every direct pair's `ReceiveWindow`: messages the receiver holds that no receive has
-  taken yet, released as receives take them (``p2p.taken``, a count), so that a sender
-  faster than its receiver's receives cannot fill the receiver's memory (or its GPU's, or
-  the sender's shared-memory pool) without bound. ``AIORL_P2P_WINDOW`` sets its limit.
+* every pair's `ReceiveWindow`, direct or relayed: messages the receiver holds that no
+  receive has taken yet, released as receives take them (``p2p.taken``, a count), so that
+  a sender faster than its receiver's receives cannot fill the receiver's memory (or its
+  GPU's, or the sender's shared-memory pool) without bound. ``AIORL_P2P_WINDOW`` sets its
+  limit.
+
+A relayed pair's Sender waits while either of its two is spent.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ class Window:
 
 
 class ReceiveWindow(Window):
-    """A direct pair's messages that the receiver holds untaken, each charged its cost
+    """A pair's messages that the receiver holds untaken, each charged its cost
     (payload bytes plus `MESSAGE_COST`) when it leaves; the receiver says how many of them
     receives took, in order (its receives take messages in the order they were sent), and
     the costs of that many are released.

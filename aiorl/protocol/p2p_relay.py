@@ -8,14 +8,17 @@ destination's node hands it to the worker as a `ViaP2P` (agent -> worker, one-wa
 ``p2p.via``), which the worker's p2p engine serves as the inner message sent by the
 original endpoint (``src_identity``: the routing id the receiver would have seen).
 
-Flow control: a relayed pair is credit-based, end to end. Each envelope names its source
-(``src_node``, ``src_address``); the receiving worker, as it reads relayed messages, sends
-the bytes it consumed back to their sender as ``p2p.credit`` (meta ``[bytes]``), relayed
-the same way in the other direction. The sender keeps at most its window
-(`aiorl.p2p.p2p_relay.relay_window`) unconsumed, and both agents count what crosses them toward
-each receiver from the envelopes and the credits (`aiorl.node.p2p_relay`). `envelope_bytes`
-is what both ends count for an envelope: its frames plus a fixed cost, so that a flood of
-empty messages is bounded too.
+Flow control: a relayed pair has two windows, and each has its word relayed back the
+other way. Each envelope names its source (``src_node``, ``src_address``); the receiving
+worker, as it reads relayed messages, sends the bytes it consumed back to their sender as
+``p2p.credit`` (meta ``[bytes]``): the sender keeps at most its credit window
+(`aiorl.p2p.p2p_relay.relay_window`) unconsumed, and both agents count what crosses them
+toward each receiver from the envelopes and the credits (`aiorl.node.p2p_relay`). As
+receives take the messages, it sends how many as ``p2p.taken`` (meta ``[src, count]``, a
+`aiorl.protocol.p2p.Taken`), the pair's receive window (`aiorl.p2p.window`), as a direct
+pair's receiver does over its connection; the agents pass it on without counting it.
+`envelope_bytes` is what both ends count for an envelope: its frames plus a fixed cost, so
+that a flood of empty messages is bounded too.
 
 Both are lists, not maps: they travel once per relayed message (or batch). ``from_wire``
 checks every field; the agents and the engine drop what does not pass.
@@ -33,18 +36,24 @@ if TYPE_CHECKING:
 from aiorl.errors import ProtocolError
 from aiorl.protocol.fields import MAX_SHORT
 from aiorl.protocol.ops import P2POp
+from aiorl.protocol.p2p import Taken
 
-__all__ = ["ENVELOPE_COST", "P2P_CREDIT", "P2P_VIA", "RELAYED_P2P_OPS", "RelayedP2P", "ViaP2P",
-           "envelope_bytes"]
+__all__ = ["BACK_OPS", "ENVELOPE_COST", "P2P_CREDIT", "P2P_TAKEN", "P2P_VIA", "RELAYED_P2P_OPS",
+           "RelayedP2P", "ViaP2P", "envelope_bytes"]
 
 #: The worker op that delivers a relayed message (the p2p engine serves it), as a plain str
 #: (an enum member costs msgpack a slow path per message).
 P2P_VIA: Final = P2POp.VIA.value
 #: Receiver -> sender, relayed: ``[bytes]`` the receiver (``src_address``) consumed: its grant.
 P2P_CREDIT: Final = P2POp.CREDIT.value
+#: Receiver -> sender, relayed: ``[src, count]``, messages its receives took (a `Taken`).
+P2P_TAKEN: Final = P2POp.TAKEN.value
+#: The ops that flow back, receiver -> sender: they carry no message, and the agents never
+#: count them as held for the worker they go to.
+BACK_OPS: Final = frozenset({P2P_CREDIT, P2P_TAKEN})
 #: The p2p ops that may be relayed: those that need no answer and no set-up, and the
-#: credit that flows back.
-RELAYED_P2P_OPS: Final = frozenset({P2POp.DATA.value, P2POp.BATCH.value, P2P_CREDIT})
+#: windows' words that flow back.
+RELAYED_P2P_OPS: Final = frozenset({P2POp.DATA.value, P2POp.BATCH.value, *BACK_OPS})
 #: What an envelope costs beyond its frames' bytes in the credit count (its header, and
 #: the agent's bookkeeping): a stream of tiny messages is bounded as bytes are.
 ENVELOPE_COST: Final = 256
@@ -83,6 +92,8 @@ def _inner(op: object, meta: object, message: str) -> str:
         len(meta) == 1 and type(meta[0]) is int and 0 < meta[0] <= _MAX_CREDIT
     ):
         raise ProtocolError(f"{message}.meta: a {P2P_CREDIT} is [bytes > 0]")
+    if op == P2P_TAKEN:
+        Taken.from_wire(meta)  # raises ProtocolError for a malformed count
     assert isinstance(op, str)
     return op
 

@@ -32,6 +32,7 @@ from aiorl.protocol.ops import AgentOp, P2POp
 from aiorl.protocol.p2p_relay import (
     ENVELOPE_COST,
     P2P_CREDIT,
+    P2P_TAKEN,
     RELAYED_P2P_OPS,
     RelayedP2P,
     ViaP2P,
@@ -236,7 +237,7 @@ def test_direct_peer_budget_parses_strictly() -> None:
 
 @pytest.mark.timeout(10)
 def test_envelopes_round_trip_and_refuse_what_may_not_be_relayed() -> None:
-    assert {P2POp.DATA, P2POp.BATCH, P2P_CREDIT} == RELAYED_P2P_OPS
+    assert {P2POp.DATA, P2POp.BATCH, P2P_CREDIT, P2P_TAKEN} == RELAYED_P2P_OPS
     assert P2POp.VIA == "p2p.via"
     inner = ["g:0", 0, None, None, None]
     src = ["node-a", "ipc:///x/s"]
@@ -245,6 +246,8 @@ def test_envelopes_round_trip_and_refuse_what_may_not_be_relayed() -> None:
     assert ViaP2P.from_wire(r.via().to_wire()) == ViaP2P(b"g:0/42/abcd", OP_DATA, inner, *src)
     credit = ["node-a", "ipc:///x/s", b"g:1/7/ef", P2P_CREDIT, [4096], "node-b", "ipc:///x/w"]
     assert RelayedP2P.from_wire(credit).meta == [4096]
+    taken = [*credit[:3], P2P_TAKEN, ["g:1", 3], *credit[5:]]
+    assert RelayedP2P.from_wire(taken).meta == ["g:1", 3]
     bad = [
         None,
         {"dst_node": "n"},
@@ -263,6 +266,10 @@ def test_envelopes_round_trip_and_refuse_what_may_not_be_relayed() -> None:
         [*credit[:4], [True], *credit[5:]],
         [*credit[:4], ["5"], *credit[5:]],
         [*credit[:4], [5, 5], *credit[5:]],
+        [*taken[:4], ["g:1", 0], *taken[5:]],  # took nothing
+        [*taken[:4], ["g:1"], *taken[5:]],
+        [*taken[:4], ["", 3], *taken[5:]],  # taken by nobody
+        [*taken[:4], [4096], *taken[5:]],  # a credit's meta
     ]
     for meta in bad:
         with pytest.raises(ProtocolError):
@@ -354,7 +361,8 @@ def test_agent_forwards_in_order_and_drops_what_it_cannot() -> None:
 def test_agent_counts_each_pair_and_keeps_credit_back_past_its_bounds() -> None:
     """Node "b"'s agent: receiver R (local) gets data from senders S1, S2 on node "a". Over
     the per-receiver bound, R's credits stay in the agent (one entry per pair) and go on,
-    oldest first, once R's count falls below; R's exit grants back what it never consumed."""
+    oldest first, once R's count falls below (its counts of messages taken never wait);
+    R's exit grants back what it never consumed."""
     R = "ipc:///r"
 
     async def run() -> None:
@@ -383,6 +391,14 @@ def test_agent_counts_each_pair_and_keeps_credit_back_past_its_bounds() -> None:
         # R consumed one of S1's: 3000 left, at the bound: the credit stays here.
         relay.on_relay_p2p(credit("ipc:///s1", 1000))
         assert ep.sent == [] and list(relay.kept.values())[0][1] == 1000
+        # R's receives took two of S1's messages: the count carries no message, so it goes
+        # on at once, over the bound or not, and changes no count.
+        relay.on_relay_p2p(_incoming(["a", "ipc:///s1", b"g:1/2/y", P2P_TAKEN, ["g:1", 2], "b", R],
+                                     []))
+        assert [(m[0], m[2][3], m[2][4]) for m in ep.sent] == [
+            ("tcp://agent-a", P2P_TAKEN, ["g:1", 2])]
+        assert relay.held_total == 3000 and len(relay.kept) == 1
+        ep.sent.clear()
         relay.on_relay_p2p(credit("ipc:///s1", 1000))  # same pair: one entry, summed
         assert ep.sent == [] or [m[2][4] for m in ep.sent] == [[2000]]
         assert relay.held_total == 2000 and not relay.kept  # below the bound: released

@@ -1,10 +1,11 @@
-"""A direct pair's receive window: a receiver holds at most ``AIORL_P2P_WINDOW`` bytes of one
+"""Every pair's receive window: a receiver holds at most ``AIORL_P2P_WINDOW`` bytes of one
 sender's messages that no receive has taken (plus one message), and the sender's later sends
 wait, in order, until receives take some (`aiorl.p2p.window`).
 
-Real workers on one node (shared memory and CMA paths) and on two (ZMQ frames; the count
-comes back over the sender's own connection); the groups set a small window in their
-environment so that the bound shows with megabytes.
+One contract, every route: real workers on one node (shared memory and CMA paths), on two
+(ZMQ frames; the count comes back over the sender's own connection), and on two relayed
+through the node agents (the count comes back through them); the groups set a small window
+in their environment so that the bound shows with megabytes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from aiorl.placement import NodePlacementStrategy
 
 pytestmark = pytest.mark.timeout(120)
 MiB = 1 << 20
+#: The routes a pair's messages can take: (the receiver's node, the group's environment).
+ROUTES = {
+    "one node": (0, {}),
+    "two nodes": (1, {}),
+    "relayed": (1, {"AIORL_P2P_DIRECT_PEERS": "0"}),  # through both nodes' agents
+}
 
 
 class Pair(aiorl.Worker):
@@ -53,6 +60,7 @@ class Pair(aiorl.Worker):
                 errors.append(type(exc).__name__)
         return {"done": len(ended), "errors": errors,
                 "backlog": 0 if stats is None else stats.backlog,
+                "relayed": stats is not None and stats.relayed,
                 "outstanding": 0 if stats is None else stats.outstanding}
 
     async def take(self, count: int) -> list[float]:
@@ -87,24 +95,30 @@ def cluster():
 
 @pytest.fixture
 def pair(cluster: Any, request: Any) -> Any:
-    window, nodes = request.param if isinstance(request.param, tuple) else (request.param, 0)
-    g = Pair.create_group().launch(cluster, name=f"win{window}n{nodes}",
+    window, route = request.param
+    nodes, env = ROUTES[route]
+    g = Pair.create_group().launch(cluster, name=f"win{window}-{route.replace(' ', '-')}",
                                    placement_strategy=NodePlacementStrategy([0, nodes]),
-                                   env={"AIORL_P2P_WINDOW": str(window)})
-    GROUP["g"] = g
+                                   env={"AIORL_P2P_WINDOW": str(window), **env})
+    GROUP["g"], GROUP["route"] = g, route
     try:
         yield g
     finally:
         g.close()
 
 
-@pytest.mark.parametrize("pair", [(4 * MiB, 0), (4 * MiB, 1)], indirect=True,
-                         ids=["one node", "two nodes"])
+def _on_every_route(window: int) -> Any:
+    return pytest.mark.parametrize("pair", [(window, route) for route in ROUTES], indirect=True,
+                                   ids=list(ROUTES))
+
+
+@_on_every_route(4 * MiB)
 def test_sends_wait_while_the_receiver_holds_a_window_and_go_as_receives_take(pair: Any) -> None:
     pair.execute_on(0).start_sends(8, MiB).wait(30)
     # Four 1 MiB messages (each also counts its header and 1 KiB) fill 4 MiB: the fifth waits.
     state = _until(lambda s: s["backlog"] == 4 and s["done"] == 4, "four sends done, four waiting")
     assert state["outstanding"] >= 4 * MiB and not state["errors"]
+    assert state["relayed"] == (GROUP["route"] == "relayed")
     assert pair.execute_on(1).take(2).wait(30)[0] == [0.0, 1.0]
     state = _until(lambda s: s["done"] == 6, "two more sends done once two were taken")
     assert state["backlog"] == 2
@@ -113,7 +127,7 @@ def test_sends_wait_while_the_receiver_holds_a_window_and_go_as_receives_take(pa
     assert not state["errors"]
 
 
-@pytest.mark.parametrize("pair", [64 << 10], indirect=True)
+@_on_every_route(64 << 10)
 def test_small_messages_count_too(pair: Any) -> None:
     """Each message counts at least 1 KiB: a sender of tiny messages is bounded as well."""
     pair.execute_on(0).start_sends(100, 4).wait(30)
@@ -125,7 +139,7 @@ def test_small_messages_count_too(pair: Any) -> None:
     _until(lambda s: s["done"] == 100, "every tiny send done")
 
 
-@pytest.mark.parametrize("pair", [MiB], indirect=True)
+@_on_every_route(MiB)
 def test_a_message_larger_than_the_window_goes_when_nothing_is_held(pair: Any) -> None:
     pair.execute_on(0).start_sends(2, 3 * MiB).wait(30)
     state = _until(lambda s: s["done"] == 1 and s["backlog"] == 1, "the first sent alone")
@@ -135,7 +149,7 @@ def test_a_message_larger_than_the_window_goes_when_nothing_is_held(pair: Any) -
     assert pair.execute_on(1).take(1).wait(30)[0] == [1.0]
 
 
-@pytest.mark.parametrize("pair", [MiB], indirect=True)
+@_on_every_route(MiB)
 def test_sends_waiting_for_a_dead_receiver_fail(pair: Any) -> None:
     pair.execute_on(0).start_sends(3, MiB).wait(30)
     _until(lambda s: s["done"] == 1 and s["backlog"] == 2, "two sends waiting")

@@ -100,11 +100,11 @@ class F(R):
             pass
         time.sleep(seconds)
 
-    async def outstanding(self, dst: int) -> int:
+    async def unread(self, dst: int) -> int:
         from aiorl.p2p import get_p2p
 
         stats = get_p2p(self._runtime).statistics()
-        return stats.senders[f"{self.worker_group_name}:{dst}"].outstanding
+        return stats.senders[f"{self.worker_group_name}:{dst}"].unread
 
 
 class Sampler:
@@ -175,7 +175,7 @@ def _warm_up(g: Any) -> None:
     recv = on(g, 1).drain(0, 20)
     assert on(g, 0).stream(1, 20).wait(60) == [[20, ""]]
     assert recv.wait(60) == [[20, True, ""]]
-    assert until(lambda: on(g, 0).outstanding(1).wait(10) == [0], 10)
+    assert until(lambda: on(g, 0).unread(1).wait(10) == [0], 10)
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +244,7 @@ def test_receiving_agent_bounded_while_receiver_is_busy_and_sender_slowed(cluste
         assert sampler.peak_rss <= sampler.before[0] + DEFAULT_DEST_BYTES, line
         # Bounded by the one pair's window, far below: the receiver's backlog stayed home.
         assert sampler.peak_rss <= sampler.before[0] + DEFAULT_RELAY_WINDOW + SLACK, line
-        assert until(lambda: on(g, 0).outstanding(1).wait(10) == [0], 10)
+        assert until(lambda: on(g, 0).unread(1).wait(10) == [0], 10)
     finally:
         g.close()
 
