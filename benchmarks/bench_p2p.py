@@ -20,6 +20,8 @@ processes of one host):
   and ``send``/``recv`` of the tensor as an object (on one node the sender copies
   into a reused shared segment and the received tensor views it: no copy on the
   receiving side).
+* ``state_dict_ms``: the 64 MB ``send``/``recv`` again, as a dict of 1,000 tensors of their
+  own storage each (a model's state dict): what pickling and copying per tensor adds.
 * Gloo: ``torch.distributed`` send/recv between two plain processes, timed the
   same way (the "ready" is a 1-element Gloo message).
 * memcpy: ``numpy.copyto`` of the same size in one process (the floor for any
@@ -48,6 +50,8 @@ from aiorl.placement import NodePlacementStrategy
 SIZES = {"1KB": 1 << 10, "1MB": 1 << 20, "64MB": 64 << 20, "256MB": 256 << 20}
 SMALL_RTT_N = 2000
 ONEWAY_N = 100_000
+#: The "state dict" row: 64 MB as this many tensors of its own storage each (a model's).
+STATE_DICT_TENSORS = 1000
 
 
 class Peer(aiorl.Worker):
@@ -90,11 +94,16 @@ class Peer(aiorl.Worker):
 
     async def bw(self, nbytes: int, reps: int, mode: str) -> list[float]:
         """Rank 0: list of t0 per rep; rank 1: list of t1 per rep (after 2 warm-up reps that
-        touch fresh buffers and create shared segments)."""
+        touch fresh buffers and create shared segments). ``mode``: ``tensor``
+        (send_tensor/recv_tensor), ``object`` (send/recv of the tensor), ``dict`` (send/recv
+        of the same bytes as a dict of `STATE_DICT_TENSORS` tensors)."""
         other = self._other()
         stamps: list[float] = []
         if self.rank == 0:
-            x = torch.arange(nbytes, dtype=torch.uint8)  # values 0..255 repeating
+            x: Any = torch.arange(nbytes, dtype=torch.uint8)  # values 0..255 repeating
+            if mode == "dict":
+                x = {f"layer{i}.weight": part.clone()
+                     for i, part in enumerate(x.chunk(STATE_DICT_TENSORS))}
             for _ in range(reps + 2):
                 await self.recv(self.worker_group_name, other)
                 stamps.append(time.perf_counter())
@@ -116,6 +125,8 @@ class Peer(aiorl.Worker):
             self.send(None, self.worker_group_name, other)
             got = await w
             stamps.append(time.perf_counter())
+            if mode == "dict":
+                got = torch.cat(list(got.values()))
             if i == reps + 1 and not torch.equal(got, expect):
                 raise AssertionError(f"{mode} {nbytes} B: wrong data")
             del got
@@ -145,6 +156,9 @@ def bench_aiorl(reps: int, sizes: dict[str, int]) -> dict[str, Any]:
                 t0s, t1s = g.bw(n, r, mode).wait(300)
                 res[label] = statistics.median(b - a for a, b in zip(t0s, t1s, strict=True)) * 1e3
             out[f"{mode}_ms"] = res
+        t0s, t1s = g.bw(sizes["64MB"], reps, "dict").wait(300)
+        out["state_dict_ms"] = statistics.median(
+            b - a for a, b in zip(t0s, t1s, strict=True)) * 1e3
         g.close()
     return out
 
@@ -365,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         }
         print(f"{label:>6}: " + ", ".join(f"{k} {v:.2f}" for k, v in bw.items()))
+    print(f"\n64MB as a state dict of {STATE_DICT_TENSORS:,} tensors, send/recv one-way: "
+          f"{a['state_dict_ms']:.3f} ms ({a['state_dict_ms'] / a['object_ms']['64MB']:.2f}x "
+          f"one 64MB tensor)")
     if not isinstance(ray, dict):
         print(f"\nray: {ray}")
     print(f"\ntotal {results['total_s']:.0f} s")

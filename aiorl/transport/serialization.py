@@ -158,6 +158,25 @@ def _rebuild_tensor(
     return t
 
 
+def _rebuild_array(as_numpy: Any, shape: tuple[int, ...], data: Any) -> Any:
+    """Unpickling side of `_reduce_tensor`'s common case: a plain tensor over ``data``'s
+    bytes as numpy's ``as_numpy`` (copied if read-only: torch needs writable memory)."""
+    import numpy as np
+    import torch
+
+    # Either keeps ``data`` (and a shared-memory lease's finalizer) alive through ``base``;
+    # a view of an array (shared memory) costs half of frombuffer.
+    if data.__class__ is np.ndarray:
+        arr = data.view(as_numpy)
+    else:
+        arr = np.frombuffer(data, dtype=as_numpy)
+    if not arr.flags.writeable:
+        arr = arr.copy()
+    if arr.shape != shape:
+        arr = arr.reshape(shape)
+    return torch.from_numpy(arr)
+
+
 def _cuda_placeholder(index: int, requires_grad: bool = False, param: bool = False) -> Any:
     """Unpickling side of a CUDA tensor sent out of band: the tensor it was received into,
     made a ``Parameter`` / given ``requires_grad`` again as the sent one was."""
@@ -193,8 +212,20 @@ def _rebuild_cuda_tensor(
 
 
 def _reduce_tensor(t: Any) -> Any:
-    # Per tensor of a state dict: the checks are the cheap boolean properties, and the
-    # Parameter check (a Python-level __instancecheck__) only for a subclass of Tensor.
+    # The common case first, in the fewest torch calls (a state dict pays each per tensor):
+    # a plain CPU tensor without grad, of a dtype numpy has, contiguous. ``numpy()`` raises
+    # for the kinds it cannot view (a lazy conjugate or negative, sparse): the path below.
+    if t.__class__ is _plain_tensor[0] and t.is_cpu and not t.requires_grad:
+        as_numpy = _numpy_of.get(t.dtype)
+        if as_numpy is not None:
+            try:
+                arr = t.numpy()
+            except (RuntimeError, TypeError):
+                arr = None
+            if arr is not None and arr.flags.c_contiguous:
+                return _rebuild_array, (as_numpy, arr.shape, pickle.PickleBuffer(arr))
+    # Every other tensor: the checks are the cheap boolean properties, and the Parameter
+    # check (a Python-level __instancecheck__) only for a subclass of Tensor.
     import torch
 
     cuda = t.is_cuda
@@ -256,6 +287,8 @@ _tls = _CodecState()
 #: The dispatch table of every aiorl pickler. One dict, updated in place (C picklers keep a
 #: reference to it, taken at construction): see :func:`_sync_table`.
 _TABLE: dict[Any, Any] = dict(copyreg.dispatch_table)
+#: ``torch.Tensor`` once the reducer is registered (`_reduce_tensor` compares classes to it).
+_plain_tensor: list[Any] = [None]
 _synced_copyreg_size = len(copyreg.dispatch_table)
 _torch_registered = False
 _sync_lock = threading.Lock()
@@ -271,6 +304,8 @@ def _sync_table() -> None:
         if torch is not None and hasattr(torch, "nn"):  # fully imported
             _TABLE[torch.Tensor] = _reduce_tensor
             _TABLE[torch.nn.Parameter] = _reduce_tensor
+            _plain_tensor[0] = torch.Tensor
+            numpy_dtypes()  # fills what `_reduce_tensor`'s common case looks up
             _torch_registered = True
 
 

@@ -27,7 +27,8 @@ def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
 
 def as_received(frames: list, kind: str) -> list:
     """The frames as a receiver holds them: ``bytes`` (ZMQ), or writable memoryviews that
-    start at an odd address inside a larger buffer (a lane's large message)."""
+    start at an odd address inside a larger buffer (a lane's large message), or uint8
+    arrays at an odd offset (a shared-memory segment's slices)."""
     if kind == "bytes":
         return [bytes(f) for f in frames]
     out = []
@@ -35,11 +36,14 @@ def as_received(frames: list, kind: str) -> list:
         raw = memoryview(f).cast("B")
         holder = bytearray(raw.nbytes + 3)
         holder[3:] = raw
-        out.append(memoryview(holder)[3:])
+        if kind == "array":
+            out.append(np.frombuffer(holder, dtype=np.uint8)[3:])
+        else:
+            out.append(memoryview(holder)[3:])
     return out
 
 
-@pytest.mark.parametrize("kind", ["bytes", "odd offset"])
+@pytest.mark.parametrize("kind", ["bytes", "odd offset", "array"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_dtype_and_shape_comes_back_as_sent(dtype: torch.dtype, kind: str) -> None:
     sent = {f"t{i}": sample(dtype, shape) for i, shape in enumerate(SHAPES)}
@@ -55,12 +59,13 @@ def test_a_large_tensor_views_a_writable_frame_and_is_copied_from_a_read_only_on
     t = torch.arange(70_000, dtype=torch.float32)
     frames = serialization.dumps(t)
     assert len(frames) == 2  # out of band
-    writable = as_received(frames, "odd offset")
-    got = serialization.loads(writable)
-    start = np.frombuffer(writable[1], dtype=np.uint8).ctypes.data
-    assert got.data_ptr() == start  # no copy: the tensor is the frame's memory
-    got[0] = 5.0
-    assert np.frombuffer(writable[1], dtype=np.float32)[0] == 5.0
+    for kind in ("odd offset", "array"):
+        writable = as_received(frames, kind)
+        got = serialization.loads(writable)
+        start = np.frombuffer(writable[1], dtype=np.uint8).ctypes.data
+        assert got.data_ptr() == start  # no copy: the tensor is the frame's memory
+        got[0] = 5.0
+        assert np.frombuffer(writable[1], dtype=np.float32)[0] == 5.0
     read_only = as_received(frames, "bytes")
     copied = serialization.loads(read_only)
     copied[0] = 5.0  # writable, and the frame is untouched
