@@ -290,14 +290,20 @@ class SegmentMap:
 def copy_into(dst: Any, src: Any) -> None:
     """Copy the bytes of buffer ``src`` into the writable buffer ``dst`` (same length).
 
-    numpy's single-threaded copy measured faster here than torch's 2-thread copy
-    (9-10 ms against 16 ms for 64 MB on 2 cores).
+    A memoryview assignment: one single-threaded memcpy, as fast as numpy's copy for one
+    large buffer (and than torch's 2-thread copy: 9-10 ms against 16 ms for 64 MB on 2
+    cores), and about 2 µs cheaper per buffer, which a state dict pays per tensor.
     """
-    import numpy as np
+    d, s = _flat_bytes(dst), _flat_bytes(src)
+    if d.nbytes != s.nbytes:
+        raise ValueError(f"copy_into: {s.nbytes} bytes into a buffer of {d.nbytes}")
+    d[:] = s
 
-    d = np.frombuffer(dst, dtype=np.uint8) if not isinstance(dst, np.ndarray) else dst
-    s = np.frombuffer(src, dtype=np.uint8) if not isinstance(src, np.ndarray) else src
-    np.copyto(d, s)
+
+def _flat_bytes(buf: Any) -> memoryview:
+    """``buf`` as a flat memoryview of bytes (a contiguous buffer of any format)."""
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 # --------------------------------------------------------------------------- cross-memory attach
