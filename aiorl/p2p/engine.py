@@ -543,7 +543,7 @@ class P2PEngine:
         finally:  # read, handled or not: the sender may send these bytes again
             self._grant(via.src_node, via.src_address, envelope_bytes(msg.frames))
         src = via.meta[0] if via.meta else None  # the handler made its Inbox, if well formed
-        if type(src) is str and (ib := self._inboxes.get(src)) is not None:
+        if type(src) is str and (ib := self._inboxes.get(src)) is not None and ib.route_back is None:
             ib.route_back = (via.src_node, via.src_address)  # where its p2p.taken goes
 
     def _grant(self, node: str, address: str, nbytes: int) -> None:

@@ -134,12 +134,12 @@ def tensor_from_buffer(dtype: Any, shape: Sequence[int], data: Any) -> Any:
     import numpy as np
     import torch
 
+    as_numpy = numpy_dtypes().get(dtype)
+    if as_numpy is not None:
+        return _rebuild_array(as_numpy, tuple(shape), data)
     arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
     if not arr.flags.writeable:  # torch needs writable memory; received frames are read-only
         arr = arr.copy()
-    as_numpy = numpy_dtypes().get(dtype)
-    if as_numpy is not None:
-        return torch.from_numpy(arr.view(as_numpy).reshape(shape))
     t = torch.from_numpy(arr)
     return (t if dtype == torch.uint8 else t.view(dtype)).reshape(shape)
 
@@ -159,8 +159,9 @@ def _rebuild_tensor(
 
 
 def _rebuild_array(as_numpy: Any, shape: tuple[int, ...], data: Any) -> Any:
-    """Unpickling side of `_reduce_tensor`'s common case: a plain tensor over ``data``'s
-    bytes as numpy's ``as_numpy`` (copied if read-only: torch needs writable memory)."""
+    """Unpickling side of `_reduce_tensor`'s common case (and `tensor_from_buffer`'s for the
+    dtypes numpy has): a plain tensor over ``data``'s bytes as numpy's ``as_numpy`` (copied
+    if read-only: torch needs writable memory)."""
     import numpy as np
     import torch
 
@@ -215,7 +216,7 @@ def _reduce_tensor(t: Any) -> Any:
     # The common case first, in the fewest torch calls (a state dict pays each per tensor):
     # a plain CPU tensor without grad, of a dtype numpy has, contiguous. ``numpy()`` raises
     # for the kinds it cannot view (a lazy conjugate or negative, sparse): the path below.
-    if t.__class__ is _plain_tensor[0] and t.is_cpu and not t.requires_grad:
+    if t.__class__ is _PlainTensor and t.is_cpu and not t.requires_grad:
         as_numpy = _numpy_of.get(t.dtype)
         if as_numpy is not None:
             try:
@@ -288,7 +289,7 @@ _tls = _CodecState()
 #: reference to it, taken at construction): see :func:`_sync_table`.
 _TABLE: dict[Any, Any] = dict(copyreg.dispatch_table)
 #: ``torch.Tensor`` once the reducer is registered (`_reduce_tensor` compares classes to it).
-_plain_tensor: list[Any] = [None]
+_PlainTensor: Any = None
 _synced_copyreg_size = len(copyreg.dispatch_table)
 _torch_registered = False
 _sync_lock = threading.Lock()
@@ -296,7 +297,7 @@ _sync_lock = threading.Lock()
 
 def _sync_table() -> None:
     """Add the tensor reducer once torch is imported, and what ``copyreg`` gained since."""
-    global _synced_copyreg_size, _torch_registered
+    global _synced_copyreg_size, _torch_registered, _PlainTensor
     with _sync_lock:
         _TABLE.update(copyreg.dispatch_table)
         _synced_copyreg_size = len(copyreg.dispatch_table)
@@ -304,7 +305,7 @@ def _sync_table() -> None:
         if torch is not None and hasattr(torch, "nn"):  # fully imported
             _TABLE[torch.Tensor] = _reduce_tensor
             _TABLE[torch.nn.Parameter] = _reduce_tensor
-            _plain_tensor[0] = torch.Tensor
+            _PlainTensor = torch.Tensor
             numpy_dtypes()  # fills what `_reduce_tensor`'s common case looks up
             _torch_registered = True
 

@@ -292,7 +292,7 @@ def copy_into(dst: Any, src: Any) -> None:
 
     A memoryview assignment: one single-threaded memcpy, as fast as numpy's copy for one
     large buffer (and than torch's 2-thread copy: 9-10 ms against 16 ms for 64 MB on 2
-    cores), and about 2 µs cheaper per buffer, which a state dict pays per tensor.
+    cores), and about 1 µs cheaper per buffer, which a state dict pays per tensor.
     """
     d, s = _flat_bytes(dst), _flat_bytes(src)
     if d.nbytes != s.nbytes:
