@@ -46,11 +46,9 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from aiorl.errors import AddressError, AiorlError, ProtocolError, RegistryUnavailable
-from aiorl.names import WorkerInfo
 from aiorl.node.call_relay import CallRelay
 from aiorl.node.logdirs import (  # noqa: F401 - KEPT_ENDED_AGENT_LOGS: read here too
     KEPT_ENDED_AGENT_LOGS,
@@ -60,6 +58,7 @@ from aiorl.node.logdirs import (  # noqa: F401 - KEPT_ENDED_AGENT_LOGS: read her
 )
 from aiorl.node.p2p_relay import P2PRelay
 from aiorl.node.visible_devices import physical_visible_devices
+from aiorl.node.worker_table import WorkerRecord, WorkerTable
 from aiorl.node.working_dirs import WorkingDirCache
 from aiorl.node.zygote import encode_message, read_message, write_message
 from aiorl.protocol.fields import Fields
@@ -131,19 +130,6 @@ def tail_lines(path: str, n: int = STDERR_TAIL_LINES) -> str:
     return "\n".join(data.splitlines()[-n:])
 
 
-@dataclass
-class _Child:
-    name: str
-    group: str
-    pid: int
-    log_path: str
-    started: float
-    info: WorkerInfo | None = None  # once the worker reported ready
-    output_to: str | None = None  # endpoint of the driver that wants this worker's output
-    output_offset: int = 0  # how much of the log file has been forwarded
-    incarnation: int = 0  # which process of its name this is (restarts count up)
-
-
 class NodeAgent:
     def __init__(
         self,
@@ -176,7 +162,8 @@ class NodeAgent:
         self.hardware = hardware
         self.labels = labels
         self.log_dir = log_dir
-        self.children: dict[int, _Child] = {}
+        #: Every worker of this node, spawning to ready (`aiorl.node.worker_table`).
+        self.workers = WorkerTable()
         #: The groups of our workers, with their owners: a restarted registry learns them
         #: from our registration, so it can expire a group whose driver died meanwhile.
         self.groups: dict[str, GroupSpec] = {}
@@ -188,10 +175,6 @@ class NodeAgent:
         #: pieces as the zygote reads, and two must not interleave.
         self._zygote_write = asyncio.Lock()
         self._stopped = asyncio.Event()
-        #: Endpoints of this node's workers that said they are ready and have not exited:
-        #: the only local addresses relayed messages and calls are sent to (an address
-        #: nobody serves would open a connection that is never closed).
-        self.worker_endpoints: set[str] = set()
         #: Seconds without an answered heartbeat after which the registry declares us dead.
         self._expiry = 3.0
 
@@ -206,13 +189,16 @@ class NodeAgent:
         self.endpoint.handle(AgentOp.FREE_PORT, lambda m: m.reply({"port": _free_port(self.host)}))
         self.endpoint.handle(AgentOp.PING, lambda m: m.reply({"node_id": self.node_id}))
         self.endpoint.handle(AgentOp.WORKER_READY, self._on_worker_ready)
-        self.call_relay = CallRelay(self.endpoint, self._serves)
+        # Relayed messages and calls go only to the endpoints of this node's ready workers
+        # (an address nobody serves would open a connection that is never closed).
+        self.call_relay = CallRelay(self.endpoint, self.workers.serves)
         self.endpoint.handle(AgentOp.RELAY_CALL, self.call_relay.on_relay_call)
         self.p2p_relay = P2PRelay(self.endpoint, self.node_id, self.registry.nodes,
-                                  self.worker_endpoints.__contains__)
+                                  self.workers.is_local, starting=self.workers.pending)
+        self.workers.on_ready(lambda info: self.p2p_relay.worker_ready(info.endpoint))
         self.endpoint.handle(AgentOp.RELAY_P2P, self.p2p_relay.on_relay_p2p)
         self.working_dirs = WorkingDirCache(os.path.join(self.log_dir, "working_dirs"),
-                                            lambda: {c.group for c in self.children.values()})
+                                            self.workers.groups)
         self.endpoint.handle(AgentOp.WORKING_DIR, self.working_dirs.on_offer)
         self._zygote_ready = loop.create_future()
         self._start_zygote()
@@ -266,14 +252,14 @@ class NodeAgent:
                 fenced = waiting = False
                 continue
             if self._link.up and silent <= STALLED_REGISTRY_FACTOR * self._expiry:
-                if not waiting and self.children:
+                if not waiting and len(self.workers):
                     log.warning("no answer from the registry for %.1f s (its expiry is %.1f s), "
                                 "but its connection is up: it is slow, not gone; this node's "
                                 "workers keep running (for up to %.0f s)", silent, self._expiry,
                                 STALLED_REGISTRY_FACTOR * self._expiry)
                 waiting = True
                 continue
-            victims = list(self.children.values())
+            victims = self.workers.running()
             if victims and not fenced:
                 log.warning("no answer from the registry for %.1f s (its expiry is %.1f s): "
                             "stopping this node's %d worker(s), which it has declared dead "
@@ -289,10 +275,10 @@ class NodeAgent:
         log_to_driver), a few times a second."""
         while True:
             await asyncio.sleep(OUTPUT_INTERVAL_S)
-            for child in list(self.children.values()):
+            for child in self.workers.running():
                 self._forward_output(child)
 
-    def _forward_output(self, child: _Child) -> None:
+    def _forward_output(self, child: WorkerRecord) -> None:
         if child.output_to is None:
             return
         try:
@@ -323,12 +309,12 @@ class NodeAgent:
             return
         # One request per group, not per worker: every agent asks this right after a
         # registry restart.
-        for group in {c.group for c in self.children.values() if c.info is not None}:
+        for group in {c.group for c in self.workers if c.info is not None}:
             try:
                 records = (await self.registry.lookup_group(group)).workers
             except AiorlError:
                 continue  # not known (it closed) or no answer: nothing says it is dead
-            for child in [c for c in self.children.values() if c.group == group]:
+            for child in [c for c in self.workers.running() if c.group == group]:
                 record = records.get(child.name)
                 if record is None or child.info is None:
                     continue
@@ -354,7 +340,7 @@ class NodeAgent:
             labels=self.labels,
             pid=os.getpid(),
         )
-        live_groups = {c.group for c in self.children.values()}
+        live_groups = self.workers.groups()
         owned = tuple(spec for name, spec in self.groups.items() if name in live_groups)
         reply = await self.registry.register_node(NodeRegistration(node, owned))
         rejoined = self.node_rank >= 0
@@ -369,7 +355,7 @@ class NodeAgent:
     async def _replay_workers(self) -> None:
         """After a registry restart: report our live workers again and tell them to re-watch.
         (Exits it missed while down are retried by _report_exit.)"""
-        for child in list(self.children.values()):
+        for child in self.workers:
             if child.info is None:
                 continue
             await self.registry.report_state(child.info, WorkerState.READY,
@@ -385,29 +371,10 @@ class NodeAgent:
         except ProtocolError as exc:
             _warn.warning("worker_ready", "ignored a malformed worker_ready: %s", exc)
             return
-        child = self.children.get(info.pid)
-        if child is None or child.name != info.name:
-            # A worker started under a profiler is the profiler's child: its pid is not
-            # the one the zygote forked, but its name is unique among ours.
-            child = next((c for c in self.children.values() if c.name == info.name), None)
-        if child is not None:
-            if child.info is not None:
-                self.worker_endpoints.discard(child.info.endpoint)
-            child.info = info
-            self.worker_endpoints.add(info.endpoint)
-
-    def _serves(self, name: str, endpoint: str) -> bool | None:
-        """Whether worker ``name`` of this node serves ``endpoint``: True, False (no process
-        of that name here, or none at that endpoint), None (one started and has not said
-        where yet: cannot tell). A restart may briefly leave two processes of one name."""
-        answer: bool | None = False
-        for child in self.children.values():
-            if child.name == name:
-                if child.info is None:
-                    answer = None
-                elif child.info.endpoint == endpoint:
-                    return True
-        return answer
+        if self.workers.ready(info) is None:
+            _warn.warning("worker_ready_stale", "ignored the ready message of %s (pid %d): no "
+                          "worker of that name is starting on this node (it exited already)",
+                          info.name, info.pid)
 
     def _start_zygote(self) -> None:
         ours, theirs = socket.socketpair()
@@ -452,10 +419,14 @@ class NodeAgent:
             if not self._zygote_ready.done():
                 self._zygote_ready.set_result(None)
         elif kind == "spawned":
+            # Recorded here, in the zygote's order: its report of this child's exit, and
+            # the child's own ready message, may come before the spawn request resumes.
+            self.workers.forked(msg[1], msg[2])
             fut = self._spawn_waiters.pop(msg[1], None)
             if fut is not None and not fut.done():
                 fut.set_result(msg[2])
         elif kind == "spawn_failed":
+            self.workers.fork_failed(msg[1])
             fut = self._spawn_waiters.pop(msg[1], None)
             if fut is not None and not fut.done():
                 fut.set_exception(OSError(f"fork failed: {msg[2]}"))
@@ -463,7 +434,8 @@ class NodeAgent:
             self._on_child_exit(msg[1], msg[2])
 
     def _fail_spawns(self, reason: str) -> None:
-        for fut in self._spawn_waiters.values():
+        for spawn_id, fut in self._spawn_waiters.items():
+            self.workers.fork_failed(spawn_id)
             if not fut.done():
                 fut.set_exception(OSError(reason))
         self._spawn_waiters.clear()
@@ -493,7 +465,7 @@ class NodeAgent:
         self.groups[request.group] = request.group_spec()
         node = HostNode(self.node_id, self.node_rank, self.host, socket.gethostname(),
                         self.accelerator_type, self.endpoint.address)
-        check_descriptors_for(len(self.children) + len(request.workers))
+        check_descriptors_for(len(self.workers) + len(request.workers))
         loop = asyncio.get_running_loop()
         specs: list[tuple[WorkerSpawn, asyncio.Future[int]]] = []
         messages = []
@@ -505,9 +477,12 @@ class NodeAgent:
                                self.registry_address, node, log_path)
             # A restart replaces an earlier process of this name that may still run here
             # (its death was declared while it lived on): never two of one name.
-            self._kill([c for c in self.children.values() if c.name == spec.name
+            self._kill([c for c in self.workers.running() if c.name == spec.name
                         and c.incarnation < _incarnation_of(launch.env)])
             spawn_id = next(self._spawn_ids)
+            self.workers.expect(spawn_id, spec.name, request.group, log_path,
+                                incarnation=_incarnation_of(launch.env),
+                                output_to=request.output_to)
             fut: asyncio.Future[int] = loop.create_future()
             self._spawn_waiters[spawn_id] = fut
             specs.append((spec, fut))
@@ -522,20 +497,12 @@ class NodeAgent:
         async with self._zygote_write:
             await loop.sock_sendall(self._zygote_channel, b"".join(messages))
         outcomes = await asyncio.gather(*(fut for _, fut in specs), return_exceptions=True)
-        pids = []
-        failure: BaseException | None = None
-        for (spec, _), outcome in zip(specs, outcomes, strict=True):
-            if isinstance(outcome, BaseException):
-                failure = failure or outcome
-                continue
-            # Every forked child is ours to supervise, even when a sibling's fork failed.
-            self.children[outcome] = _Child(spec.name, request.group, outcome, spec.log_path,
-                                            time.time(), output_to=request.output_to,
-                                            incarnation=_incarnation_of(spec.launch.env))
-            pids.append(outcome)
-        if failure is not None:
-            raise failure
-        return pids
+        # Every forked child is in the table (recorded as the zygote reported it), and
+        # ours to supervise even when a sibling's fork failed.
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        if failures:
+            raise failures[0]
+        return [o for o in outcomes if not isinstance(o, BaseException)]
 
     def _with_physical_devices(self, launch: WorkerLaunch) -> WorkerLaunch:
         """``launch`` with its local GPU indices mapped through this agent's own
@@ -550,10 +517,10 @@ class NodeAgent:
         return dataclasses.replace(launch, env={**launch.env, "CUDA_VISIBLE_DEVICES": physical})
 
     def _on_child_exit(self, pid: int, status: int) -> None:
-        child = self.children.pop(pid, None)
+        child = self.workers.exited(pid)
         if child is None or self._stopped.is_set():
             return  # shutting down: the registry learns from unregister_node instead
-        if not any(c.group == child.group for c in self.children.values()):
+        if child.group not in self.workers.groups():
             self.groups.pop(child.group, None)  # none of its workers left here
         self._forward_output(child)  # its last words reach the driver before the news
         exit_code = os.waitstatus_to_exitcode(status)
@@ -564,7 +531,6 @@ class NodeAgent:
         self.call_relay.worker_exited(child.name, child.info.endpoint if child.info else None,
                                  f"worker {child.name} (pid {pid}) {how}")
         if child.info is not None:
-            self.worker_endpoints.discard(child.info.endpoint)
             self.p2p_relay.worker_exited(child.info.endpoint)
         report = WorkerExit(child.name, pid, exit_code, sig, tail,
                             f"worker {child.name} (pid {pid}) {how}", child.incarnation)
@@ -585,26 +551,27 @@ class NodeAgent:
 
     def _on_kill_group(self, msg: Incoming) -> None:
         group = GroupRef.from_wire(msg.meta).group
-        victims = [c for c in self.children.values() if c.group == group]
+        victims = [c for c in self.workers.running() if c.group == group]
         self._kill(victims)
         msg.reply({"killed": len(victims)})
 
     def _on_kill_workers(self, msg: Incoming) -> None:
         f = Fields(msg.meta, "kill_workers")
         names = {f"{f.group_name('group')}:{r}" for r in f.int_list("ranks", hi=1 << 20)}
-        victims = [c for c in self.children.values() if c.name in names]
+        victims = [c for c in self.workers.running() if c.name in names]
         self._kill(victims)
         msg.reply({"killed": len(victims)})
 
-    def _kill(self, victims: list[_Child]) -> None:
-        for c in victims:
-            _signal_group(c.pid, signal.SIGTERM)
-        if victims:
-            asyncio.get_running_loop().call_later(KILL_GRACE_S, self._kill_survivors, [c.pid for c in victims])
+    def _kill(self, victims: list[WorkerRecord]) -> None:
+        pids = [c.pid for c in victims if c.pid is not None]
+        for pid in pids:
+            _signal_group(pid, signal.SIGTERM)
+        if pids:
+            asyncio.get_running_loop().call_later(KILL_GRACE_S, self._kill_survivors, pids)
 
     def _kill_survivors(self, pids: list[int]) -> None:
         for pid in pids:
-            if pid in self.children:
+            if self.workers.by_pid(pid) is not None:
                 _signal_group(pid, signal.SIGKILL)
 
     # ------------------------------------------------------------------ shutdown
@@ -624,7 +591,7 @@ class NodeAgent:
 
     async def shutdown(self) -> None:
         self._stopped.set()
-        for c in self.children.values():
+        for c in self.workers.running():
             _signal_group(c.pid, signal.SIGKILL)
         try:
             await self.registry.unregister_node(self.node_id, timeout=1.0)
@@ -646,7 +613,9 @@ class NodeAgent:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
-def _signal_group(pid: int, sig: int) -> None:
+def _signal_group(pid: int | None, sig: int) -> None:
+    if pid is None:
+        return  # not forked yet: no process to signal
     try:
         os.killpg(pid, sig)  # workers lead their own process group (setsid in the zygote)
     except ProcessLookupError:

@@ -24,9 +24,18 @@ senders already had (one window per pair, at most).
 **Rules for what cannot be forwarded** (nothing here answers, and nothing is opened):
 
 * a malformed envelope is dropped (logged at a bounded rate);
-* an envelope for a worker of this node that the agent does not know (never started here,
-  or exited) is dropped, and its bytes are granted back to its sender (the agents between
-  count them no longer): no connection is made to an address nobody serves;
+* an envelope for a worker of this node that the agent does not know is held, in order
+  behind any other held for that address, while a worker of this node is starting (its
+  ready message may come after a peer's first message: they travel on other connections),
+  up to ``HOLD_FOR_READY_S`` and ``MAX_HELD_FOR_READY_BYTES`` in all, and handed over when
+  that address says it is ready. Otherwise (nobody starting, held too long, no room) it
+  is dropped, its bytes are granted back to its sender (the agents between count them no
+  longer), and its sender is told ``p2p.undelivered``: the pair fails with a
+  `PeerLostError` naming why, never in silence. No connection is made to an address
+  nobody serves;
+* a credit or a count taken for a sender of this node that the agent does not know is
+  held the same way while a worker is starting, else dropped (the sender is gone), and
+  counted in a warning;
 * an envelope for a node the registry does not list is held (bounded in bytes, one
   look-up at a time for all such nodes) until the list is refreshed, then forwarded or
   dropped;
@@ -49,7 +58,14 @@ from typing import Any
 
 from aiorl.errors import ProtocolError
 from aiorl.protocol.ops import AgentOp
-from aiorl.protocol.p2p_relay import BACK_OPS, P2P_CREDIT, P2P_VIA, RelayedP2P, envelope_bytes
+from aiorl.protocol.p2p_relay import (
+    BACK_OPS,
+    P2P_CREDIT,
+    P2P_UNDELIVERED,
+    P2P_VIA,
+    RelayedP2P,
+    envelope_bytes,
+)
 from aiorl.protocol.registry import NodeInfo
 from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.util.ratelimit import RateLimitedLog
@@ -77,6 +93,12 @@ MAX_UNLISTED_BYTES = 32 << 20
 #: registry that restarted lists a live node again only once it re-registered. Its agent
 #: answers within this, or it is dead (the close frees what was queued toward it).
 GONE_PING_S = 0.5
+#: How long messages for an address no worker of this node serves yet are held while one
+#: of its workers is starting: a worker tells its agent where it listens before it tells
+#: the registry (where peers learn it), so its ready message is at most a hop behind.
+HOLD_FOR_READY_S = 5.0
+#: Bytes held, over all such addresses, while they wait for a worker's ready message.
+MAX_HELD_FOR_READY_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -115,10 +137,22 @@ class _Receiver:
         self.pairs: dict[tuple[str, str], int] = {}
 
 
+class _Held:
+    """Messages for one address no worker of this node serves yet, in arrival order."""
+
+    __slots__ = ("messages", "timer")
+
+    def __init__(self, timer: asyncio.TimerHandle) -> None:
+        self.messages: list[tuple[RelayedP2P, list[Any], int]] = []
+        self.timer = timer
+
+
 class P2PRelay:
     """Serves ``relay_p2p`` on a node agent's endpoint.
 
-    ``is_local(address)``: whether a worker of this node serves ``address`` now.
+    ``is_local(address)``: whether a worker of this node serves ``address`` now;
+    ``starting()``: whether a worker of this node is starting (has not said where it
+    listens yet). The agent calls `worker_ready` when one does.
     """
 
     def __init__(
@@ -128,11 +162,20 @@ class P2PRelay:
         list_nodes: Callable[[], Awaitable[Sequence[NodeInfo]]],
         is_local: Callable[[str], bool] = lambda _address: True,
         bounds: RelayBounds | None = None,
+        starting: Callable[[], bool] = lambda: False,
     ) -> None:
         self.endpoint = endpoint
         self.node_id = node_id
         self._list_nodes = list_nodes
         self._is_local = is_local
+        self._starting = starting
+        #: Address -> what waits for a worker of this node to say it serves it.
+        self._held_for_ready: dict[str, _Held] = {}
+        self._held_for_ready_bytes = 0
+        #: Messages this agent could not hand to a worker of its node (their senders were
+        #: told), and credits or counts for senders it did not know (dropped).
+        self.undelivered = 0
+        self.stray_back = 0
         self.bounds = bounds or RelayBounds.from_environment()
         #: Node id -> its agent's endpoint, from the registry's node list.
         self._agents: dict[str, str] = {}
@@ -179,18 +222,75 @@ class P2PRelay:
         """To the destination worker on this node, as if its sender had sent it."""
         address = relayed.dst_address
         nbytes = envelope_bytes(frames)
-        if not self._is_local(address):
-            _warn.warning("relay_p2p_unknown", "dropped a relayed p2p message for %s: no worker "
-                          "of this node serves that address", address)
-            self._bounce(relayed, nbytes)
+        if address in self._held_for_ready or not self._is_local(address):
+            if not self._hold_for_ready(relayed, frames, nbytes):
+                self._undeliverable(relayed, nbytes, "no worker of that node serves the "
+                                    "address (it exited, or never started)")
             return
         try:
             self.endpoint.send_oneway(address, P2P_VIA, relayed.via().to_wire(), frames)
-        except Exception as exc:  # noqa: BLE001 - a worker that is gone: its senders hear from the registry
-            _warn.warning("relay_p2p_deliver", "dropped a p2p message for %s: %s", address, exc)
-            self._bounce(relayed, nbytes)
+        except Exception as exc:  # noqa: BLE001 - a worker that is gone
+            self._undeliverable(relayed, nbytes, f"its node agent could not pass it on: {exc}")
             return
         self._count(relayed, nbytes)
+
+    def _undeliverable(self, relayed: RelayedP2P, nbytes: int, why: str) -> None:
+        """``relayed`` cannot reach its receiver: its bytes go back to its sender's window,
+        and its sender is told, so the pair fails instead of waiting for an answer."""
+        self.undelivered += 1
+        _warn.warning("relay_p2p_undelivered", "could not deliver a relayed p2p message from "
+                      "%s to %s: %s; its sender is told", relayed.src_address,
+                      relayed.dst_address, why)
+        self._bounce(relayed, nbytes)
+        reason = (f"a message to {relayed.dst_address} was not delivered by the node agent of "
+                  f"node {self.node_id}: {why}")[:1024]
+        self._pass_back(RelayedP2P(relayed.src_node, relayed.src_address, self.endpoint.identity,
+                                   P2P_UNDELIVERED, [reason], self.node_id, relayed.dst_address))
+
+    # ------------------------------------------------------------------ workers starting
+    def _hold_for_ready(self, relayed: RelayedP2P, frames: list[Any], nbytes: int) -> bool:
+        """Keep ``relayed`` for its address while a worker of this node is starting; False:
+        nothing is starting, or the bound is reached (the caller drops it)."""
+        address = relayed.dst_address
+        held = self._held_for_ready.get(address)
+        if self._held_for_ready_bytes + nbytes > MAX_HELD_FOR_READY_BYTES:
+            self._release_held(address, False)  # in order: what waited before it goes first
+            return False
+        if held is None:
+            if not self._starting():
+                return False
+            timer = asyncio.get_running_loop().call_later(
+                HOLD_FOR_READY_S, self._release_held, address, False)
+            held = self._held_for_ready[address] = _Held(timer)
+        held.messages.append((relayed, frames, nbytes))
+        self._held_for_ready_bytes += nbytes
+        return True
+
+    def worker_ready(self, address: str) -> None:
+        """A worker of this node said it serves ``address``: what waited for it goes on."""
+        if address in self._held_for_ready:
+            self._release_held(address, True)
+
+    def _release_held(self, address: str, ready: bool) -> None:
+        held = self._held_for_ready.pop(address, None)
+        if held is None:
+            return
+        held.timer.cancel()
+        for relayed, frames, nbytes in held.messages:
+            self._held_for_ready_bytes -= nbytes
+            if relayed.op in BACK_OPS:
+                if ready:
+                    self._pass_back(relayed)
+                else:
+                    self.stray_back += 1
+                    _warn.warning("relay_p2p_stray", "dropped a %s for %s: no worker of this "
+                                  "node served that address within %g s", relayed.op, address,
+                                  HOLD_FOR_READY_S)
+            elif ready:
+                self._deliver(relayed, frames)
+            else:
+                self._undeliverable(relayed, nbytes, "no worker of that node served the address "
+                                    f"within {HOLD_FOR_READY_S:g} s")
 
     def _forward(self, agent: str, relayed: RelayedP2P, meta: Any, frames: list[Any]) -> None:
         """To the agent of the destination's node, unchanged."""
@@ -248,12 +348,20 @@ class P2PRelay:
         """``back`` (a credit, or a count of messages taken) on toward its sender."""
         node = back.dst_node
         if node == self.node_id:
-            if self._is_local(back.dst_address):  # else: a sender that is gone
-                try:
-                    self.endpoint.send_oneway(back.dst_address, P2P_VIA, back.via().to_wire())
-                except Exception as exc:  # noqa: BLE001 - a worker that is gone
-                    _warn.warning("relay_p2p_deliver", "dropped a %s for %s: %s", back.op,
-                                  back.dst_address, exc)
+            address = back.dst_address
+            if address in self._held_for_ready or not self._is_local(address):
+                if not self._hold_for_ready(back, [], 0):
+                    self.stray_back += 1
+                    _warn.warning("relay_p2p_stray", "dropped a %s for %s: no worker of this "
+                                  "node serves that address (its sender is gone)", back.op,
+                                  address)
+                return
+            try:
+                self.endpoint.send_oneway(address, P2P_VIA, back.via().to_wire())
+            except Exception as exc:  # noqa: BLE001 - a worker that is gone
+                self.stray_back += 1
+                _warn.warning("relay_p2p_deliver", "dropped a %s for %s: %s", back.op,
+                              address, exc)
             return
         agent = self._agents.get(node)
         if agent is None:  # a node that joined a moment ago: the look-up finds it, or drops it
@@ -390,3 +498,7 @@ class P2PRelay:
     def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        for held in self._held_for_ready.values():
+            held.timer.cancel()
+        self._held_for_ready.clear()
+        self._held_for_ready_bytes = 0

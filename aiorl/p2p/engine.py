@@ -68,7 +68,14 @@ from aiorl.protocol.p2p import (
     cuda_control_from_wire,
     data_from_wire,
 )
-from aiorl.protocol.p2p_relay import P2P_CREDIT, P2P_TAKEN, RelayedP2P, ViaP2P, envelope_bytes
+from aiorl.protocol.p2p_relay import (
+    P2P_CREDIT,
+    P2P_TAKEN,
+    P2P_UNDELIVERED,
+    RelayedP2P,
+    ViaP2P,
+    envelope_bytes,
+)
 from aiorl.runtime import AsyncWork, Runtime
 from aiorl.runtime.promise import reject, trace_until_settled
 from aiorl.runtime.waiter import BlockingWaiter
@@ -536,6 +543,13 @@ class P2PEngine:
             return  # else: a Sender that is gone, or a direct one: nothing to grant
         if via.op == P2P_TAKEN:
             self._on_taken(via.src_address, via.meta, msg.frames)
+            return
+        if via.op == P2P_UNDELIVERED:
+            # A message of ours was lost on the way: the pair fails, and stays failed (later
+            # sends too) until the receiver's death is known, which forgets the Sender.
+            s = self._sender_by_address.get(via.src_address)
+            if s is not None:
+                s.lost(PeerLostError(f"cannot send to {s.name}: {via.meta[0]}"))
             return
         inner = Incoming(self.endpoint, via.src_identity, msg.kind, 0, via.op, via.meta, msg.frames)
         try:

@@ -179,6 +179,9 @@ class P2POp(StrEnum):
     #: Receiver -> sender, one-way: receives took that many more of the sender's messages,
     #: the direct pair's window grant (`Taken`, ``aiorl.p2p.window``).
     TAKEN = "p2p.taken"
+    #: Node agent -> sender, relayed: a message of the pair could not be handed to its
+    #: receiver (no worker of that node serves the address); the pair fails with the reason.
+    UNDELIVERED = "p2p.undelivered"
 
 
 class ChannelOp(StrEnum):

@@ -17,6 +17,9 @@ toward each receiver from the envelopes and the credits (`aiorl.node.p2p_relay`)
 receives take the messages, it sends how many as ``p2p.taken`` (meta ``[src, count]``, a
 `aiorl.protocol.p2p.Taken`), the pair's receive window (`aiorl.p2p.window`), as a direct
 pair's receiver does over its connection; the agents pass it on without counting it.
+An agent that cannot hand a message to its receiver (no worker of its node serves the
+address) sends its sender ``p2p.undelivered`` (meta ``[reason]``) the same way back: the pair
+fails with that reason rather than lose the message in silence.
 `envelope_bytes` is what both ends count for an envelope: its frames plus a fixed cost, so
 that a flood of empty messages is bounded too.
 
@@ -38,8 +41,8 @@ from aiorl.protocol.fields import MAX_SHORT
 from aiorl.protocol.ops import P2POp
 from aiorl.protocol.p2p import Taken
 
-__all__ = ["BACK_OPS", "ENVELOPE_COST", "P2P_CREDIT", "P2P_TAKEN", "P2P_VIA", "RELAYED_P2P_OPS",
-           "RelayedP2P", "ViaP2P", "envelope_bytes"]
+__all__ = ["BACK_OPS", "ENVELOPE_COST", "P2P_CREDIT", "P2P_TAKEN", "P2P_UNDELIVERED", "P2P_VIA",
+           "RELAYED_P2P_OPS", "RelayedP2P", "ViaP2P", "envelope_bytes"]
 
 #: The worker op that delivers a relayed message (the p2p engine serves it), as a plain str
 #: (an enum member costs msgpack a slow path per message).
@@ -48,9 +51,11 @@ P2P_VIA: Final = P2POp.VIA.value
 P2P_CREDIT: Final = P2POp.CREDIT.value
 #: Receiver -> sender, relayed: ``[src, count]``, messages its receives took (a `Taken`).
 P2P_TAKEN: Final = P2POp.TAKEN.value
+#: Agent -> sender, relayed: ``[reason]``, a message of the pair was not delivered.
+P2P_UNDELIVERED: Final = P2POp.UNDELIVERED.value
 #: The ops that flow back, receiver -> sender: they carry no message, and the agents never
 #: count them as held for the worker they go to.
-BACK_OPS: Final = frozenset({P2P_CREDIT, P2P_TAKEN})
+BACK_OPS: Final = frozenset({P2P_CREDIT, P2P_TAKEN, P2P_UNDELIVERED})
 #: The p2p ops that may be relayed: those that need no answer and no set-up, and the
 #: windows' words that flow back.
 RELAYED_P2P_OPS: Final = frozenset({P2POp.DATA.value, P2POp.BATCH.value, *BACK_OPS})
@@ -59,6 +64,8 @@ RELAYED_P2P_OPS: Final = frozenset({P2POp.DATA.value, P2POp.BATCH.value, *BACK_O
 ENVELOPE_COST: Final = 256
 #: The largest grant one credit carries (a sender's window is far below).
 _MAX_CREDIT = 1 << 50
+#: The longest reason a ``p2p.undelivered`` carries.
+_MAX_REASON = 1024
 
 
 def envelope_bytes(frames: Sequence[Any]) -> int:
@@ -94,6 +101,11 @@ def _inner(op: object, meta: object, message: str) -> str:
         raise ProtocolError(f"{message}.meta: a {P2P_CREDIT} is [bytes > 0]")
     if op == P2P_TAKEN:
         Taken.from_wire(meta)  # raises ProtocolError for a malformed count
+    if op == P2P_UNDELIVERED and not (
+        len(meta) == 1 and isinstance(meta[0], str) and len(meta[0]) <= _MAX_REASON
+    ):
+        raise ProtocolError(f"{message}.meta: a {P2P_UNDELIVERED} is [reason, at most "
+                            f"{_MAX_REASON} characters]")
     assert isinstance(op, str)
     return op
 

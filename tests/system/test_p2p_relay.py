@@ -33,6 +33,7 @@ from aiorl.protocol.p2p_relay import (
     ENVELOPE_COST,
     P2P_CREDIT,
     P2P_TAKEN,
+    P2P_UNDELIVERED,
     RELAYED_P2P_OPS,
     RelayedP2P,
     ViaP2P,
@@ -237,7 +238,7 @@ def test_direct_peer_budget_parses_strictly() -> None:
 
 @pytest.mark.timeout(10)
 def test_envelopes_round_trip_and_refuse_what_may_not_be_relayed() -> None:
-    assert {P2POp.DATA, P2POp.BATCH, P2P_CREDIT, P2P_TAKEN} == RELAYED_P2P_OPS
+    assert {P2POp.DATA, P2POp.BATCH, P2P_CREDIT, P2P_TAKEN, P2P_UNDELIVERED} == RELAYED_P2P_OPS
     assert P2POp.VIA == "p2p.via"
     inner = ["g:0", 0, None, None, None]
     src = ["node-a", "ipc:///x/s"]
@@ -411,11 +412,70 @@ def test_agent_counts_each_pair_and_keeps_credit_back_past_its_bounds() -> None:
         relay.worker_exited(R)
         assert [(m[2][1], m[2][4]) for m in ep.sent] == [("ipc:///s2", [1500])]
         assert relay.held == {} and relay.held_total == 0 and relay.kept == {}
-        # A message for R now: dropped (unknown), its bytes granted back at once.
+        # A message for R now: dropped (unknown), its bytes granted back at once, and its
+        # sender told that it was not delivered (its pair fails).
         ep.sent.clear()
         relay.on_relay_p2p(data("ipc:///s1", size))
-        assert [(m[2][1], m[2][4]) for m in ep.sent] == [("ipc:///s1", [1000])]
-        assert relay.held == {}
+        assert [(m[2][1], m[2][3]) for m in ep.sent] == [("ipc:///s1", P2P_CREDIT),
+                                                         ("ipc:///s1", P2P_UNDELIVERED)]
+        assert ep.sent[0][2][4] == [1000] and R in ep.sent[1][2][4][0]
+        assert relay.held == {} and relay.undelivered == 1
+        relay.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.timeout(10)
+def test_agent_holds_messages_for_a_worker_that_is_starting(monkeypatch: Any) -> None:
+    """Node "b"'s agent while one of its workers is starting: a message (and a credit) for an
+    address it does not know yet waits, in order, and goes on when the worker says it
+    serves that address; with nobody ready in time, the sender is told it was not delivered;
+    with nobody starting, at once."""
+    import aiorl.node.p2p_relay as node_relay
+
+    monkeypatch.setattr(node_relay, "HOLD_FOR_READY_S", 0.2)
+    W = "ipc:///w"
+
+    async def run() -> None:
+        async def nodes() -> list[NodeInfo]:
+            return [NodeInfo("a", "tcp://agent-a"), NodeInfo("b", "tcp://agent-b")]
+
+        ep = _FakeEndpoint()
+        local: set[str] = set()
+        starting = [True]
+        relay = P2PRelay(ep, "b", nodes, local.__contains__,  # type: ignore[arg-type]
+                         starting=lambda: starting[0])
+        relay.on_nodes([{"node_id": "a", "endpoint": "tcp://agent-a"},
+                        {"node_id": "b", "endpoint": "tcp://agent-b"}])
+
+        def data(i: int, to: str = W) -> Any:
+            return _incoming(["b", to, b"g:0/1/x", OP_DATA, ["g:0", i], "a", "ipc:///s"], [b"x"])
+
+        for i in range(3):
+            relay.on_relay_p2p(data(i))
+        relay.on_relay_p2p(_incoming(["b", W, b"g:1/2/y", P2P_CREDIT, [100], "a", "ipc:///s"], []))
+        assert ep.sent == []  # held: the worker has not said where it listens
+        local.add(W)
+        relay.worker_ready(W)
+        assert [(peer, op, m[1], m[2]) for peer, op, m, _ in ep.sent] == [
+            (W, OP_VIA, OP_DATA, ["g:0", i]) for i in range(3)] + [(W, OP_VIA, P2P_CREDIT, [100])]
+        relay.on_relay_p2p(data(3))  # known now: on at once
+        assert len(ep.sent) == 5
+
+        # Another address that nobody claims in time: undelivered, its sender told.
+        ep.sent.clear()
+        relay.on_relay_p2p(data(0, "ipc:///never"))
+        assert ep.sent == []
+        while not ep.sent:
+            await asyncio.sleep(0.02)
+        assert [(m[2][3], m[2][1]) for m in ep.sent] == [(P2P_CREDIT, "ipc:///s"),
+                                                         (P2P_UNDELIVERED, "ipc:///s")]
+        # Nobody starting: undelivered at once.
+        ep.sent.clear()
+        starting[0] = False
+        relay.on_relay_p2p(data(0, "ipc:///nobody"))
+        assert [m[2][3] for m in ep.sent] == [P2P_CREDIT, P2P_UNDELIVERED]
+        assert relay.undelivered == 2
         relay.close()
 
     asyncio.run(run())
