@@ -196,6 +196,7 @@ class NodeAgent:
         self.p2p_relay = P2PRelay(self.endpoint, self.node_id, self.registry.nodes,
                                   self.workers.is_local, starting=self.workers.pending)
         self.workers.on_ready(lambda info: self.p2p_relay.worker_ready(info.endpoint))
+        self.workers.on_ready(lambda info: self.call_relay.worker_ready(info.name))
         self.endpoint.handle(AgentOp.RELAY_P2P, self.p2p_relay.on_relay_p2p)
         self.working_dirs = WorkingDirCache(os.path.join(self.log_dir, "working_dirs"),
                                             self.workers.groups)
@@ -598,6 +599,7 @@ class NodeAgent:
         except Exception:
             pass
         self.p2p_relay.close()
+        self.call_relay.close()
         self.registry.close()
         self._link.stop()
         if self.zygote.poll() is None:

@@ -12,19 +12,22 @@ so the driver's answer comes without waiting for the registry's news.
 A rank that no worker of this node serves (no such worker here, it exited, or the endpoint
 is not the one it reported) fails at once with `PeerLostError`: no connection is opened to
 an address nobody serves (it would never answer, and never close), and the call's frames
-are not kept for it. A worker that started and whose report of its endpoint has not reached
-the agent yet is called anyway (a worker tells its agent before the registry, but on another
-connection): the agent cannot tell yet, and the call fails if that worker exits.
+are not kept for it. A rank whose worker is starting and has not told the agent where it
+listens yet (a worker tells its agent before the registry, but on another connection) waits
+for that report, up to ``HOLD_FOR_READY_S``: then it is called if the endpoint is that
+worker's, and fails with `PeerLostError` otherwise, or if the report does not come in time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from aiorl.errors import PeerLostError, ProtocolError, to_wire
+from aiorl.node.worker_table import HOLD_FOR_READY_S
 from aiorl.protocol.call_relay import RelayedAnswers, RelayedCall
 from aiorl.protocol.ops import WorkerOp
 from aiorl.transport.endpoint import Endpoint, Incoming
@@ -78,6 +81,10 @@ class CallRelay:
         self.moved = 0
         #: The endpoint each worker name was last called at: where an exit fails its calls.
         self._endpoints: dict[str, str] = {}
+        #: Ranks whose worker is starting (cannot tell yet), by worker name: (the call's
+        #: answers, the rank's index, endpoint, method, frames), and the time limit.
+        self._waiting: dict[str, tuple[list[tuple[_Gathered, int, str, Any, list[Any]]],
+                                       asyncio.TimerHandle]] = {}
 
     def on_relay_call(self, msg: Incoming) -> None:
         try:
@@ -92,13 +99,50 @@ class CallRelay:
         frames = msg.frames
         serves = self._serves
         for i, (name, endpoint) in enumerate(zip(call.names, call.endpoints, strict=True)):
-            if serves(name, endpoint) is False:
-                gathered.settle(i, PeerLostError(
-                    f"no worker {name} of this node serves {endpoint} (it is not running "
-                    "here, or it exited)"), None)
+            served = serves(name, endpoint)
+            if served is None:
+                self._wait_for_ready(name, (gathered, i, endpoint, call.method, frames))
+                continue
+            if not served:
+                gathered.settle(i, _not_served(name, endpoint), None)
                 continue
             self._endpoints[name] = endpoint
             request(endpoint, _CALL, call.method, frames, functools.partial(gathered.settle, i))
+
+    def _wait_for_ready(self, name: str, rank: tuple[_Gathered, int, str, Any, list[Any]]) -> None:
+        waiting = self._waiting.get(name)
+        if waiting is None:
+            timer = asyncio.get_running_loop().call_later(HOLD_FOR_READY_S, self._settle_waiting,
+                                                          name, True)
+            waiting = self._waiting[name] = ([], timer)
+        waiting[0].append(rank)
+
+    def _settle_waiting(self, name: str, expired: bool) -> None:
+        """Call, or fail, the ranks that waited for worker ``name`` to say where it listens."""
+        waiting = self._waiting.pop(name, None)
+        if waiting is None:
+            return
+        ranks, timer = waiting
+        timer.cancel()
+        for gathered, i, endpoint, method, frames in ranks:
+            served = self._serves(name, endpoint)
+            if served:
+                self._endpoints[name] = endpoint
+                self.endpoint.request_then(endpoint, _CALL, method, frames,
+                                           functools.partial(gathered.settle, i))
+            elif served is None and expired:
+                gathered.settle(i, PeerLostError(
+                    f"worker {name} of this node did not say where it listens within "
+                    f"{HOLD_FOR_READY_S:g} s of a call relayed to {endpoint}"), None)
+            elif served is None:
+                self._wait_for_ready(name, (gathered, i, endpoint, method, frames))
+            else:
+                gathered.settle(i, _not_served(name, endpoint), None)
+
+    def worker_ready(self, name: str) -> None:
+        """Worker ``name`` of this node said where it listens: calls that waited go on."""
+        if name in self._waiting:
+            self._settle_waiting(name, False)
 
     def worker_exited(self, name: str, endpoint: str | None, reason: str) -> None:
         """Worker ``name`` (at ``endpoint``, None if it never said where) ended: what is
@@ -106,3 +150,16 @@ class CallRelay:
         for address in {self._endpoints.pop(name, None), endpoint}:
             if address is not None:
                 self.endpoint.mark_peer_lost(address, reason)
+        if name in self._waiting:
+            self._settle_waiting(name, False)
+
+    def close(self) -> None:
+        """The agent is stopping: nothing waits any more."""
+        for _ranks, timer in self._waiting.values():
+            timer.cancel()
+        self._waiting.clear()
+
+
+def _not_served(name: str, endpoint: str) -> PeerLostError:
+    return PeerLostError(f"no worker {name} of this node serves {endpoint} (it is not running "
+                         "here, or it exited)")

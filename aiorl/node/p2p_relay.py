@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiorl.errors import ProtocolError
+from aiorl.node.worker_table import HOLD_FOR_READY_S
 from aiorl.protocol.ops import AgentOp
 from aiorl.protocol.p2p_relay import (
     BACK_OPS,
@@ -93,10 +94,6 @@ MAX_UNLISTED_BYTES = 32 << 20
 #: registry that restarted lists a live node again only once it re-registered. Its agent
 #: answers within this, or it is dead (the close frees what was queued toward it).
 GONE_PING_S = 0.5
-#: How long messages for an address no worker of this node serves yet are held while one
-#: of its workers is starting: a worker tells its agent where it listens before it tells
-#: the registry (where peers learn it), so its ready message is at most a hop behind.
-HOLD_FOR_READY_S = 5.0
 #: Bytes held, over all such addresses, while they wait for a worker's ready message.
 MAX_HELD_FOR_READY_BYTES = 32 << 20
 

@@ -29,8 +29,12 @@ from dataclasses import dataclass
 
 from aiorl.names import WorkerInfo
 
-__all__ = ["WorkerRecord", "WorkerTable"]
+__all__ = ["HOLD_FOR_READY_S", "WorkerRecord", "WorkerTable"]
 
+#: How long the relays hold messages and calls for an address, or a worker name, of this
+#: node whose worker is starting: a worker tells its agent where it listens before it tells
+#: the registry (where peers learn it), so its ready message is at most a hop behind theirs.
+HOLD_FOR_READY_S = 5.0
 #: Pids of exited workers remembered, so that a ready message arriving after its process's
 #: exit is recognised and ignored (bounded: one entry per exit, oldest forgotten first).
 GONE_PIDS_KEPT = 4096
