@@ -49,7 +49,13 @@ from aiorl.p2p.message import (
     encode_object,
     encode_tensor,
 )
-from aiorl.p2p.p2p_relay import RelayRoute, direct_peers, node_agent_endpoint, relay_window
+from aiorl.p2p.p2p_relay import (
+    RelayRoute,
+    direct_peers,
+    node_agent_endpoint,
+    relay_stall_s,
+    relay_window,
+)
 from aiorl.p2p.paths.cuda_host import stage
 from aiorl.p2p.paths.cuda_ipc import release_ref_counter_files
 from aiorl.p2p.sender import Sender, SenderStatistics
@@ -180,6 +186,7 @@ class P2PEngine:
             self._agent.set_result(agent)
         #: A relayed pair's window (bytes sent and not yet granted back by the receiver).
         self.relay_window = relay_window()
+        self.relay_stall_s = relay_stall_s()
         #: Credit owed to relayed sources, by (node, address): see `_grant`.
         self._grants: dict[tuple[str, str], int] = {}
         self._grants_soon = False  # a send of the grants at the end of this loop iteration
@@ -405,7 +412,7 @@ class P2PEngine:
             return None
         assert self.node_id is not None  # an agent was found for it
         return RelayRoute(self.endpoint, agent, peer_node, address, self.endpoint.identity,
-                          self.node_id, self.relay_window)
+                          self.node_id, self.relay_window, self.relay_stall_s)
 
     async def _find_agent(self, found: asyncio.Future[str | None]) -> None:
         agent = await node_agent_endpoint(self.runtime.registry, self.node_id, self.name)

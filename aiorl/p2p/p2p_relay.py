@@ -27,6 +27,13 @@ most the window plus one message in flight. What the agents hold for a pair is t
 bounded by the sender, not by how fast the receiver or the agents drain it. The pair also
 has a direct pair's receive window (`aiorl.p2p.window`: what the receiver holds that no
 receive has taken), its ``p2p.taken`` counts relayed back the same way.
+
+A relayed pair never waits for ever without a death: its receiver grants credit as its loop
+reads, whatever its user code does with the messages, so a Sender that waits for credit for
+``AIORL_P2P_RELAY_STALL_S`` (`relay_stall_s`) without any coming back has lost an envelope
+or a credit on the way; its pair then fails with a `PeerLostError` naming it, not a hang. (A
+receiver that holds a gigabyte untaken keeps its senders waiting on the receive window
+instead, for as long as it likes: that wait is the user's, and never ends the pair.)
 """
 
 from __future__ import annotations
@@ -46,9 +53,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aiorl.p2p")
 
-__all__ = ["DEFAULT_DIRECT_PEERS", "DEFAULT_RELAY_WINDOW", "RelayRoute", "direct_peers",
-           "node_agent_endpoint",
-           "relay_window"]
+__all__ = ["DEFAULT_DIRECT_PEERS", "DEFAULT_RELAY_STALL_S", "DEFAULT_RELAY_WINDOW", "RelayRoute",
+           "direct_peers", "node_agent_endpoint", "relay_stall_s", "relay_window"]
 
 #: Workers on other nodes a process sends to directly before it relays through agents.
 DEFAULT_DIRECT_PEERS: Final = 64
@@ -57,6 +63,10 @@ DEFAULT_DIRECT_PEERS: Final = 64
 #: two agents forward (~0.4 GB/s measured); and 8 such pairs stalled toward one receiver hold
 #: 64 MiB in an agent, what `aiorl.node.p2p_relay` allows per destination by default.
 DEFAULT_RELAY_WINDOW: Final = 8 << 20
+#: Seconds a relayed Sender waits for credit, with none coming back, before its pair fails.
+#: Credit comes back within milliseconds of a read; a minute leaves room for a receiver
+#: whose loop a long garbage collection or a swapping machine holds up.
+DEFAULT_RELAY_STALL_S: Final = 60
 #: The agent op as a plain str (an enum member costs msgpack a slow path per message).
 _RELAY_P2P: Final = AgentOp.RELAY_P2P.value
 
@@ -84,18 +94,32 @@ def relay_window(environ: Mapping[str, str] = os.environ) -> int:
     return value
 
 
+def relay_stall_s(environ: Mapping[str, str] = os.environ) -> int:
+    """``AIORL_P2P_RELAY_STALL_S`` (seconds a relayed pair waits for credit before it fails),
+    else the default.
+
+    Raises ValueError for a value that is not a positive integer.
+    """
+    value = count_setting(environ, "AIORL_P2P_RELAY_STALL_S", DEFAULT_RELAY_STALL_S, "seconds")
+    if value == 0:
+        raise ValueError("AIORL_P2P_RELAY_STALL_S must be > 0 seconds")
+    return value
+
+
 class RelayRoute(Window):
     """How a relayed Sender's control messages leave: wrapped for this node's agent, within
     the pair's credit window (see the module docstring): a `Window` of the bytes sent
     that the receiver has not granted back yet."""
 
-    __slots__ = ("endpoint", "agent", "_head", "_tail")
+    __slots__ = ("endpoint", "agent", "stall_s", "_head", "_tail")
 
     def __init__(
         self, endpoint: Endpoint, agent: str, dst_node: str, dst_address: str, identity: bytes,
-        src_node: str, window: int,
+        src_node: str, window: int, stall_s: float = DEFAULT_RELAY_STALL_S,
     ) -> None:
         super().__init__(window)
+        #: Seconds without credit after which the pair fails (`relay_stall_s`).
+        self.stall_s = stall_s
         self.endpoint = endpoint
         self.agent = agent  # this worker's node agent: the first hop
         #: The envelope's fixed fields: the destination, and the routing id the receiver

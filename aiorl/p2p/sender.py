@@ -297,7 +297,10 @@ class Sender:
                     # A window of the pair is spent: wait for the receiver's receives to
                     # take what it holds, or (a relay's credit) for it to read what is on
                     # its way (aiorl.p2p.window); later sends wait behind.
-                    await window.wait_room(self.engine.loop)
+                    if window is self.relay:
+                        await self._wait_for_credit(self.relay)
+                    else:
+                        await window.wait_room(self.engine.loop)
                     continue  # re-check: the loss of the peer may have emptied the backlog
                 backlog.popleft()
                 self._emit(msg, work)
@@ -309,6 +312,22 @@ class Sender:
                 reject_work(self.backlog.popleft()[1], exc)
         finally:
             self.pumping = False
+
+    async def _wait_for_credit(self, route: RelayRoute) -> None:
+        """Until the receiver grants some of the relayed window back; raises PeerLostError
+        (the pair fails) when none comes within ``route.stall_s``: credit comes back as the
+        receiver's loop reads, so its absence is a message or a credit lost on the way."""
+        try:
+            await asyncio.wait_for(asyncio.shield(route.wait_room(self.engine.loop)),
+                                   route.stall_s)
+        except asyncio.TimeoutError:
+            raise PeerLostError(
+                f"the relayed pair {self._src} -> {self.name} made no progress for "
+                f"{route.stall_s:g} s: {route.outstanding} bytes sent through the node agents "
+                "were not granted back, and no death of the receiver was reported; the pair "
+                "fails instead of waiting for ever (AIORL_P2P_RELAY_STALL_S sets the bound; a "
+                "receiver whose event loop is blocked that long stalls its senders too)"
+            ) from None
 
     async def _hello(self, msg: OutMessage) -> None:
         """Ask the receiver every set-up question ``msg`` needs, in one request."""

@@ -12,6 +12,7 @@ of its workers whatever order the fork report and the worker's ready message rea
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -53,6 +54,12 @@ class Fan(aiorl.Worker):
 
         return list(await asyncio.gather(*(one(s) for s in srcs)))
 
+
+    async def block_loop(self, seconds: float) -> None:
+        """Hold this worker's event loop (nothing it receives is read meanwhile)."""
+        import time
+
+        time.sleep(seconds)
 
     def where(self) -> list[str]:
         return [self.worker_info.node_id, self._runtime.endpoint.address]
@@ -141,3 +148,31 @@ def test_a_relayed_message_its_agent_could_not_deliver_fails_the_pair(cluster2: 
         assert error.startswith("PeerLostError") and "a test's reason" in error, error
     finally:
         group.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_relayed_pair_whose_credit_stops_fails_within_its_stall_bound(cluster2: Any) -> None:
+    """A receiver whose loop is held reads nothing and grants nothing back: with a 2 s stall
+    bound its sender's stream fails with a PeerLostError naming the pair, instead of
+    waiting for ever; with the default bound, a receiver held 10 s before it reads gets
+    every message, in order."""
+    for stall, hold, ok in (("2", 8.0, False), (None, 10.0, True)):
+        env = dict(RELAY_ENV) if stall is None else {**RELAY_ENV, "AIORL_P2P_RELAY_STALL_S": stall}
+        group = Fan.create_group().launch(cluster2, name="stall", env=env,
+                                          placement_strategy=NodePlacementStrategy([0, 1]))
+        try:
+            held = group.execute_on(1).block_loop(hold)
+            started = time.monotonic()
+            stream = group.execute_on(0).stream_to([1], MESSAGES)
+            if ok:
+                takes = group.execute_on(1).take_from([0], MESSAGES)
+                assert stream.wait(hold + BOUND_S) == [MESSAGES]
+                assert takes.wait(hold + BOUND_S) == [[MESSAGES]]
+            else:
+                with pytest.raises(aiorl.RemoteError, match="made no progress for 2 s") as caught:
+                    stream.wait(hold)
+                assert caught.value.exc_type.endswith("PeerLostError")
+                assert time.monotonic() - started < hold
+            held.wait(hold + BOUND_S)
+        finally:
+            group.close()
