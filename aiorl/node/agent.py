@@ -194,7 +194,8 @@ class NodeAgent:
         self.call_relay = CallRelay(self.endpoint, self.workers.serves)
         self.endpoint.handle(AgentOp.RELAY_CALL, self.call_relay.on_relay_call)
         self.p2p_relay = P2PRelay(self.endpoint, self.node_id, self.registry.nodes,
-                                  self.workers.is_local, starting=self.workers.pending)
+                                  self.workers.is_local, starting=self.workers.pending,
+                                  exited=self.workers.exited_at)
         self.workers.on_ready(lambda info: self.p2p_relay.worker_ready(info.endpoint))
         self.workers.on_ready(lambda info: self.call_relay.worker_ready(info.name))
         self.endpoint.handle(AgentOp.RELAY_P2P, self.p2p_relay.on_relay_p2p)

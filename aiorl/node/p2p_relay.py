@@ -33,9 +33,11 @@ senders already had (one window per pair, at most).
   longer), and its sender is told ``p2p.undelivered``: the pair fails with a
   `PeerLostError` naming why, never in silence. No connection is made to an address
   nobody serves;
-* a credit or a count taken for a sender of this node that the agent does not know is
-  held the same way while a worker is starting, else dropped (the sender is gone), and
-  counted in a warning;
+* a credit or a count taken for a sender of this node that exited is dropped and counted
+  (a sender's last credits often come back after its end); one for an address the agent
+  never knew is held the same way while a worker is starting, else dropped and counted in
+  a warning. A message for a receiver that exited fails its pair at once, as above, without
+  a warning (its senders learn of the death from the registry too);
 * an envelope for a node the registry does not list is held (bounded in bytes, one
   look-up at a time for all such nodes) until the list is refreshed, then forwarded or
   dropped;
@@ -149,7 +151,8 @@ class P2PRelay:
 
     ``is_local(address)``: whether a worker of this node serves ``address`` now;
     ``starting()``: whether a worker of this node is starting (has not said where it
-    listens yet). The agent calls `worker_ready` when one does.
+    listens yet); ``exited(address)``: whether a worker of this node that served
+    ``address`` exited. The agent calls `worker_ready` when one says where it listens.
     """
 
     def __init__(
@@ -160,12 +163,14 @@ class P2PRelay:
         is_local: Callable[[str], bool] = lambda _address: True,
         bounds: RelayBounds | None = None,
         starting: Callable[[], bool] = lambda: False,
+        exited: Callable[[str], bool] = lambda _address: False,
     ) -> None:
         self.endpoint = endpoint
         self.node_id = node_id
         self._list_nodes = list_nodes
         self._is_local = is_local
         self._starting = starting
+        self._exited = exited
         #: Address -> what waits for a worker of this node to say it serves it.
         self._held_for_ready: dict[str, _Held] = {}
         self._held_for_ready_bytes = 0
@@ -220,7 +225,9 @@ class P2PRelay:
         address = relayed.dst_address
         nbytes = envelope_bytes(frames)
         if address in self._held_for_ready or not self._is_local(address):
-            if not self._hold_for_ready(relayed, frames, nbytes):
+            if self._exited(address):
+                self._undeliverable(relayed, nbytes, "its receiver exited")
+            elif not self._hold_for_ready(relayed, frames, nbytes):
                 self._undeliverable(relayed, nbytes, "no worker of that node serves the "
                                     "address (it exited, or never started)")
             return
@@ -235,9 +242,13 @@ class P2PRelay:
         """``relayed`` cannot reach its receiver: its bytes go back to its sender's window,
         and its sender is told, so the pair fails instead of waiting for an answer."""
         self.undelivered += 1
-        _warn.warning("relay_p2p_undelivered", "could not deliver a relayed p2p message from "
-                      "%s to %s: %s; its sender is told", relayed.src_address,
-                      relayed.dst_address, why)
+        if self._exited(relayed.dst_address):  # a receiver's death: its senders learn it
+            log.debug("a relayed p2p message from %s to %s: %s; its sender is told",
+                      relayed.src_address, relayed.dst_address, why)
+        else:
+            _warn.warning("relay_p2p_undelivered", "could not deliver a relayed p2p message "
+                          "from %s to %s: %s; its sender is told", relayed.src_address,
+                          relayed.dst_address, why)
         self._bounce(relayed, nbytes)
         reason = (f"a message to {relayed.dst_address} was not delivered by the node agent of "
                   f"node {self.node_id}: {why}")[:1024]
@@ -347,11 +358,12 @@ class P2PRelay:
         if node == self.node_id:
             address = back.dst_address
             if address in self._held_for_ready or not self._is_local(address):
-                if not self._hold_for_ready(back, [], 0):
+                if self._exited(address):  # the last credits of a sender that ended: expected
+                    self.stray_back += 1
+                elif not self._hold_for_ready(back, [], 0):
                     self.stray_back += 1
                     _warn.warning("relay_p2p_stray", "dropped a %s for %s: no worker of this "
-                                  "node serves that address (its sender is gone)", back.op,
-                                  address)
+                                  "node serves that address", back.op, address)
                 return
             try:
                 self.endpoint.send_oneway(address, P2P_VIA, back.via().to_wire())

@@ -72,6 +72,9 @@ class WorkerTable:
         #: Endpoint -> the ready record serving it: the addresses relays may send to.
         self._by_endpoint: dict[str, WorkerRecord] = {}
         self._gone_pids: collections.OrderedDict[int, None] = collections.OrderedDict()
+        #: Endpoints of workers that exited (as bounded as the pids): what arrives for them
+        #: late is expected (a sender's last credits), not a stranger's address.
+        self._gone_endpoints: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._ready_listeners: list[Callable[[WorkerInfo], None]] = []
 
     # ------------------------------------------------------------------ transitions
@@ -128,8 +131,12 @@ class WorkerTable:
         if record is None:
             return None
         self._records.pop(record.spawn_id, None)
-        if record.info is not None and self._by_endpoint.get(record.info.endpoint) is record:
-            del self._by_endpoint[record.info.endpoint]
+        if record.info is not None:
+            if self._by_endpoint.get(record.info.endpoint) is record:
+                del self._by_endpoint[record.info.endpoint]
+            self._gone_endpoints[record.info.endpoint] = None
+            while len(self._gone_endpoints) > GONE_PIDS_KEPT:
+                self._gone_endpoints.popitem(last=False)
         return record
 
     def on_ready(self, listener: Callable[[WorkerInfo], None]) -> None:
@@ -157,6 +164,10 @@ class WorkerTable:
     def is_local(self, endpoint: str) -> bool:
         """Whether a ready worker of this node serves ``endpoint`` now."""
         return endpoint in self._by_endpoint
+
+    def exited_at(self, endpoint: str) -> bool:
+        """Whether a worker of this node that served ``endpoint`` has exited (recently)."""
+        return endpoint in self._gone_endpoints
 
     def pending(self) -> bool:
         """Whether a worker of this node has been asked for and has not said it is ready:

@@ -41,6 +41,7 @@ def test_ready_before_or_after_the_fork_report_makes_the_worker_known(order: tup
     assert [r.name for r in table.running()] == ["g:0", "g:1"]
     assert table.exited(100) is not None and table.exited(101) is not None
     assert not table.is_local("ipc:///a") and len(table) == 0 and table.groups() == set()
+    assert table.exited_at("ipc:///a") and not table.exited_at("ipc:///never")
 
 
 @pytest.mark.timeout(10)
