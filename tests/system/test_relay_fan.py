@@ -176,3 +176,46 @@ def test_a_relayed_pair_whose_credit_stops_fails_within_its_stall_bound(cluster2
             held.wait(hold + BOUND_S)
         finally:
             group.close()
+
+
+@pytest.mark.timeout(120)
+def test_relayed_calls_to_unserved_endpoints_of_a_fresh_groups_node_are_answered(
+        cluster2: Any) -> None:
+    """A group of eight just launched on node 1, then 40 relayed calls (1 MiB argument each)
+    naming its eight ranks at endpoints none of them serves, and 17 ranks that do not
+    exist: every rank of every call is answered with PeerLostError within the bound (the
+    agent knows each of its workers' endpoints, even those whose ready message came before
+    the zygote's report of their fork)."""
+    import asyncio
+
+    from aiorl.protocol.call_relay import RelayedAnswers, RelayedCall
+    from aiorl.protocol.ops import AgentOp
+
+    group = Fan.create_group().launch(cluster2, name="nowhere",
+                                      placement_strategy=NodePlacementStrategy([1] * 8))
+    try:
+        group.where().wait(30)
+        runtime = cluster2.runtime
+        nodes = sorted(runtime.run_sync(runtime.registry.nodes(), 10), key=lambda n: n.node_rank)
+        ranks = tuple(range(8)) + tuple(range(100, 117))
+        endpoints = tuple(f"ipc://{cluster2.session_dir}/nowhere-{r}" for r in ranks)
+        call = RelayedCall("nowhere", "where", ranks, endpoints).to_wire()
+
+        async def call_all(n: int = 40) -> list[Any]:
+            return list(await asyncio.gather(*(
+                runtime.endpoint.request(nodes[1].endpoint, AgentOp.RELAY_CALL.value, call,
+                                         [b"a" * (1 << 20)], timeout=BOUND_S)
+                for _ in range(n))))
+
+        started = time.monotonic()
+        replies = runtime.run_sync(call_all(), BOUND_S + 5)
+        took = time.monotonic() - started
+        for meta, frames in replies:
+            answers = RelayedAnswers.from_wire(meta, len(ranks))
+            assert sorted(answers.errors) == list(range(len(ranks))), answers
+            assert {e["error"] for e in answers.errors.values()} == {"PeerLostError"}
+            assert not frames
+        assert took < BOUND_S, f"40 relayed calls answered in {took:.1f} s"
+        assert group.where().wait(30)  # the real endpoints still answer
+    finally:
+        group.close()
