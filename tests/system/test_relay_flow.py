@@ -44,6 +44,9 @@ SLACK = 16 * MIB
 #: Descriptors an agent may open meanwhile for its own work (a registry look-up, libzmq's
 #: reconnects): a constant, where one per unknown destination would be thousands.
 FD_SLACK = 8
+#: "Answered at once": a round of 40 relayed calls of 1 MiB to unserved endpoints takes
+#: 0.15 s on the 2-core VM beside other jobs; one that waited for any timeout takes 10 s.
+ANSWERED_AT_ONCE_S = 2.0
 
 
 class F(R):
@@ -273,8 +276,9 @@ def test_envelopes_for_unknown_workers_and_nodes_open_nothing(cluster2: Any) -> 
     base = cluster2.session_dir
     _ping(cluster2, node0.endpoint)
     sampler = Sampler(pid)
-    frame = b"x" * 1024
-    inner = ["nobody:0", 1, None, [0, [1024], [1]], None]
+    # 3,000 envelopes of 32 KiB: 94 MiB, far over SLACK: an agent that kept them shows.
+    frame = b"x" * (32 << 10)
+    inner = ["nobody:0", 1, None, [0, [len(frame)], [1]], None]
 
     async def send_all() -> None:
         for i in range(1500):  # a worker of this node that nobody serves
@@ -292,8 +296,8 @@ def test_envelopes_for_unknown_workers_and_nodes_open_nothing(cluster2: Any) -> 
     settled = until(lambda: sampler.now()[1] <= sampler.before[1]
                     and sampler.now()[0] <= sampler.before[0] + SLACK, 10)
     sampler.stop()
-    line = sampler.report("case 3, agent sent 3,000 envelopes for unknown workers and nodes",
-                          sampler.now())
+    line = sampler.report("case 3, agent sent 3,000 envelopes of 32 KiB for unknown workers "
+                          "and nodes", sampler.now())
     assert sampler.peak_fds <= sampler.before[1] + FD_SLACK, line
     assert settled, line
 
@@ -337,7 +341,7 @@ def test_relayed_calls_to_unserved_endpoints_answered_at_once_and_released(clust
         sampler.stop()
         line = sampler.report(f"case 4, 3 x 40 relayed calls x 25 unserved endpoints x 1 MiB, "
                               f"each round answered in {max(took):.2f} s or less", sampler.now())
-        assert max(took) < 10, line
+        assert max(took) < ANSWERED_AT_ONCE_S, line
         assert sampler.peak_fds <= sampler.before[1] + FD_SLACK, line
         assert settled, line
         # A served rank still answers through the agent (nothing was marked lost for it).
