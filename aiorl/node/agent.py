@@ -187,7 +187,7 @@ class NodeAgent:
         self.endpoint.handle(AgentOp.KILL_GROUP, self._on_kill_group)
         self.endpoint.handle(AgentOp.KILL_WORKERS, self._on_kill_workers)
         self.endpoint.handle(AgentOp.FREE_PORT, lambda m: m.reply({"port": _free_port(self.host)}))
-        self.endpoint.handle(AgentOp.PING, lambda m: m.reply({"node_id": self.node_id}))
+        self.endpoint.handle(AgentOp.PING, lambda m: m.reply(self.status()))
         self.endpoint.handle(AgentOp.WORKER_READY, self._on_worker_ready)
         # Relayed messages and calls go only to the endpoints of this node's ready workers
         # (an address nobody serves would open a connection that is never closed).
@@ -216,6 +216,14 @@ class NodeAgent:
         self._output_task = loop.create_task(self._forward_output_forever())
         self._fence_task = loop.create_task(self._fence_forever())
         self._trim_task = loop.create_task(self._trim_forever())
+
+    def status(self) -> dict[str, Any]:
+        """What a ``ping`` answers: this node, its workers by state (`WorkerTable.status`),
+        and what its p2p relay could not deliver (messages whose senders were told, credits
+        or counts for senders gone): the doctor's and the tests' view of the agent."""
+        return {"node_id": self.node_id, "workers": self.workers.status(),
+                "relay_undelivered": self.p2p_relay.undelivered,
+                "relay_stray_back": self.p2p_relay.stray_back}
 
     async def _trim_forever(self) -> None:
         """Give the system back the memory of frames forwarded and freed, once the relays

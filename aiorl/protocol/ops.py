@@ -59,6 +59,7 @@ class AgentOp(StrEnum):
     KILL_GROUP = "kill_group"
     KILL_WORKERS = "kill_workers"
     FREE_PORT = "free_port"
+    #: Answered with the agent's status: its workers by state, what its relay dropped.
     PING = "ping"
     WORKER_READY = "worker_ready"
     #: A group call to this node's ranks, answered once for all of them (protocol/call_relay.py).

@@ -94,8 +94,23 @@ class Fan(aiorl.Worker):
         return "no error"
 
 
+def agent_status(cluster: Any) -> list[dict[str, Any]]:
+    """Each node agent's answer to a ping (`NodeAgent.status`), by node rank."""
+    from aiorl.protocol.ops import AgentOp
+
+    runtime = cluster.runtime
+
+    async def ask() -> list[dict[str, Any]]:
+        nodes = sorted(await runtime.registry.nodes(), key=lambda n: n.node_rank)
+        return [await runtime.endpoint.request(n.endpoint, AgentOp.PING.value, None, timeout=10)
+                for n in nodes]
+
+    return [meta for meta, _frames in runtime.run_sync(ask(), 20)]
+
+
 def _run(cluster: Any, env: dict[str, str] | None, nodes: list[int],
          senders: list[int], receivers: list[int]) -> None:
+    dropped_before = [a["relay_undelivered"] for a in agent_status(cluster)]
     group = Fan.create_group().launch(cluster, name="fan", env=env,
                                       placement_strategy=NodePlacementStrategy(nodes))
     try:
@@ -105,6 +120,10 @@ def _run(cluster: Any, env: dict[str, str] | None, nodes: list[int],
             assert work.wait(BOUND_S) == [MESSAGES * len(receivers)], f"sender {s}"
         for r, work in zip(receivers, takes, strict=True):
             assert work.wait(BOUND_S) == [[MESSAGES] * len(senders)], f"receiver {r}"
+        status = agent_status(cluster)
+        # Nothing dropped on the way, and every worker of the group known to its agent.
+        assert [a["relay_undelivered"] for a in status] == dropped_before, status
+        assert sum(a["workers"]["ready"] for a in status) >= len(nodes), status
     finally:
         group.close()
 
