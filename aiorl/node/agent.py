@@ -478,6 +478,7 @@ class NodeAgent:
         check_descriptors_for(len(self.workers) + len(request.workers))
         loop = asyncio.get_running_loop()
         specs: list[tuple[WorkerSpawn, asyncio.Future[int]]] = []
+        spawn_ids: list[int] = []
         messages = []
         for launch in request.workers:
             launch = self._with_physical_devices(launch)
@@ -490,6 +491,7 @@ class NodeAgent:
             self._kill([c for c in self.workers.running() if c.name == spec.name
                         and c.incarnation < _incarnation_of(launch.env)])
             spawn_id = next(self._spawn_ids)
+            spawn_ids.append(spawn_id)
             self.workers.expect(spawn_id, spec.name, request.group, log_path,
                                 incarnation=_incarnation_of(launch.env),
                                 output_to=request.output_to)
@@ -504,8 +506,15 @@ class NodeAgent:
         # zygote is busy and the message is larger than the socket buffer (a few hundred
         # KiB of constructor arguments), leaving the zygote a torn message and this node
         # unable to start any worker again.
-        async with self._zygote_write:
-            await loop.sock_sendall(self._zygote_channel, b"".join(messages))
+        try:
+            async with self._zygote_write:
+                await loop.sock_sendall(self._zygote_channel, b"".join(messages))
+        except BaseException:
+            # The zygote never got the request: nothing of it will start.
+            for spawn_id in spawn_ids:
+                self._spawn_waiters.pop(spawn_id, None)
+                self.workers.fork_failed(spawn_id)
+            raise
         outcomes = await asyncio.gather(*(fut for _, fut in specs), return_exceptions=True)
         # Every forked child is in the table (recorded as the zygote reported it), and
         # ours to supervise even when a sibling's fork failed.
