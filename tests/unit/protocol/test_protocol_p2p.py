@@ -118,7 +118,7 @@ def test_the_wire_keeps_its_layout() -> None:
     """Both ends read fields by position (maps for the set-up): the layout is the wire format."""
     assert [o.value for o in P2POp] == [
         "p2p.data", "p2p.batch", "p2p.ack", "p2p.drop", "p2p.hello", "p2p.done", "p2p.cuda",
-        "p2p.via", "p2p.credit", "p2p.taken"]
+        "p2p.via", "p2p.credit", "p2p.taken", "p2p.undelivered"]
     assert (K_OBJ, K_CPU, K_CUDA) == (0, 1, 2)
     assert (FRAMES, SHM, CMA) == (0, 1, 2)
     assert (NCCL, IPC, NOTHING, HOST) == (0, 1, 2, 3)
