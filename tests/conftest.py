@@ -1,11 +1,12 @@
-"""Shared fixtures, a guard that fails the run if any aiorl process outlives it, and Ctrl-C
-restored for the processes the tests start."""
+"""Shared fixtures, a guard that fails the run if any aiorl process it started outlives it,
+and Ctrl-C restored for the processes the tests start."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+import uuid
 
 import psutil
 import pytest
@@ -27,7 +28,12 @@ def aiorl_processes() -> list[psutil.Process]:
     return found
 
 
-_session_start = time.time()
+#: Every process this test run starts carries this tag in its environment (registries,
+#: agents, zygotes and the workers they fork inherit it; the pytest-xdist workers inherit the
+#: controller's): the leftover guard ends only processes with our tag, never a cluster
+#: another user or another run started on the same machine.
+SESSION_TAG = "AIORL_TEST_SESSION"
+os.environ.setdefault(SESSION_TAG, uuid.uuid4().hex)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -43,16 +49,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _ours(p: psutil.Process) -> bool:
-    """Started by this test session: our descendant, or an orphan born after we started.
+    """Started by this test run: its environment carries this run's tag.
 
-    (Other sessions may run aiorl on the same machine; their processes are not ours.)"""
+    (Other runs and hand-started clusters may run aiorl on the same machine; their processes
+    are not ours, whoever their parent is. One whose environment cannot be read is not ours.)"""
     try:
-        if p.create_time() < _session_start:
-            return False
-        if p.ppid() == 1:
-            return True  # orphaned: whoever started it is gone, and it is newer than us
-        return any(a.pid == os.getpid() for a in p.parents())
-    except psutil.Error:
+        return p.environ().get(SESSION_TAG) == os.environ[SESSION_TAG]
+    except (psutil.Error, OSError):
         return False
 
 

@@ -83,6 +83,7 @@ from aiorl.transport.link import LinkWatch
 from aiorl.transport.sockets import local_ip
 from aiorl.util.limits import raise_open_file_limit
 from aiorl.util.memory import trim_memory
+from aiorl.util.pidfile import PidFileError, pid_file
 from aiorl.util.processes import python_module_command
 from aiorl.util.ratelimit import RateLimitedLog
 
@@ -710,6 +711,9 @@ def main(argv: list[str] | None = None) -> int:
                              "$AIORL_KEY_FILE or ~/.aiorl/cluster.key)")
     parser.add_argument("--insecure", action="store_true", help="no authentication")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--pid-file", default=None, metavar="PATH",
+                        help="write this process's pid to PATH while it runs (stop it with "
+                             "kill -TERM \"$(cat PATH)\")")
     args = parser.parse_args(argv)
     keys: security.ClusterKeys | None = None
     if args.insecure or os.environ.get(security.ENV_INSECURE) == "1":
@@ -769,7 +773,10 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     try:
-        uvloop.run(run())
+        with pid_file(args.pid_file):
+            uvloop.run(run())
+    except PidFileError as exc:
+        parser.error(str(exc))
     finally:
         if lane_dir is not None:
             shutil.rmtree(lane_dir, ignore_errors=True)

@@ -99,6 +99,7 @@ from aiorl.registry.framing import MAY_BE_LARGE, frame
 from aiorl.registry.table import WorkerTable
 from aiorl.transport.endpoint import Endpoint, Incoming
 from aiorl.util.limits import raise_open_file_limit
+from aiorl.util.pidfile import PidFileError, pid_file
 from aiorl.util.ratelimit import RateLimitedLog
 
 __all__ = ["DEFAULT_GRACE", "RegistryService", "main"]
@@ -646,6 +647,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="interface the metrics port listens on (default: 127.0.0.1, this "
                              "machine only; 0.0.0.0 lets anyone who reaches the host read "
                              "the cluster's worker, group and channel names)")
+    parser.add_argument("--pid-file", default=None, metavar="PATH",
+                        help="write this process's pid to PATH while it runs (stop it with "
+                             "kill -TERM \"$(cat PATH)\")")
     parser.add_argument("--exit-on-stdin-close", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -664,9 +668,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         keys = security.load_or_create(
             args.key_file or os.environ.get(security.ENV_KEY_FILE) or security.DEFAULT_KEY_FILE)
-    uvloop.run(serve(args.host, args.port, expiry=args.expiry, ready_line=args.print_address,
-                     keys=keys, exit_on_stdin_close=args.exit_on_stdin_close, grace=args.grace,
-                     metrics_port=args.metrics_port, metrics_host=args.metrics_host))
+    try:
+        with pid_file(args.pid_file):
+            uvloop.run(serve(args.host, args.port, expiry=args.expiry,
+                             ready_line=args.print_address, keys=keys,
+                             exit_on_stdin_close=args.exit_on_stdin_close, grace=args.grace,
+                             metrics_port=args.metrics_port, metrics_host=args.metrics_host))
+    except PidFileError as exc:
+        parser.error(str(exc))
     return 0
 
 
