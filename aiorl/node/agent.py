@@ -56,9 +56,9 @@ from aiorl.node.logdirs import (  # noqa: F401 - KEPT_ENDED_AGENT_LOGS: read her
     agent_logs_parent,
     remove_ended_agent_files,
 )
+from aiorl.node.node_workers import NodeWorker, NodeWorkers
 from aiorl.node.p2p_relay import P2PRelay
 from aiorl.node.visible_devices import physical_visible_devices
-from aiorl.node.worker_table import WorkerRecord, WorkerTable
 from aiorl.node.working_dirs import WorkingDirCache
 from aiorl.node.zygote import encode_message, read_message, write_message
 from aiorl.protocol.fields import Fields
@@ -163,8 +163,8 @@ class NodeAgent:
         self.hardware = hardware
         self.labels = labels
         self.log_dir = log_dir
-        #: Every worker of this node, spawning to ready (`aiorl.node.worker_table`).
-        self.workers = WorkerTable()
+        #: Every worker of this node, spawning to ready (`aiorl.node.node_workers`).
+        self.workers = NodeWorkers()
         #: The groups of our workers, with their owners: a restarted registry learns them
         #: from our registration, so it can expire a group whose driver died meanwhile.
         self.groups: dict[str, GroupSpec] = {}
@@ -219,7 +219,7 @@ class NodeAgent:
         self._trim_task = loop.create_task(self._trim_forever())
 
     def status(self) -> dict[str, Any]:
-        """What a ``ping`` answers: this node, its workers by state (`WorkerTable.status`),
+        """What a ``ping`` answers: this node, its workers by state (`NodeWorkers.status`),
         and what its p2p relay could not deliver (messages whose senders were told, credits
         or counts for senders gone): the doctor's and the tests' view of the agent."""
         return {"node_id": self.node_id, "workers": self.workers.status(),
@@ -289,7 +289,7 @@ class NodeAgent:
             for child in self.workers.running():
                 self._forward_output(child)
 
-    def _forward_output(self, child: WorkerRecord) -> None:
+    def _forward_output(self, child: NodeWorker) -> None:
         if child.output_to is None:
             return
         try:
@@ -582,7 +582,7 @@ class NodeAgent:
         self._kill(victims)
         msg.reply({"killed": len(victims)})
 
-    def _kill(self, victims: list[WorkerRecord]) -> None:
+    def _kill(self, victims: list[NodeWorker]) -> None:
         pids = [c.pid for c in victims if c.pid is not None]
         for pid in pids:
             _signal_group(pid, signal.SIGTERM)

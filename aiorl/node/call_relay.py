@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiorl.errors import PeerLostError, ProtocolError, to_wire
-from aiorl.node.worker_table import HOLD_FOR_READY_S
+from aiorl.node.node_workers import HOLD_FOR_READY_S
 from aiorl.protocol.call_relay import RelayedAnswers, RelayedCall
 from aiorl.protocol.ops import WorkerOp
 from aiorl.transport.endpoint import Endpoint, Incoming

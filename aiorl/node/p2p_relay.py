@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiorl.errors import ProtocolError
-from aiorl.node.worker_table import HOLD_FOR_READY_S
+from aiorl.node.node_workers import HOLD_FOR_READY_S
 from aiorl.protocol.ops import AgentOp
 from aiorl.protocol.p2p_relay import (
     BACK_OPS,

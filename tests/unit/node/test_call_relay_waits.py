@@ -1,6 +1,6 @@
 """A relayed call to a worker of the node that is still starting waits for its ready message
 (bounded), then is called or fails: never sent to an address nobody may serve
-(`aiorl.node.call_relay`, with the agent's real `WorkerTable`)."""
+(`aiorl.node.call_relay`, with the agent's real `NodeWorkers`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import aiorl.node.call_relay as call_relay_module
 from aiorl.names import WorkerAddress, WorkerInfo
 from aiorl.node.call_relay import CallRelay
-from aiorl.node.worker_table import WorkerTable
+from aiorl.node.node_workers import NodeWorkers
 from aiorl.protocol.call_relay import RelayedAnswers, RelayedCall
 
 
@@ -38,7 +38,7 @@ def _call(ranks: tuple[int, ...], endpoints: tuple[str, ...]) -> tuple[Any, list
     return msg, replies
 
 
-def _ready(table: WorkerTable, spawn_id: int, rank: int, endpoint: str) -> None:
+def _ready(table: NodeWorkers, spawn_id: int, rank: int, endpoint: str) -> None:
     table.forked(spawn_id, 100 + rank)
     table.ready(WorkerInfo(address=WorkerAddress("g", rank), rank=rank, group_world_size=2,
                            node_rank=0, node_ip="127.0.0.1", endpoint=endpoint, pid=100 + rank))
@@ -49,7 +49,7 @@ def test_calls_wait_for_a_starting_worker_then_go_or_fail(monkeypatch: Any) -> N
     monkeypatch.setattr(call_relay_module, "HOLD_FOR_READY_S", 0.2)
 
     async def run() -> None:
-        table, ep = WorkerTable(), _Endpoint()
+        table, ep = NodeWorkers(), _Endpoint()
         relay = CallRelay(ep, table.serves)  # type: ignore[arg-type]
         table.on_ready(lambda info: relay.worker_ready(info.name))
         table.expect(1, "g:0", "g", "/log")

@@ -3,11 +3,11 @@
 A worker's record goes **spawning → forked → ready → gone**. Three sources move it, on
 three channels that keep no order among themselves:
 
-* the agent itself, when it asks the zygote for a fork (`WorkerTable.expect`): the record
+* the agent itself, when it asks the zygote for a fork (`NodeWorkers.expect`): the record
   exists, by name, before anything else can speak of the worker;
 * the zygote's reports on its private channel, in order for one child: ``spawned`` (the
-  fork's pid, `WorkerTable.forked`) always before ``exited`` (`WorkerTable.exited`);
-* the worker's own ``worker_ready`` (`WorkerTable.ready`), on the agent's endpoint, which
+  fork's pid, `NodeWorkers.forked`) always before ``exited`` (`NodeWorkers.exited`);
+* the worker's own ``worker_ready`` (`NodeWorkers.ready`), on the agent's endpoint, which
   may arrive before the zygote's ``spawned`` (the fork's report waits behind the others of
   its request) or after the worker has exited.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from aiorl.names import WorkerInfo
 
-__all__ = ["HOLD_FOR_READY_S", "WorkerRecord", "WorkerTable"]
+__all__ = ["HOLD_FOR_READY_S", "NodeWorker", "NodeWorkers"]
 
 #: How long the relays hold messages and calls for an address, or a worker name, of this
 #: node whose worker is starting: a worker tells its agent where it listens before it tells
@@ -41,7 +41,7 @@ GONE_PIDS_KEPT = 4096
 
 
 @dataclass
-class WorkerRecord:
+class NodeWorker:
     """One worker process of this node (spawning, forked or ready)."""
 
     name: str
@@ -63,14 +63,14 @@ class WorkerRecord:
         return "spawning" if self.pid is None else "forked"
 
 
-class WorkerTable:
+class NodeWorkers:
     """The workers of one node agent, keyed by spawn id, with look-ups by pid and endpoint."""
 
     def __init__(self) -> None:
-        self._records: dict[int, WorkerRecord] = {}
-        self._by_pid: dict[int, WorkerRecord] = {}
+        self._records: dict[int, NodeWorker] = {}
+        self._by_pid: dict[int, NodeWorker] = {}
         #: Endpoint -> the ready record serving it: the addresses relays may send to.
-        self._by_endpoint: dict[str, WorkerRecord] = {}
+        self._by_endpoint: dict[str, NodeWorker] = {}
         self._gone_pids: collections.OrderedDict[int, None] = collections.OrderedDict()
         #: Endpoints of workers that exited (as bounded as the pids): what arrives for them
         #: late is expected (a sender's last credits), not a stranger's address.
@@ -79,14 +79,14 @@ class WorkerTable:
 
     # ------------------------------------------------------------------ transitions
     def expect(self, spawn_id: int, name: str, group: str, log_path: str, *,
-               incarnation: int = 0, output_to: str | None = None) -> WorkerRecord:
+               incarnation: int = 0, output_to: str | None = None) -> NodeWorker:
         """A fork of worker ``name`` is about to be asked for: its record exists from now."""
-        record = WorkerRecord(name, group, log_path, spawn_id, incarnation, output_to,
+        record = NodeWorker(name, group, log_path, spawn_id, incarnation, output_to,
                               started=time.time())
         self._records[spawn_id] = record
         return record
 
-    def forked(self, spawn_id: int, pid: int) -> WorkerRecord | None:
+    def forked(self, spawn_id: int, pid: int) -> NodeWorker | None:
         """The zygote forked ``spawn_id`` as ``pid`` (None: a spawn this table never expected)."""
         record = self._records.get(spawn_id)
         if record is not None:
@@ -100,7 +100,7 @@ class WorkerTable:
         if record is not None and record.info is not None:
             self._by_endpoint.pop(record.info.endpoint, None)
 
-    def ready(self, info: WorkerInfo) -> WorkerRecord | None:
+    def ready(self, info: WorkerInfo) -> NodeWorker | None:
         """Worker ``info.name`` said where it listens. Returns its record, or None when the
         message is stale (its process exited already) or names no worker of this node."""
         if info.pid in self._gone_pids:
@@ -122,7 +122,7 @@ class WorkerTable:
             listener(info)
         return record
 
-    def exited(self, pid: int) -> WorkerRecord | None:
+    def exited(self, pid: int) -> NodeWorker | None:
         """Process ``pid`` exited: its record leaves the table (None: not one of ours)."""
         record = self._by_pid.pop(pid, None)
         self._gone_pids[pid] = None
@@ -144,17 +144,17 @@ class WorkerTable:
         self._ready_listeners.append(listener)
 
     # ------------------------------------------------------------------ reading
-    def __iter__(self) -> Iterator[WorkerRecord]:
+    def __iter__(self) -> Iterator[NodeWorker]:
         return iter(list(self._records.values()))
 
     def __len__(self) -> int:
         return len(self._records)
 
-    def running(self) -> list[WorkerRecord]:
+    def running(self) -> list[NodeWorker]:
         """The records whose process exists (forked or ready): those that can be signalled."""
         return [r for r in self._records.values() if r.pid is not None]
 
-    def by_pid(self, pid: int) -> WorkerRecord | None:
+    def by_pid(self, pid: int) -> NodeWorker | None:
         return self._by_pid.get(pid)
 
     def groups(self) -> set[str]:

@@ -1,5 +1,5 @@
 """The node agent's table of its workers: the same end state whatever order the fork report,
-the worker's ready message and its exit arrive in (`aiorl.node.worker_table`)."""
+the worker's ready message and its exit arrive in (`aiorl.node.node_workers`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from aiorl.names import WorkerAddress, WorkerInfo
-from aiorl.node.worker_table import GONE_PIDS_KEPT, WorkerTable
+from aiorl.node.node_workers import GONE_PIDS_KEPT, NodeWorkers
 
 
 def _info(name: str, pid: int, endpoint: str) -> WorkerInfo:
@@ -20,7 +20,7 @@ def _info(name: str, pid: int, endpoint: str) -> WorkerInfo:
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("order", list(itertools.permutations(["forked", "ready"])))
 def test_ready_before_or_after_the_fork_report_makes_the_worker_known(order: tuple[str, ...]) -> None:
-    table = WorkerTable()
+    table = NodeWorkers()
     heard: list[str] = []
     table.on_ready(lambda info: heard.append(info.endpoint))
     table.expect(1, "g:0", "g", "/log")
@@ -46,7 +46,7 @@ def test_ready_before_or_after_the_fork_report_makes_the_worker_known(order: tup
 
 @pytest.mark.timeout(10)
 def test_a_ready_message_after_its_processs_exit_changes_nothing() -> None:
-    table = WorkerTable()
+    table = NodeWorkers()
     table.expect(1, "g:0", "g", "/log")
     table.forked(1, 100)
     table.exited(100)
@@ -62,7 +62,7 @@ def test_a_ready_message_after_its_processs_exit_changes_nothing() -> None:
 
 @pytest.mark.timeout(10)
 def test_a_worker_under_a_profiler_is_found_by_name_newest_incarnation_first() -> None:
-    table = WorkerTable()
+    table = NodeWorkers()
     table.expect(1, "g:0", "g", "/log")
     table.forked(1, 100)
     table.expect(2, "g:0", "g", "/log", incarnation=1)
@@ -74,7 +74,7 @@ def test_a_worker_under_a_profiler_is_found_by_name_newest_incarnation_first() -
 
 @pytest.mark.timeout(10)
 def test_a_failed_fork_leaves_nothing_pending_and_gone_pids_stay_bounded() -> None:
-    table = WorkerTable()
+    table = NodeWorkers()
     table.expect(1, "g:0", "g", "/log")
     table.fork_failed(1)
     assert not table.pending() and len(table) == 0
