@@ -38,6 +38,7 @@ from aiorl.trace import recorder as _trace
 from aiorl.transport import security
 from aiorl.transport.address import normalize_address
 from aiorl.transport.sockets import local_ip
+from aiorl.util.threads import RuntimeThread
 
 __all__ = ["Cluster"]
 
@@ -395,7 +396,7 @@ def _registry_died(ref: weakref.ref[Cluster]) -> None:
         log.error("the embedded registry %s: closing the Cluster", how)
         cluster._close(how)
 
-    threading.Thread(target=close, name="aiorl-registry-lost", daemon=True).start()
+    RuntimeThread(target=close, name="aiorl-registry-lost", daemon=True).start()
 
 
 def _registry_address(registry: str | None, address: str | None,

@@ -48,6 +48,7 @@ from aiorl.errors import AuthenticationError, RegistryUnavailable
 from aiorl.runtime import Runtime
 from aiorl.transport import security
 from aiorl.util.processes import pid_alive, process_start_time, python_module_command
+from aiorl.util.threads import unblocked
 
 __all__ = [
     "OWNER_FILE", "EmbeddedClusterFile", "EmbeddedProcesses", "remove_abandoned_sessions",
@@ -94,6 +95,12 @@ class EmbeddedProcesses:
         return os.path.join(self.session_dir, "cluster.key")
 
     def _start(self, num_nodes: int, accelerators_per_node: int | None) -> str:
+        # The daemons take SIGTERM and SIGINT whichever thread starts them (a mask is
+        # inherited across exec; aiorl's own threads block both: aiorl.util.threads).
+        with unblocked():
+            return self._start_daemons(num_nodes, accelerators_per_node)
+
+    def _start_daemons(self, num_nodes: int, accelerators_per_node: int | None) -> str:
         env = {k: v for k, v in os.environ.items()
                if k not in (security.ENV_PUBLIC, security.ENV_SECRET, security.ENV_KEY_FILE,
                             security.ENV_MECHANISM)}

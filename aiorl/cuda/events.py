@@ -22,6 +22,7 @@ from typing import Any
 
 from aiorl.cuda.untyped_torch import untyped
 from aiorl.errors import PeerLostError
+from aiorl.util.threads import RuntimeThread
 
 __all__ = [
     "LOOP_SPIN_S",
@@ -132,7 +133,7 @@ class EventWaiter:
             closed = self.closed
             if not closed:
                 if self._thread is None:
-                    self._thread = threading.Thread(
+                    self._thread = RuntimeThread(
                         target=self._run, name=self.name, daemon=True
                     )
                     self._thread.start()

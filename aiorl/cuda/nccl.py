@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from aiorl.cuda.untyped_torch import untyped
+from aiorl.util.threads import RuntimeThread
 
 __all__ = ["NCCL_SETTINGS", "abort_in_background", "new_nccl_group"]
 
@@ -89,6 +90,6 @@ def abort_in_background(pg: Any, what: str, keep: object = None) -> None:
                 except Exception:  # noqa: BLE001 - best effort: the process may be exiting
                     log.debug("NCCL %s of %s failed", name, what, exc_info=True)
 
-    threading.Thread(
+    RuntimeThread(
         target=abort, args=(keep,), name=f"aiorl-nccl-abort-{what}", daemon=True
     ).start()

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from aiorl.cuda.completion import GpuHost, settle_future
 from aiorl.cuda.events import WORK_THREAD_SPIN_S, CudaThreadClosed, EventWaiter, done_within
 from aiorl.cuda.untyped_torch import untyped
+from aiorl.util.threads import RuntimeThread
 
 __all__ = ["CudaWorkThread"]
 
@@ -96,7 +97,7 @@ class CudaWorkThread:
                 fut.set_exception(CudaThreadClosed(f"CUDA work thread {self.name} is closed"))
                 return fut
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread = RuntimeThread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
             self._jobs.put((fut, fn, args))
         return fut

@@ -31,6 +31,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from aiorl.errors import ClusterClosedError, WaitTimeout
+from aiorl.util.threads import RuntimeThread
 
 __all__ = ["LoopThread", "loop_thread_of"]
 
@@ -101,7 +102,7 @@ class LoopThread:
                 _by_loop.pop(loop, None)
                 lt._after_loop()
 
-        threading.Thread(target=main, name=f"aiorl-io-{name}", daemon=True).start()
+        RuntimeThread(target=main, name=f"aiorl-io-{name}", daemon=True).start()
         return ready.result(timeout=10)
 
     # ------------------------------------------------------------------ crossing threads

@@ -19,6 +19,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from aiorl.util.threads import RuntimeThread
+
 __all__ = ["BlockingWaiter", "Job"]
 
 log = logging.getLogger("aiorl.runtime")
@@ -55,7 +57,7 @@ class BlockingWaiter:
                 raise RuntimeError("the waiter is closed")
             self._jobs.append(job)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread = RuntimeThread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
             self._cond.notify()
 

@@ -13,6 +13,7 @@ import threading
 from abc import ABC, abstractmethod
 
 from aiorl.transport.security import ClusterKeys
+from aiorl.util.threads import RuntimeThread
 
 __all__ = ["SocketThread"]
 
@@ -25,7 +26,7 @@ class SocketThread(ABC):
         self._keys = keys
         self._identity = f"{name}-{kind}-{os.getpid()}-{id(self):x}".encode()
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"aiorl-{kind}-{name}",
+        self._thread = RuntimeThread(target=self._run, name=f"aiorl-{kind}-{name}",
                                         daemon=True)
 
     def start(self) -> None:
