@@ -102,6 +102,7 @@ class RegistryClient:
         self._reregistering = False
         self._reregister_pending = False  # the last re-registration failed halfway
         self._beats_failing = False  # error replies to heartbeats since the last answer
+        self._silence_told = False  # the warning that the registry is silent, once a silence
         #: When (``time.monotonic()``) the registry last answered a heartbeat: a node agent
         #: fences its workers when this grows older than its lease's expiry.
         self.last_answered = time.monotonic()
@@ -364,8 +365,14 @@ class RegistryClient:
             return False
         now = time.monotonic()
         silence = max(2 * self._beat_interval, 1.0)
-        return (now - self.last_answered > silence
-                or now - self._silence_ended < 2 * self._expiry + silence)
+        silent_for = now - self.last_answered
+        if silent_for > 2 * self._expiry > 0 and not self._silence_told:
+            self._silence_told = True
+            log.warning("the registry at %s has answered no heartbeat for %.0f s (two of its "
+                        "expiries): it is down or cut off; a peer whose connection broke and "
+                        "that accepts no new one is taken as gone with it", self.address,
+                        silent_for)
+        return silent_for > silence or now - self._silence_ended < 2 * self._expiry + silence
 
     def _beat_answered(self, meta: Any) -> None:
         """A heartbeat's reply (on the pulse thread)."""
@@ -378,6 +385,7 @@ class RegistryClient:
             self._silence_ended = now
         self.last_answered = now
         self._beats_failing = False
+        self._silence_told = False
         if (not known or self._reregister_pending) and self._on_unknown is not None:
             self.endpoint.loop.call_soon_threadsafe(self._reregister)
 

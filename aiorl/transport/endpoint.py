@@ -467,7 +467,8 @@ class Endpoint:
             if not address.startswith(IPC_PREFIX):
                 _refuse_plain_over_tcp(self.keys, f"connect to {address}")
             p = Peer(self.name, address, self._identity, self.keys, self.loop,
-                     self._on_dealer_message, self.verdict_wait, self._holding_verdicts)
+                     self._on_dealer_message, self.verdict_wait, self._holding_verdicts,
+                     functools.partial(self.mark_peer_lost, address))
             p.open()
             lost = self._lost.get(address)
             if lost is not None:

@@ -17,8 +17,11 @@ What happens to the requests pending on a connection that breaks while the peer 
   by itself). When neither their answer nor a verdict on the peer (`Endpoint.mark_peer_lost`:
   a dead worker's reason, which names how it died) comes within `VERDICT_WAIT_S`, they fail
   with `aiorl.ConnectionLostError`, naming the peer. While whoever gives verdicts cannot be
-  reached (``hold()``: the registry does not answer heartbeats), they wait on: a verdict may
-  still come, and it says more;
+  reached (``hold()``: the registry does not answer heartbeats), they wait on as long as the
+  peer itself accepts a connection again (a ZMQ handshake: its process lives, and a verdict
+  may still come, which says more); a peer that accepted none within `VERDICT_WAIT_S` of the
+  break is taken as dead with its registry (a head node lost whole): what was pending fails
+  with `aiorl.PeerLostError` saying so, rather than wait for a verdict nobody can give;
 * a refused connection (the peer does not accept our key, or another connection already
   holds our routing id on its lane) fails what is pending with `aiorl.AuthenticationError`
   at once, and the ZMQ link is rebuilt after a backoff (0.1 s doubling to 2 s) until a
@@ -91,16 +94,19 @@ class Peer:
         verdict_wait: `VERDICT_WAIT_S` unless a test shortens it.
         hold: whether a verdict may still come later than usual (the registry is
             unreachable): requests on a broken connection then wait another `verdict_wait`.
+        gone: ``gone(reason)`` declares the peer lost (the endpoint's `mark_peer_lost`: its
+            pending and later requests fail), when it accepts no connection while ``hold``.
     """
 
     __slots__ = ("name", "address", "identity", "keys", "loop", "on_message", "verdict_wait", "hold",
-                 "connection", "pending", "lost", "refused", "backoff", "rebuild",
+                 "gone", "connection", "pending", "lost", "refused", "backoff", "rebuild",
                  "broken_handshakes", "established", "retired", "_verdicts")
 
     def __init__(self, name: str, address: str, identity: bytes, keys: ClusterKeys | None,
                  loop: asyncio.AbstractEventLoop, on_message: Callable[[Peer, list[Any]], None],
                  verdict_wait: float = VERDICT_WAIT_S,
-                 hold: Callable[[], bool] = lambda: False) -> None:
+                 hold: Callable[[], bool] = lambda: False,
+                 gone: Callable[[str], None] | None = None) -> None:
         self.name = name
         self.address = address
         self.identity = identity
@@ -109,6 +115,7 @@ class Peer:
         self.on_message = on_message
         self.verdict_wait = verdict_wait
         self.hold = hold
+        self.gone = gone
         #: The lane, or the DEALER; None only while a refused link waits to be rebuilt.
         self.connection: Connection | None = None
         self.pending: dict[int, Settle] = {}
@@ -211,8 +218,20 @@ class Peer:
             nonlocal handle
             self._verdicts.discard(handle)
             if self.hold() and any(rid in self.pending for rid in rids):
-                handle = self.loop.call_later(self.verdict_wait, give_up)
-                self._verdicts.add(handle)
+                if self.established:  # the peer lives: its answer or a verdict may come
+                    handle = self.loop.call_later(self.verdict_wait, give_up)
+                    self._verdicts.add(handle)
+                    return
+                why = (f"{self.name}: the connection to {self.address} broke ({reason}); the "
+                       f"registry does not answer, and the peer accepted no connection within "
+                       f"{self.verdict_wait:g} s: it is taken as gone with its registry (a "
+                       "lost head node)")
+                if self.gone is not None:
+                    self.gone(why)  # this request, the others and later ones fail with it
+                for rid in rids:
+                    settle = self.pending.pop(rid, None)
+                    if settle is not None:
+                        settle(PeerLostError(why), None)
                 return
             for rid in rids:
                 settle = self.pending.pop(rid, None)
