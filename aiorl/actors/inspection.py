@@ -8,7 +8,8 @@ Every worker process (and every driver's ``Cluster``) serves ``WorkerOp.INSPECT`
   channels it hosts (sizes, waiting getters and putters, producers, consumers), and
   CPU/RSS. Pending operations are read from the services' own tables (the endpoint's
   unanswered requests, the P2P inboxes' posted receives and senders' unacknowledged sends,
-  the channel client's parked operations), so they cost nothing while nobody asks; with
+  the channel client's parked operations, the weight subscribers' waits for a version and
+  pulls), so they cost nothing while nobody asks; with
   tracing on, the open spans add each operation's age.
 * ``trace_page``: the trace ring buffer, drained a page at a time
   (`aiorl.trace.recorder.drain_page`: ``first`` starts a pull, ``max_spans`` bounds a page);
@@ -39,7 +40,7 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from aiorl.channels import ChannelHost, channel_waits
+from aiorl.channels import ChannelHost, channel_waits, held_channels
 from aiorl.names import WorkerInfo
 from aiorl.p2p import P2PEngine
 from aiorl.protocol.inspect import encode_answer
@@ -47,6 +48,7 @@ from aiorl.protocol.ops import WorkerOp
 from aiorl.runtime import Runtime
 from aiorl.trace import recorder as _trace
 from aiorl.transport.endpoint import Incoming
+from aiorl.weights import weight_publications, weight_waits
 
 __all__ = ["serve_inspection", "snapshot", "traced_execution"]
 
@@ -238,6 +240,10 @@ def snapshot(runtime: Runtime, calls: Mapping[asyncio.Task[Any], Incoming] | Non
         "threads": _thread_stacks(),
         "tasks": tasks, "tasks_left_out": left_out,
         "channels": _hosted_channels(instance),
+        # Who can end whose wait, for the doctor's one graph: the channels this process may
+        # put into, and the weight names it publishes.
+        "holds_channels": held_channels(runtime),
+        "publishes_weights": weight_publications(runtime),
     }
 
 
@@ -267,6 +273,8 @@ def _pending(runtime: Runtime, calls: Mapping[asyncio.Task[Any], Incoming] | Non
         if wait["unresolved"]:
             entry["unresolved"] = True
         out.append(entry)
+    for wait in weight_waits(runtime):
+        out.append({**wait, "age_s": round(max(0.0, time.time() - wait["since"]), 6)})
     for task, msg in (calls or {}).items():
         out.append({"kind": "executing", "method": msg.meta, "peer": caller_name(msg.identity),
                     "task": task.get_name()})

@@ -16,7 +16,7 @@ there to the consumer's, over ZMQ, with tensors as zero-copy out-of-band frames.
 See ``docs/channels.md`` for the semantics (ordering, backpressure, failure).
 """
 
-from aiorl.channels.engine import channel_waits
+from aiorl.channels.engine import channel_waits, held_channels
 from aiorl.channels.handle import (
     Channel,
     ReplicaStatistics,
@@ -35,4 +35,5 @@ __all__ = [
     "channel_waits",
     "connect_channel_from_worker",
     "create_channel_from_worker",
+    "held_channels",
 ]

@@ -148,6 +148,12 @@ class ClientEngine:
                             "queue": op.queue, "peer": state.worker, "unresolved": True})
         return out
 
+    def held(self) -> list[str]:
+        """The channels this process holds a handle to (connected or created here): who may
+        still put into a channel it has not put into yet, as ``aiorl doctor`` reads it."""
+        with self._states_lock:
+            return sorted({channel for channel, _rank in self._states})
+
     def state(self, name: str, rank: int = 0) -> ChannelState:
         """This process's state of replica ``rank`` of channel ``name`` (0: the channel)."""
         with self._states_lock:
@@ -504,6 +510,12 @@ def channel_waits(runtime: Runtime) -> list[dict[str, Any]]:
     none where it never used a channel)."""
     engine = _engines.get(runtime)
     return [] if engine is None else engine.waits()
+
+
+def held_channels(runtime: Runtime) -> list[str]:
+    """The channels ``runtime``'s process holds a handle to (`ClientEngine.held`)."""
+    engine = _engines.get(runtime)
+    return [] if engine is None else engine.held()
 
 
 def engine_for(runtime: Runtime) -> ClientEngine:

@@ -12,11 +12,13 @@ Sits above ``collective`` and ``channels`` and below ``actors``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiorl.names import WorkerInfo
 from aiorl.runtime import Runtime
 from aiorl.weights.layout import DEFAULT_BUCKET_BYTES
 from aiorl.weights.publisher import WeightPublisher
-from aiorl.weights.service import host_directory, weights_service
+from aiorl.weights.service import WeightsService, host_directory, weights_service
 from aiorl.weights.subscriber import SubscriberStatistics, WeightSubscriber
 
 __all__ = [
@@ -25,6 +27,8 @@ __all__ = [
     "WeightPublisher",
     "WeightSubscriber",
     "host_directory",
+    "weight_publications",
+    "weight_waits",
     "weight_publisher",
     "weight_subscriber",
 ]
@@ -58,3 +62,27 @@ def weight_subscriber(runtime: Runtime, info: WorkerInfo, name: str) -> WeightSu
         sub = service.handles[key] = WeightSubscriber(service, name)
     assert isinstance(sub, WeightSubscriber)
     return sub
+
+
+def weight_waits(runtime: Runtime) -> list[dict[str, Any]]:
+    """Every weights wait of ``runtime``'s process under way (`WeightSubscriber.waits`: a
+    ``wait_for`` or a pull with no version yet), for ``aiorl doctor``; none where the process
+    never subscribed (runtime loop only)."""
+    service = runtime.services.get(WeightsService)
+    if not isinstance(service, WeightsService):
+        return []
+    return [w for h in list(service.handles.values()) if isinstance(h, WeightSubscriber)
+            for w in h.waits()]
+
+
+def weight_publications(runtime: Runtime) -> list[dict[str, Any]]:
+    """The weight shards ``runtime``'s process publishes: ``{"name", "shard", "num_shards",
+    "version"}`` each (``version``: the newest it completed, None before the first). What
+    ``aiorl doctor`` reads to know who can end a wait on a name: its publishers say so
+    themselves, so a dead one is simply absent (runtime loop only)."""
+    service = runtime.services.get(WeightsService)
+    if not isinstance(service, WeightsService):
+        return []
+    return [{"name": h.name, "shard": h.shard, "num_shards": h.num_shards,
+             "version": h.version}
+            for h in list(service.handles.values()) if isinstance(h, WeightPublisher)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +104,10 @@ class WeightSubscriber:
         self._node_relay = NodeRelay(service, name, self._stats)
         self._representative = GpuRepresentative(service, name, self._stats)
         self._task: asyncio.Task[None] | None = None
+        #: The waits under way (``wait_for`` and pulls with no version to copy yet), by a
+        #: token of each: (operation, wanted version or None for "any", start in
+        #: ``time.time()``). Read by `waits` for ``aiorl doctor``; kept on the loop only.
+        self._waiting: dict[object, tuple[str, int | None, float]] = {}
         service.runtime.submit(self._start)
 
     # ------------------------------------------------------------------ public
@@ -198,6 +203,16 @@ class WeightSubscriber:
         """
         return SubscriberStatistics(**self._stats)
 
+    def waits(self) -> list[dict[str, Any]]:
+        """The waits of this subscriber under way, as ``aiorl doctor`` joins them to the other
+        mechanisms' (one typed record each, as ``P2PEngine.waits``): ``{"kind": "weights",
+        "op": "wait_for" or "pull", "name", "wanted": the version waited for (None: any),
+        "latest": the newest version known here, "since": start, in time.time()}``. Only a
+        publish of ``name`` can end one (runtime loop only)."""
+        return [{"kind": "weights", "op": op, "name": self.name, "wanted": wanted,
+                 "latest": self._latest, "since": since}
+                for op, wanted, since in self._waiting.values()]
+
     # ------------------------------------------------------------------ following the directory
     def _start(self) -> None:
         self._task = self.service.loop.create_task(self._follow())
@@ -279,6 +294,13 @@ class WeightSubscriber:
 
     # ------------------------------------------------------------------ pull and wait
     async def _pull(self, into: Mapping[str, Any]) -> int:
+        token = object()
+        try:
+            return await self._pull_once(into, token)
+        finally:
+            self._waiting.pop(token, None)
+
+    async def _pull_once(self, into: Mapping[str, Any], token: object) -> int:
         await self._representative.subscribe(into)
         tried: NodeView | None = None  # a view whose copy came out torn
         caught_up = False
@@ -303,6 +325,9 @@ class WeightSubscriber:
                 if older and self._lost is not None:
                     raise PeerLostError(f"{self._lost} (version {self._latest} was on its "
                                         "GPU only and cannot reach host memory any more)")
+                if view is None or view.version is None:
+                    # No version at all yet: a wait only a publish ends (the doctor's).
+                    self._waiting.setdefault(token, ("pull", None, time.time()))
                 await self._next_change()
                 continue
             if await self._needs_host(view, into):
@@ -448,12 +473,17 @@ class WeightSubscriber:
 
     async def _wait_for(self, min_version: int, timeout: float | None) -> int:
         async def wait() -> int:
-            while True:
-                if self._latest is not None and self._latest >= min_version:
-                    return self._latest
-                if self._lost is not None:
-                    raise PeerLostError(self._lost)
-                await self._next_change()
+            token = object()
+            try:
+                while True:
+                    if self._latest is not None and self._latest >= min_version:
+                        return self._latest
+                    if self._lost is not None:
+                        raise PeerLostError(self._lost)
+                    self._waiting.setdefault(token, ("wait_for", min_version, time.time()))
+                    await self._next_change()
+            finally:
+                self._waiting.pop(token, None)
 
         if timeout is None:
             return await wait()
