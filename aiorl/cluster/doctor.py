@@ -44,6 +44,10 @@ __all__ = [
 
 #: Seconds each process has to answer one inspect request.
 DEFAULT_TIMEOUT = 5.0
+#: Seconds a wait must have lasted (where its age is known) before the doctor names it in
+#: a deadlock or as a wait nothing can end: a younger one may be the ordinary hand-over of
+#: a busy pipeline (a rollout that waits for the version the trainer is publishing).
+STUCK_AFTER_S = 2.0
 #: Spans per page of a trace pull (a few MB in the puller, whatever the buffers hold).
 TRACE_PAGE_SPANS = 10_000
 
@@ -223,6 +227,55 @@ def _channel_node(name: str) -> str:
     return f"channel '{name}'"
 
 
+def _weights_node(name: str) -> str:
+    return f"weights '{name}'"
+
+
+def _is_resource(node: str) -> bool:
+    """A channel or a weight name, not a process."""
+    return node.startswith(("channel '", "weights '"))
+
+
+def _publishers(snapshots: dict[str, dict[str, Any]]
+                ) -> tuple[dict[str, list[str]], dict[str, int | None]]:
+    """Each weight name's live publishers (from their own answers: a dead one is absent),
+    and the newest version of the name that every shard completed (None: not yet)."""
+    who: dict[str, list[str]] = {}
+    shards: dict[str, dict[int, int | None]] = {}
+    counts: dict[str, int] = {}
+    for process, snap in snapshots.items():
+        for pub in snap.get("publishes_weights") or ():
+            who.setdefault(pub["name"], []).append(process)
+            shards.setdefault(pub["name"], {})[pub["shard"]] = pub["version"]
+            counts[pub["name"]] = max(counts.get(pub["name"], 1), pub["num_shards"])
+    newest: dict[str, int | None] = {}
+    for name, by_shard in shards.items():
+        versions = [by_shard.get(i) for i in range(counts[name])]
+        newest[name] = None if None in versions else min(v for v in versions if v is not None)
+    return {n: sorted(p) for n, p in who.items()}, newest
+
+
+def _weights_edges(snapshots: dict[str, dict[str, Any]], edges: list[Wait],
+                   publishers: dict[str, list[str]]
+                   ) -> tuple[list[Wait], list[tuple[Wait, str]]]:
+    """Edges from each waited-on weight name to its live publishers (only a publish ends a
+    wait for a version), and the waits on a name no live process publishes."""
+    out: list[Wait] = []
+    orphans: list[tuple[Wait, str]] = []
+    linked: set[str] = set()
+    for e in edges:
+        if not e.target.startswith("weights '"):
+            continue
+        name = e.target[len("weights '"):-1]
+        alive = publishers.get(name, [])
+        if not alive:
+            orphans.append((e, f"and no live process publishes {name!r}"))
+        elif e.target not in linked:
+            linked.add(e.target)
+            out += [Wait(e.target, p, "a publish from") for p in alive]
+    return out, orphans
+
+
 def _ages(pending: list[dict[str, Any]]) -> dict[tuple[str, str | None], float]:
     """Tracing on: the oldest open span per (category, peer), to date the waits."""
     ages: dict[tuple[str, str | None], float] = {}
@@ -233,7 +286,10 @@ def _ages(pending: list[dict[str, Any]]) -> dict[tuple[str, str | None], float]:
     return ages
 
 
-def _edges(process: str, pending: list[dict[str, Any]], names: dict[str, str]) -> list[Wait]:
+def _edges(process: str, pending: list[dict[str, Any]], names: dict[str, str],
+           published: dict[str, int | None]) -> list[Wait]:
+    """``process``'s waits as edges; ``published``: each weight name's newest version any
+    live publisher completed (a wait for a version already out is no edge)."""
     ages = _ages(pending)
     counted: dict[tuple[str, str], Wait] = {}
 
@@ -259,7 +315,19 @@ def _edges(process: str, pending: list[dict[str, Any]], names: dict[str, str]) -
             verb = kind.split(".", 1)[1]
             add(_channel_node(e["channel"]), f"{verb} on",
                 ages.get(("channel", f"channel {e['channel']}")))
+        elif kind == "weights":
+            done = published.get(e["name"])
+            if done is not None and e["wanted"] is not None and done >= e["wanted"]:
+                continue  # published already: the news is on its way, nothing is stuck
+            add(_weights_node(e["name"]), _weights_what(e), e.get("age_s"))
     return list(counted.values())
+
+
+def _weights_what(e: dict[str, Any]) -> str:
+    """``wait_for version >= 4 (latest 3) on``: a weights wait record in words."""
+    latest = "none" if e["latest"] is None else e["latest"]
+    wanted = "a first version" if e["wanted"] is None else f"version >= {e['wanted']}"
+    return f"{e['op']} {wanted} (latest {latest}) on"
 
 
 def _gone(names: list[str], states: dict[str, str]) -> str:
@@ -277,7 +345,7 @@ def _channel_edges(snapshots: dict[str, dict[str, Any]], states: dict[str, str]
     edges: list[Wait] = []
     dead_ends: dict[tuple[str, str], str] = {}
     queues: dict[str, dict[str, Any]] = {}
-    for snap in snapshots.values():
+    for host, snap in snapshots.items():
         for q in snap.get("channels") or ():
             node = _channel_node(q["channel"])
             queues[f"{node} queue {q['queue']!r}"] = q
@@ -294,13 +362,51 @@ def _channel_edges(snapshots: dict[str, dict[str, Any]], states: dict[str, str]
                 continue
             alive = [p for p in q["producers"] if states.get(p, "ready") == "ready"
                      and p in snapshots]
+            if not q["producers"]:
+                # Nobody has put yet: a worker that holds the channel and does not wait to
+                # get from it may still put (a rollout that connected and waits for weights
+                # first). Not a driver: drivers create the channels their workers use, and
+                # one that does put is a producer from its first put on.
+                getters = set(q.get("parked_clients") or ())
+                alive = [p for p, snap in sorted(snapshots.items())
+                         if q["channel"] in (snap.get("holds_channels") or ())
+                         and p not in getters and p != host and p != "driver"]
             for p in alive:
                 edges.append(Wait(node, p, "a put from"))
             if not alive:
                 gone = _gone(q["producers"], states)
-                dead_ends[node, "get"] = ("which is empty and has no producer alive"
-                                          + (f" ({gone})" if gone else " (nobody has put into it)"))
+                dead_ends[node, "get"] = (
+                    "which is empty and has no producer alive"
+                    + (f" ({gone})" if gone else
+                       " (nobody has put into it, and nobody else holds it)"))
     return edges, dead_ends, queues
+
+
+def _stuck(edges: list[Wait], states: dict[str, str]) -> set[str]:
+    """The nodes of the graph that cannot go on, whatever the others do.
+
+    Every wait is an "any of" wait: a channel get ends with a put from any of its producers,
+    a weight name's wait with its publishers' publish, a process with several operations
+    pending goes on when any of them ends. So a node is free when it waits on nothing, or
+    when one of its targets is free (a target the graph does not know, not reported dead, is
+    free); the rest, found by a fixpoint, is stuck. Only cycles among stuck nodes are
+    deadlocks: a trainer that waits on a channel fed by four rollouts of which one waits for
+    the trainer's next weights is not stuck while the three others produce."""
+    out: dict[str, list[str]] = {}
+    for e in edges:
+        out.setdefault(e.waiter, []).append(e.target)
+    dead = {str(WorkerState.DEAD), str(WorkerState.FAILED)}
+    # A channel or weight name with no edge out has no live producer or publisher: stuck.
+    free = {t for targets in out.values() for t in targets
+            if t not in out and states.get(t) not in dead and not _is_resource(t)}
+    changed = True
+    while changed:
+        changed = False
+        for node, targets in out.items():
+            if node not in free and any(t in free for t in targets):
+                free.add(node)
+                changed = True
+    return set(out) - free
 
 
 def _cycles(edges: Iterable[Wait]) -> list[list[Wait]]:
@@ -316,7 +422,8 @@ def _cycles(edges: Iterable[Wait]) -> list[list[Wait]]:
             if e.target == start:
                 cycle = [*path, e]
                 nodes = [w.waiter for w in cycle]
-                i = nodes.index(min(nodes))
+                # Told from its first process (alphabetically), not from a channel.
+                i = nodes.index(min(nodes, key=lambda n: (_is_resource(n), n)))
                 key = tuple(nodes[i:] + nodes[:i])
                 if key not in seen:
                     seen.add(key)
@@ -329,11 +436,52 @@ def _cycles(edges: Iterable[Wait]) -> list[list[Wait]]:
     return found
 
 
+def _merged(cycles: list[list[Wait]]) -> list[list[Wait]]:
+    """The cycles that pass through the same channels and weight names, with the same
+    processes except those that end a resource's wait, told as one: four rollouts that each
+    close the same trainer/channel/weights cycle are one deadlock, ``rollout:0 and rollout:1``
+    in one line. Cycles without a channel or weight name are left as they are."""
+    groups: dict[tuple[Any, ...], list[list[Wait]]] = {}
+    for cycle in cycles:
+        resources = [k for k, w in enumerate(cycle) if _is_resource(w.waiter)]
+        if not resources:
+            groups[("plain", id(cycle))] = [cycle]
+            continue
+        first = min(resources, key=lambda k: cycle[k].waiter)
+        aligned = cycle[first:] + cycle[:first]
+        key = tuple("*" if k and _is_resource(aligned[k - 1].waiter) else w.waiter
+                    for k, w in enumerate(aligned))
+        groups.setdefault(key, []).append(aligned)
+    out = []
+    for members in groups.values():
+        if len(members) == 1 and not _is_resource(members[0][0].waiter):
+            out.append(members[0])
+            continue
+        merged = []
+        for k, w in enumerate(members[0]):
+            waiters = sorted({m[k].waiter for m in members})
+            targets = sorted({m[k].target for m in members})
+            ages = [a for m in members if (a := m[k].age_s) is not None]
+            merged.append(Wait(" and ".join(waiters), " and ".join(targets), w.what,
+                               max(ages) if ages else None, max(m[k].count for m in members)))
+        # Told from a single process that waits on a resource (the trainer), if any.
+        starts = [k for k, w in enumerate(merged)
+                  if " and " not in w.waiter and not _is_resource(w.waiter)]
+        s = starts[0] if starts else 0
+        out.append(merged[s:] + merged[:s])
+    return out
+
+
 def _sentence(chain: list[Wait]) -> str:
-    first = chain[0]
-    text = f"{first.waiter} waits {first.what} {first.target}"
+    """``a waits X b for 7.1 s, which waits Y c, ...``: a chain of waits in one line
+    (each wait's age where it is known)."""
+    def one(w: Wait) -> str:
+        age = f" for {w.age_s:.1f} s" if w.age_s is not None else ""
+        return f"{w.what} {w.target}{age}"
+
+    text = f"{chain[0].waiter} waits {one(chain[0])}"
     for w in chain[1:]:
-        text += f", which waits {w.what} {w.target}"
+        text += f", which {'each wait' if ' and ' in w.waiter else 'waits'} {one(w)}"
     return text
 
 
@@ -377,15 +525,27 @@ def diagnose(probes: list[Probe], status: StatusReport,
         for e in snap["pending"]:
             if not e.get("peer") and e.get("address") in names:
                 e["peer"] = names[e["address"]]
+    publishers, published = _publishers(snapshots)
     edges: list[Wait] = []
     for name, snap in snapshots.items():
-        edges.extend(_edges(name, snap["pending"], names))
+        edges.extend(_edges(name, snap["pending"], names, published))
     channel_edges, dead_ends, queues = _channel_edges(snapshots, states)
-    all_edges = edges + channel_edges
+    weights_edges, orphans = _weights_edges(snapshots, edges, publishers)
+    all_edges = edges + channel_edges + weights_edges
     report.waits = [asdict(e) for e in all_edges]
-    for cycle in _cycles(all_edges):
+    stuck = _stuck(all_edges, states)
+    cycles = [c for c in _cycles(e for e in all_edges if e.waiter in stuck and e.target in stuck)
+              # a wait this young may be the ordinary hand-over of a busy pipeline
+              if not any(w.age_s is not None and w.age_s < STUCK_AFTER_S for w in c)]
+    for cycle in _merged(cycles):
         report.deadlocks.append([w.words() for w in cycle])
         report.findings.append(f"DEADLOCK: {_sentence(cycle)} (a cycle: none of them can go on)")
+    for e, why in orphans:
+        if e.age_s is not None and e.age_s < STUCK_AFTER_S:
+            continue  # the publisher may not have made its publisher yet (the job starts)
+        text = f"{e.words()}, {why}"
+        report.dead_peer_waits.append(text)
+        report.findings.append("NO PUBLISHER: " + text)
     for e in edges:
         target_state = states.get(e.target)
         if target_state in (WorkerState.DEAD, WorkerState.FAILED):
@@ -452,6 +612,8 @@ def _describe_pending(e: dict[str, Any]) -> str:
                f"{e['call_size']}-rank group call)"
     if kind.startswith("channel."):
         return f"{kind.split('.', 1)[1]} on channel '{e['channel']}' (queue {e['queue']!r})"
+    if kind == "weights":
+        return f"{_weights_what(e)} weights '{e['name']}'"
     return f"{kind} {'from' if kind == 'recv' else 'to'} {e.get('peer')}"
 
 
