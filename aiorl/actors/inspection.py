@@ -9,7 +9,7 @@ Every worker process (and every driver's ``Cluster``) serves ``WorkerOp.INSPECT`
   CPU/RSS. Pending operations are read from the services' own tables (the endpoint's
   unanswered requests, the P2P inboxes' posted receives and senders' unacknowledged sends,
   the channel client's parked operations, the weight subscribers' waits for a version and
-  pulls), so they cost nothing while nobody asks; with
+  pulls, the broadcasts called and not complete), so they cost nothing while nobody asks; with
   tracing on, the open spans add each operation's age.
 * ``trace_page``: the trace ring buffer, drained a page at a time
   (`aiorl.trace.recorder.drain_page`: ``first`` starts a pull, ``max_spans`` bounds a page);
@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from aiorl.channels import ChannelHost, channel_waits, held_channels
+from aiorl.collective import Broadcaster
 from aiorl.names import WorkerInfo
 from aiorl.p2p import P2PEngine
 from aiorl.protocol.inspect import encode_answer
@@ -273,6 +274,10 @@ def _pending(runtime: Runtime, calls: Mapping[asyncio.Task[Any], Incoming] | Non
         if wait["unresolved"]:
             entry["unresolved"] = True
         out.append(entry)
+    broadcaster = runtime.services.get(Broadcaster)
+    if isinstance(broadcaster, Broadcaster):
+        for wait in broadcaster.waits():
+            out.append({**wait, "age_s": round(max(0.0, time.time() - wait["since"]), 6)})
     for wait in weight_waits(runtime):
         out.append({**wait, "age_s": round(max(0.0, time.time() - wait["since"]), 6)})
     for task, msg in (calls or {}).items():

@@ -315,6 +315,12 @@ def _edges(process: str, pending: list[dict[str, Any]], names: dict[str, str],
             verb = kind.split(".", 1)[1]
             add(_channel_node(e["channel"]), f"{verb} on",
                 ages.get(("channel", f"channel {e['channel']}")))
+        elif kind == "broadcast":
+            what = (f"broadcast #{e['seq']} to {len(e['members'])} members, the answer of"
+                    if e["source"] == process else
+                    f"broadcast #{e['seq']}, the payload and verdict of")
+            for member in e["waiting_for"]:
+                add(member, what, e.get("age_s"))
         elif kind == "weights":
             done = published.get(e["name"])
             if done is not None and e["wanted"] is not None and done >= e["wanted"]:
@@ -508,6 +514,32 @@ def _stragglers(snapshots: dict[str, dict[str, Any]], names: dict[str, str]
     return out
 
 
+def _broadcast_stragglers(snapshots: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Broadcasts whose source has waited `STUCK_AFTER_S` or more for members that have not
+    called ``broadcast`` at all (no record of that set and number in their answer): named as
+    stragglers. A member that called and waits on the source is an edge of the graph
+    instead; one that is dead, a wait on a dead peer."""
+    called: set[tuple[str, str, int]] = set()
+    for process, snap in snapshots.items():
+        for e in snap["pending"]:
+            if e["kind"] == "broadcast":
+                called.add((process, e["set"], e["seq"]))
+    out = []
+    for process, snap in snapshots.items():
+        for e in snap["pending"]:
+            if e["kind"] != "broadcast" or e["source"] != process \
+                    or (e.get("age_s") or 0.0) < STUCK_AFTER_S:
+                continue
+            absent = [m for m in e["waiting_for"]
+                      if m in snapshots and (m, e["set"], e["seq"]) not in called]
+            if absent:
+                out.append({"caller": process, "ranks": len(e["members"]),
+                            "answered": len(e["members"]) - len(absent),
+                            "waiting_for": absent, "methods": ["broadcast"],
+                            "age_s": e["age_s"], "seq": e["seq"]})
+    return out
+
+
 def diagnose(probes: list[Probe], status: StatusReport,
              later: list[Probe] | None = None, interval: float = 0.0) -> DoctorReport:
     """The report of one collection of snapshots (``later``: a second one, for growth)."""
@@ -565,6 +597,12 @@ def diagnose(probes: list[Probe], status: StatusReport,
         report.findings.append(
             f"STRAGGLER: {s['caller']}'s group call{method}: {s['answered']} of {s['ranks']} "
             f"ranks answered; still waiting{age} for {', '.join(s['waiting_for'])}")
+    for s in _broadcast_stragglers(snapshots):
+        report.stragglers.append(s)
+        report.findings.append(
+            f"STRAGGLER: {s['caller']}'s broadcast #{s['seq']} to {s['ranks']} members: "
+            f"{s['answered']} of {s['ranks']} called it; still waiting after {s['age_s']:.1f} s "
+            f"for {', '.join(s['waiting_for'])}, which never called broadcast")
     if later is not None:
         before = {k: q["size"] for k, q in queues.items()}
         later_snaps = {p.name: p.reply for p in later if p.reply is not None}
@@ -614,6 +652,9 @@ def _describe_pending(e: dict[str, Any]) -> str:
         return f"{kind.split('.', 1)[1]} on channel '{e['channel']}' (queue {e['queue']!r})"
     if kind == "weights":
         return f"{_weights_what(e)} weights '{e['name']}'"
+    if kind == "broadcast":
+        return (f"broadcast #{e['seq']} from {e['source']} to {len(e['members'])} members, "
+                f"waiting for {', '.join(e['waiting_for']) or 'nobody'}")
     return f"{kind} {'from' if kind == 'recv' else 'to'} {e.get('peer')}"
 
 

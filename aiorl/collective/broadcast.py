@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, cast
@@ -139,7 +140,7 @@ class Broadcaster:
         seq = ms.calls
         ms.calls += 1
         rnd = ms.round(seq)
-        rnd.plan, rnd.work = plan, work
+        rnd.plan, rnd.work, rnd.since = plan, work, time.time()
         lost = ms.lost or self.members.lost_among(plan.members)
         if lost is not None:
             self._fail_set(ms, lost)
@@ -392,6 +393,25 @@ class Broadcaster:
             self._maybe_ack(ms, rnd)
 
     # ------------------------------------------------------------------ state
+    def waits(self) -> list[dict[str, Any]]:
+        """The broadcasts this member called that have not completed, as ``aiorl doctor``
+        joins them to the other mechanisms' waits (a typed record each, as
+        ``P2PEngine.waits``): ``{"kind": "broadcast", "set", "seq", "source", "members",
+        "waiting_for", "since"}``. The source waits for the members that have not
+        acknowledged (those that did not call yet among them); any other member waits for
+        the source (its payload, then its verdict). Runtime loop only."""
+        out: list[dict[str, Any]] = []
+        for ms in self._sets.values():
+            for rnd in ms.rounds.values():
+                plan, work = rnd.plan, rnd.work
+                if plan is None or work is None or work.done():
+                    continue
+                waiting = sorted(rnd.waiting) if plan.src == plan.me else [plan.src]
+                out.append({"kind": "broadcast", "set": ms.set_id, "seq": rnd.seq,
+                            "source": plan.src, "members": list(plan.members),
+                            "waiting_for": waiting, "since": rnd.since})
+        return out
+
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` as a task of the broadcaster (cancelled when it closes)."""
         task = self.loop.create_task(coro)

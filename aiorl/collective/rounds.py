@@ -25,7 +25,7 @@ class Round:
     """One broadcast (one number of one member set) as this member sees it."""
 
     __slots__ = ("seq", "plan", "work", "obj", "out", "inc", "sender", "src_address", "waiting",
-                 "error", "value", "acked", "final")
+                 "error", "value", "acked", "final", "since")
 
     def __init__(self, seq: int) -> None:
         self.seq = seq
@@ -41,6 +41,7 @@ class Round:
         self.value: Any = None
         self.acked = False
         self.final: str | None = None  # the source's verdict, when it failed before we called
+        self.since = 0.0  # when this member called (time.time()), for ``aiorl doctor``
 
 
 class MemberSet:

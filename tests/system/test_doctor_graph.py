@@ -6,6 +6,7 @@
   name and the versions (and never "no producer alive": the producers are alive);
 * a ``wait_for`` on a weight name nobody publishes: NO PUBLISHER;
 * a cycle of calls through ``async def`` methods across three groups: a DEADLOCK;
+* a broadcast one member never calls: a STRAGGLER naming it;
 * no false alarm: the same pipeline without the off-by-one, with slow steps, is never
   reported while it runs.
 """
@@ -84,6 +85,18 @@ class Closer(aiorl.Worker):
     async def ask(self) -> str:
         group = await self.async_group(self.first_group)
         return (await group.answer())[0]
+
+
+class Member(aiorl.Worker):
+    async def share(self, skip: int) -> object:
+        """Every rank but ``skip`` calls one broadcast from rank 0 over the group; ``skip``
+        is busy elsewhere (for longer than the test)."""
+        if self.rank == skip:
+            await asyncio.sleep(600)
+            return None
+        group = [(self.worker_group_name, [0, 1, 2])]
+        return await self.broadcast("hello" if self.rank == 0 else None, group,
+                                    (self.worker_group_name, 0), async_op=True)
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +194,28 @@ def test_a_call_cycle_through_async_methods_across_three_groups(cluster):
     finally:
         for g in (a, b, c):
             g.close()
+
+
+def test_a_broadcast_member_that_never_calls_is_named(cluster):
+    members = Member.create_group().launch(cluster, num_workers=3, name="bmember")
+    try:
+        members.wait_ready(120)
+        sharing = members.share(2)
+
+        def found() -> aiorl.cluster.doctor.DoctorReport | None:
+            report = cluster.doctor()
+            return report if report.stragglers else None
+
+        report = _until(found)
+        assert report is not None, "no finding"
+        (text,) = report.findings
+        assert text.startswith("STRAGGLER: bmember:0's broadcast #0 to 3 members: 2 of 3 "
+                               "called it; still waiting after "), text
+        assert text.endswith(" s for bmember:2, which never called broadcast"), text
+        assert report.exit_code == 0  # it may still call: a straggler, not a hang
+        assert not sharing.done()
+    finally:
+        members.close()
 
 
 def test_a_healthy_pipeline_with_slow_steps_is_never_reported(cluster):
