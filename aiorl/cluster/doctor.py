@@ -206,6 +206,9 @@ class DoctorReport:
     deadlocks: list[list[str]] = field(default_factory=list)
     dead_peer_waits: list[str] = field(default_factory=list)
     stragglers: list[dict[str, Any]] = field(default_factory=list)
+    #: Waits on a channel whose producers all finished (seen with ``interval`` > 0 only);
+    #: not counted in ``exit_code``: a new call may still feed it.
+    idle_waits: list[str] = field(default_factory=list)
     growing_channels: list[dict[str, Any]] = field(default_factory=list)
     unresponsive: list[str] = field(default_factory=list)
     oldest_waits: list[dict[str, Any]] = field(default_factory=list)
@@ -540,6 +543,36 @@ def _broadcast_stragglers(snapshots: dict[str, dict[str, Any]]) -> list[dict[str
     return out
 
 
+def _idle(snap: dict[str, Any]) -> bool:
+    """Runs no call and waits on nothing: a worker whose work returned."""
+    return not any(e["kind"] != "span" for e in snap["pending"])
+
+
+def _idle_producers(edges: list[Wait], channel_edges: list[Wait],
+                    snapshots: dict[str, dict[str, Any]],
+                    later: dict[str, dict[str, Any]]) -> list[str]:
+    """Gets on an empty channel all of whose live producers ran nothing in two snapshots
+    an interval apart (their calls returned): nothing will put into it unless someone
+    makes a new call. One snapshot is not enough: a producer between two calls of a
+    driver's loop is idle for a moment."""
+    enders: dict[str, list[str]] = {}
+    for e in channel_edges:
+        enders.setdefault(e.waiter, []).append(e.target)
+    out = []
+    for e in edges:
+        producers = enders.get(e.target)
+        if not e.what.startswith("get") or not producers:
+            continue
+        still = any(x["kind"].startswith("channel.get") and _channel_node(x["channel"]) == e.target
+                    for x in later.get(e.waiter, {}).get("pending", ()))
+        if still and all(p in later and _idle(snapshots[p]) and _idle(later[p])
+                         for p in producers):
+            out.append(f"{e.words()}, which is empty; its producers ({', '.join(producers)}) "
+                       "are alive but run nothing (their calls returned): nothing will put "
+                       "into it unless a new call is made")
+    return out
+
+
 def diagnose(probes: list[Probe], status: StatusReport,
              later: list[Probe] | None = None, interval: float = 0.0) -> DoctorReport:
     """The report of one collection of snapshots (``later``: a second one, for growth)."""
@@ -606,6 +639,9 @@ def diagnose(probes: list[Probe], status: StatusReport,
     if later is not None:
         before = {k: q["size"] for k, q in queues.items()}
         later_snaps = {p.name: p.reply for p in later if p.reply is not None}
+        for text in _idle_producers(edges, channel_edges, snapshots, later_snaps):
+            report.idle_waits.append(text)
+            report.findings.append("NO PRODUCER AT WORK: " + text)
         _, _, after = _channel_edges(later_snaps, states)
         for key, q in after.items():
             if key in before and q["size"] > before[key] and not q["waiting_getters"]:

@@ -7,6 +7,7 @@
 * a ``wait_for`` on a weight name nobody publishes: NO PUBLISHER;
 * a cycle of calls through ``async def`` methods across three groups: a DEADLOCK;
 * a broadcast one member never calls: a STRAGGLER naming it;
+* a ``get_batch`` whose producers all returned: NO PRODUCER AT WORK;
 * no false alarm: the same pipeline without the off-by-one, with slow steps, is never
   reported while it runs.
 """
@@ -85,6 +86,19 @@ class Closer(aiorl.Worker):
     async def ask(self) -> str:
         group = await self.async_group(self.first_group)
         return (await group.answer())[0]
+
+
+class Feeder(aiorl.Worker):
+    async def feed(self, channel: str, n: int) -> int:
+        ch = self.connect_channel(channel)
+        for i in range(n):
+            await ch.put(i, weight=1)
+        return n
+
+
+class Eater(aiorl.Worker):
+    async def eat(self, channel: str, weight: int) -> int:
+        return len(await self.connect_channel(channel).get_batch(weight))
 
 
 class Member(aiorl.Worker):
@@ -216,6 +230,32 @@ def test_a_broadcast_member_that_never_calls_is_named(cluster):
         assert not sharing.done()
     finally:
         members.close()
+
+
+def test_a_get_batch_whose_producers_all_finished(cluster):
+    aiorl.Channel.create(cluster, "leftovers")
+    feeders = Feeder.create_group().launch(cluster, num_workers=2, name="feeder")
+    eater = Eater.create_group().launch(cluster, num_workers=1, name="eater")
+    try:
+        assert feeders.feed("leftovers", 2).wait(60) == [2, 2]
+        eating = eater.eat("leftovers", 5)  # 4 items exist: the batch never completes
+
+        def found() -> aiorl.cluster.doctor.DoctorReport | None:
+            report = cluster.doctor(interval=1.0)
+            return report if report.idle_waits else None
+
+        report = _until(found)
+        assert report is not None, "no finding"
+        (text,) = report.findings
+        assert text == ("NO PRODUCER AT WORK: eater:0 waits get_batch on channel 'leftovers', "
+                        "which is empty; its producers (feeder:0, feeder:1) are alive but run "
+                        "nothing (their calls returned): nothing will put into it unless a new "
+                        "call is made"), text
+        assert report.exit_code == 0
+        assert not eating.done()
+    finally:
+        feeders.close()
+        eater.close()
 
 
 def test_a_healthy_pipeline_with_slow_steps_is_never_reported(cluster):
