@@ -5,19 +5,26 @@ asked the ``inspect`` operation (aiorl/actors/inspection.py) concurrently, with 
 from any endpoint (the driver's own for ``cluster.doctor()``, a private one for the
 command line). Nothing here runs inside the job's processes except that one handler.
 
-Analysis (`diagnose`): the pending operations of all processes form a wait-for graph
-whose nodes are processes and channels:
+Analysis (`diagnose`): the waits of all processes, each a typed record its service reports
+(calls, p2p, channel operations, weights waits, broadcasts), form one wait-for graph whose
+nodes are processes, channels and weight names:
 
-* ``A -> B`` when A waits a receive from B, a call it made to B, or a send to B;
-* ``A -> channel 'c'`` when A waits a get (or a put) on channel ``c``;
-* ``channel 'c' -> P`` for each process P that put into ``c`` while ``c`` is empty and
-  has getters waiting (only a producer can end that wait).
+* ``A -> B`` when A waits a receive from B, a call it made to B, a send to B, or an answer
+  to a broadcast from B (the source waits for the members, a member for the source);
+* ``A -> channel 'c'`` when A waits a get (or a put) on channel ``c``, and ``channel 'c' ->
+  P`` for each live producer P of an empty channel with getters waiting (those that put
+  into it; while nobody has, the workers that hold it and do not get from it);
+* ``A -> weights 'w'`` when A waits for a version of ``w`` no publisher completed yet, and
+  ``weights 'w' -> P`` for each live publisher P of ``w`` (from the publishers' own answers).
 
-A cycle is a deadlock; an edge to a dead process, to an empty channel none of whose
-producers is alive, or to a full channel none of whose consumers is alive, is a wait that can
-never end; a group call that some ranks answered
-and others not names its stragglers. Findings come first in plain words, then the oldest
-waits (ages need tracing on: spans carry their start), then every process's summary.
+Every wait is an "any of" wait, so the nodes that cannot go on are found first (`_stuck`);
+a cycle among them is a deadlock, unless one of its waits is younger than `STUCK_AFTER_S`.
+An edge to a dead process, to an empty channel none of whose producers is alive, to a full
+channel none of whose consumers is alive, or to a weight name nobody publishes, is a wait
+that can never end; a group call that some ranks answered and others not, and a broadcast
+some members never called, name their stragglers. Findings come first in plain words, then
+the oldest waits (ages need tracing on for calls, p2p and channels: spans carry their
+start), then every process's summary.
 """
 
 from __future__ import annotations
