@@ -280,3 +280,26 @@ def test_a_healthy_pipeline_with_slow_steps_is_never_reported(cluster):
     finally:
         trainer.close()
         rollouts.close()
+
+
+def test_a_wait_any_producer_can_end_is_no_deadlock_while_one_is_free():
+    """The graph's rule without processes: every wait is an "any of" wait, so a trainer fed
+    by two rollouts, one of which waits for the trainer's weights, is not stuck while the
+    other rollout runs; once both wait, the cycles are one deadlock told in one line."""
+    from aiorl.cluster.doctor import Wait, _cycles, _merged, _sentence, _stuck
+
+    edges = [Wait("t:0", "channel 'c'", "get_batch on"),
+             Wait("channel 'c'", "r:0", "a put from"), Wait("channel 'c'", "r:1", "a put from"),
+             Wait("r:0", "weights 'w'", "wait_for version >= 1 (latest 0) on", 3.0),
+             Wait("weights 'w'", "t:0", "a publish from")]
+    assert _stuck(edges, {}) == set()  # r:1 runs: it may put
+    both = [*edges, Wait("r:1", "weights 'w'", "wait_for version >= 1 (latest 0) on", 4.0)]
+    stuck = _stuck(both, {})
+    assert stuck == {"t:0", "r:0", "r:1", "channel 'c'", "weights 'w'"}
+    (cycle,) = _merged(_cycles(both))
+    assert _sentence(cycle) == (
+        "t:0 waits get_batch on channel 'c', which waits a put from r:0 and r:1, which each "
+        "wait wait_for version >= 1 (latest 0) on weights 'w' for 4.0 s, which waits a "
+        "publish from t:0")
+    # A dead producer is never free: the other one alone decides.
+    assert _stuck(edges, {"r:1": "dead"}) == {"t:0", "r:0", "channel 'c'", "weights 'w'"}
