@@ -580,6 +580,31 @@ def _idle_producers(edges: list[Wait], channel_edges: list[Wait],
     return out
 
 
+def _graph(snapshots: dict[str, dict[str, Any]], states: dict[str, str], names: dict[str, str]
+           ) -> tuple[list[Wait], list[Wait], dict[tuple[str, str], str],
+                      dict[str, dict[str, Any]], list[tuple[Wait, str]], list[Wait],
+                      list[list[Wait]]]:
+    """The wait-for graph of one collection: the processes' own waits, the channels' and
+    weight names' edges to who can end them, the dead ends, the hosted queues, the waits on
+    unpublished names, all edges, and the cycles among stuck nodes old enough to report."""
+    for snap in snapshots.values():  # name the peers a process knows only by address
+        for e in snap["pending"]:
+            if not e.get("peer") and e.get("address") in names:
+                e["peer"] = names[e["address"]]
+    publishers, published = _publishers(snapshots)
+    edges: list[Wait] = []
+    for name, snap in snapshots.items():
+        edges.extend(_edges(name, snap["pending"], names, published))
+    channel_edges, dead_ends, queues = _channel_edges(snapshots, states)
+    weights_edges, orphans = _weights_edges(snapshots, edges, publishers)
+    all_edges = edges + channel_edges + weights_edges
+    stuck = _stuck(all_edges, states)
+    cycles = [c for c in _cycles(e for e in all_edges if e.waiter in stuck and e.target in stuck)
+              # a wait this young may be the ordinary hand-over of a busy pipeline
+              if not any(w.age_s is not None and w.age_s < STUCK_AFTER_S for w in c)]
+    return edges, channel_edges, dead_ends, queues, orphans, all_edges, cycles
+
+
 def diagnose(probes: list[Probe], status: StatusReport,
              later: list[Probe] | None = None, interval: float = 0.0) -> DoctorReport:
     """The report of one collection of snapshots (``later``: a second one, for growth)."""
@@ -593,22 +618,18 @@ def diagnose(probes: list[Probe], status: StatusReport,
         snapshots[p.name] = p.reply
     names = {p.endpoint: p.name for p in probes}
     names.update({w.info.endpoint: w.name for w in status.workers if w.info.endpoint})
-    for snap in snapshots.values():  # name the peers a process knows only by address
-        for e in snap["pending"]:
-            if not e.get("peer") and e.get("address") in names:
-                e["peer"] = names[e["address"]]
-    publishers, published = _publishers(snapshots)
-    edges: list[Wait] = []
-    for name, snap in snapshots.items():
-        edges.extend(_edges(name, snap["pending"], names, published))
-    channel_edges, dead_ends, queues = _channel_edges(snapshots, states)
-    weights_edges, orphans = _weights_edges(snapshots, edges, publishers)
-    all_edges = edges + channel_edges + weights_edges
+    later_snaps = {p.name: p.reply for p in later or () if p.reply is not None}
+    edges, channel_edges, dead_ends, queues, orphans, all_edges, cycles = _graph(
+        snapshots, states, names)
     report.waits = [asdict(e) for e in all_edges]
-    stuck = _stuck(all_edges, states)
-    cycles = [c for c in _cycles(e for e in all_edges if e.waiter in stuck and e.target in stuck)
-              # a wait this young may be the ordinary hand-over of a busy pipeline
-              if not any(w.age_s is not None and w.age_s < STUCK_AFTER_S for w in c)]
+    if later is not None:
+        # Each process answers at its own moment, so one collection is no consistent cut:
+        # two trainers exchanging gradients can each be seen waiting a receive from the
+        # other while both messages are on the wire. With a second collection, a cycle
+        # is a deadlock only if it is there in both.
+        again = {frozenset(w.waiter for w in c)
+                 for c in _graph(later_snaps, states, names)[-1]}
+        cycles = [c for c in cycles if frozenset(w.waiter for w in c) in again]
     for cycle in _merged(cycles):
         report.deadlocks.append([w.words() for w in cycle])
         report.findings.append(f"DEADLOCK: {_sentence(cycle)} (a cycle: none of them can go on)")
@@ -645,7 +666,6 @@ def diagnose(probes: list[Probe], status: StatusReport,
             f"for {', '.join(s['waiting_for'])}, which never called broadcast")
     if later is not None:
         before = {k: q["size"] for k, q in queues.items()}
-        later_snaps = {p.name: p.reply for p in later if p.reply is not None}
         for text in _idle_producers(edges, channel_edges, snapshots, later_snaps):
             report.idle_waits.append(text)
             report.findings.append("NO PRODUCER AT WORK: " + text)
