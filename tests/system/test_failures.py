@@ -23,7 +23,7 @@ import aiorl
 from aiorl.transport import security
 from aiorl.transport.security import ClusterKeys
 from aiorl.transport.wire import Kind, encode_header
-from tests._processes import gone_within
+from tests._processes import gone_within, wait_listening
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,6 +85,9 @@ class ClusterProcesses:
         self.port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.registry = self._start_registry()
+        # Listening first: a registry program imports for seconds under load, and a driver
+        # gives up on a port that refuses every connection for 3 s.
+        wait_listening(self.address)
         self.agents = [
             subprocess.Popen([sys.executable, "-m", "aiorl.node.agent", "--registry", self.address,
                               "--node-rank", str(r), "--log-level", "WARNING", "--key-file",

@@ -114,6 +114,7 @@ def _run(cluster: Any, env: dict[str, str] | None, nodes: list[int],
     group = Fan.create_group().launch(cluster, name="fan", env=env,
                                       placement_strategy=NodePlacementStrategy(nodes))
     try:
+        group.wait_ready(60)  # the bound is the messages', not the launch's (slow under load)
         takes = [group.execute_on(r).take_from(senders, MESSAGES) for r in receivers]
         sends = [group.execute_on(s).stream_to(receivers, MESSAGES) for s in senders]
         for s, work in zip(senders, sends, strict=True):
