@@ -35,6 +35,7 @@ from aiorl.registry.client import RegistryClient
 from aiorl.transport.endpoint import Endpoint
 from aiorl.transport.security import ClusterKeys, make_private_directory
 from aiorl.transport.wire import Kind, decode_header, encode_header
+from tests._processes import wait_listening
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -401,6 +402,7 @@ class AttachedCluster:
         ClusterKeys.generate().save(self.key_file)
         self.address = f"tcp://127.0.0.1:{_free_port()}"
         self.registry = self.start_registry()
+        wait_listening(self.address)  # imports take seconds under load; drivers wait 3 s
         self.agent = subprocess.Popen(
             [sys.executable, "-m", "aiorl.node.agent", "--registry", self.address,
              "--node-rank", "0", "--log-level", "WARNING", "--key-file", self.key_file])

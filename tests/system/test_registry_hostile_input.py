@@ -26,6 +26,7 @@ from aiorl.transport import security
 from aiorl.transport.security import ClusterKeys
 from aiorl.transport.wire import Kind, decode_header, encode_header, split_batch, unpack
 from tests._processes import alive as running
+from tests._processes import wait_listening
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,6 +51,7 @@ class Registry:
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.log_path = tmp_path / "registry.log"
         self.process = self.start()
+        wait_listening(self.address)  # imports take seconds under load; drivers wait 3 s
 
     def start(self) -> subprocess.Popen[bytes]:
         with open(self.log_path, "ab") as log:
