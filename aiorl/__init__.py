@@ -92,7 +92,12 @@ def __getattr__(name: str) -> Any:
     target = _LAZY.get(name)
     if target is None:
         raise AttributeError(f"module 'aiorl' has no attribute {name!r}")
-    module = importlib.import_module(target[0])
+    from aiorl.util.threads import blocked
+
+    # SIGINT and SIGTERM blocked: a thread pool started by this import (numpy's OpenBLAS, via
+    # the weights modules) never takes them from the main thread (aiorl.util.threads).
+    with blocked():
+        module = importlib.import_module(target[0])
     value = module if target[1] is None else getattr(module, target[1])
     globals()[name] = value  # once resolved, a plain module attribute
     return value

@@ -64,6 +64,7 @@ from aiorl.errors import AuthenticationError
 from aiorl.node.agent import detect_accelerators
 from aiorl.transport import security
 from aiorl.util.processes import python_module_command
+from aiorl.util.threads import RuntimeThread
 
 __all__ = ["accelerator_options", "add_parser", "node_address", "node_main", "run"]
 
@@ -171,8 +172,7 @@ class _Step:
         self.process.stdin.write(key_text + b"\n")  # a blank line ends the key
         self.process.stdin.flush()
         self.lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, name=f"aiorl-slurm-{name}",
-                                        daemon=True)
+        self._reader = RuntimeThread(target=self._read, name=f"aiorl-slurm-{name}", daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
@@ -277,7 +277,8 @@ class SlurmLauncher:
             driver.wait()
             self.ended.set()
 
-        threading.Thread(target=watch, name="aiorl-slurm-driver", daemon=True).start()
+        # RuntimeThread: the signals that stop the launcher wake its main thread's wait.
+        RuntimeThread(target=watch, name="aiorl-slurm-driver", daemon=True).start()
         self.ended.wait()
         code = driver.poll()
         if code is None:

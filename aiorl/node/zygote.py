@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from aiorl.node.launch_env import merge_environment
 from aiorl.protocol.spawn import WorkerSpawn
 from aiorl.util.processes import python_module_command
+from aiorl.util.threads import SHIELDED
 
 if TYPE_CHECKING:
     from aiorl.transport.security import ClusterKeys
@@ -289,6 +290,9 @@ def serve(channel: socket.socket, parent_pid: int) -> None:
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent_pid:
         return
+    # Whatever thread of the agent started us, this thread, and every worker forked from
+    # it, takes SIGINT and SIGTERM (a mask survives exec and fork).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SHIELDED)
     cuda_culprit = _preload()
     if cuda_culprit is not None:
         print(_refuse_fork_message(cuda_culprit), file=sys.stderr, flush=True)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from aiorl.errors import ClusterClosedError, WaitTimeout
-from aiorl.util.threads import RuntimeThread
+from aiorl.util.threads import RuntimeThread, result_interruptibly
 
 __all__ = ["LoopThread", "loop_thread_of"]
 
@@ -103,7 +103,7 @@ class LoopThread:
                 lt._after_loop()
 
         RuntimeThread(target=main, name=f"aiorl-io-{name}", daemon=True).start()
-        return ready.result(timeout=10)
+        return result_interruptibly(ready, timeout=10)
 
     # ------------------------------------------------------------------ crossing threads
     def on_loop(self) -> bool:
@@ -163,7 +163,7 @@ class LoopThread:
         if self._stopped:  # lost a race with the stop: nothing will run the coroutine
             self._fail_blocked()
         try:
-            return fut.result(timeout)
+            return result_interruptibly(fut, timeout)  # a Ctrl-C raises within 0.1 s
         except concurrent.futures.TimeoutError:
             if fut.done():
                 raise  # the coroutine's own TimeoutError

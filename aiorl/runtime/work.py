@@ -35,6 +35,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from aiorl.errors import ClusterClosedError, WaitTimeout
 from aiorl.runtime.loop import LoopThread, loop_thread_of
 from aiorl.runtime.waiter import BlockingWaiter, Job
+from aiorl.util.threads import acquire_interruptibly
 
 __all__ = ["AsyncChannelWork", "AsyncCollWork", "AsyncFuncWork", "AsyncWork", "UnawaitedWorkError"]
 
@@ -203,7 +204,8 @@ class AsyncWork(Generic[T]):
                 "would stop the loop that delivers the result; use 'await work' in async code"
             )
         lock = self._thread_signal()
-        if lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
+        # In slices on the main thread: a Ctrl-C that another thread took raises here.
+        if acquire_interruptibly(lock, -1 if timeout is None else max(timeout, 0.0)):
             lock.release()
             return self._fut.result()
         if self._fut.done():  # settled as the wait expired

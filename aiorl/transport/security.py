@@ -47,6 +47,7 @@ import zmq
 
 from aiorl.errors import AuthenticationError
 from aiorl.util.ratelimit import RateLimitedLog
+from aiorl.util.threads import blocked
 
 __all__ = [
     "ClusterKeys",
@@ -277,7 +278,8 @@ def enable_server(sock: zmq.Socket[Any], keys: ClusterKeys) -> None:
         known = _authenticators.get(id(ctx))
         if known is None or known[0] is not ctx:
             auth = _authenticator_class()(ctx, log=logging.getLogger("aiorl.security.zap"))
-            auth.start()
+            with blocked():  # pyzmq's ZAP thread: SIGINT and SIGTERM are the main thread's
+                auth.start()
             auth.configure_curve_callback(domain=ZAP_DOMAIN.decode(),
                                           credentials_provider=_ClusterKeyCheck())
             # Passwords are checked by ClusterAuthenticator; this only enables PLAIN here.

@@ -18,6 +18,7 @@ import zmq
 
 from aiorl.transport import security
 from aiorl.transport.security import ClusterKeys
+from aiorl.util.threads import blocked
 
 __all__ = [
     "HANDSHAKE_FAILED_EVENTS",
@@ -46,10 +47,20 @@ def get_context() -> zmq.Context[zmq.Socket[Any]]:
     global _ctx, _ctx_pid
     with _ctx_lock:
         if _ctx is None or _ctx_pid != os.getpid():
-            _ctx = zmq.Context(io_threads=1)
-            _ctx.setsockopt(zmq.LINGER, 200)
+            _ctx = _new_context()
             _ctx_pid = os.getpid()
         return _ctx
+
+
+def _new_context() -> zmq.Context[zmq.Socket[Any]]:
+    ctx: zmq.Context[zmq.Socket[Any]] = zmq.Context(io_threads=1)
+    ctx.setsockopt(zmq.LINGER, 200)
+    # libzmq starts its I/O and reaper threads with the first socket; starting them here,
+    # SIGINT and SIGTERM blocked, leaves them to the main thread from the threads' first
+    # instruction (libzmq blocks every signal in them itself once they run).
+    with blocked():
+        ctx.socket(zmq.PAIR).close()
+    return ctx
 
 
 #: Messages queued per peer, each way, on a ROUTER (see :func:`make_socket`): far above what

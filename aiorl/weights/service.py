@@ -17,7 +17,6 @@ intact while it was copied (the seqlock check, done where the slot is).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from aiorl.protocol.weights import SCHEMA, DirectoryRequest, FetchBucket, HostNo
 from aiorl.runtime import AsyncWork, Runtime, Session, WorkerSession
 from aiorl.runtime.promise import link_threads, prepare_threads, settle_from
 from aiorl.transport.endpoint import Incoming
-from aiorl.util.threads import block_in_this_thread
+from aiorl.util.threads import RuntimeThreadPool
 from aiorl.weights.directory import WeightDirectory, directory_group
 from aiorl.weights.segment import VersionedSegment, read_slot
 
@@ -130,8 +129,7 @@ class WeightsService:
         self.info = info
         self.worker = info.name
         self.node_id = info.node_id or info.node_ip
-        self.copier = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="aiorl-weights", initializer=block_in_this_thread)
+        self.copier = RuntimeThreadPool(1, thread_name_prefix="aiorl-weights")
         #: Segments this process publishes, by (weight name, shard): what fetches read.
         self.segments: dict[tuple[str, int], VersionedSegment] = {}
         #: The GPU publishers here, by (weight name, shard): told whether host readers exist.
