@@ -185,6 +185,7 @@ class CallDispatch:
         if group.closed:
             stopped = group.runtime.closed_reason
             reject(work, ClusterClosedError(stopped) if stopped is not None
+                   else fresh(group.end_error) if group.end_error is not None
                    else PeerLostError(f"worker group {group.name} is closed"))
             return
         if not ranks:

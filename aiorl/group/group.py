@@ -30,6 +30,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from aiorl.group import arrivals
 from aiorl.group.group_events import GroupEvent, GroupEvents
 from aiorl.group.launch import ship_class
 from aiorl.group.method_names import check_method_names
@@ -710,17 +711,14 @@ class WorkerClassNotHere(metaclass=_AnyMethod):
     ``worker_cls``): any public method name is sent, and the worker answers a misspelt one."""
 
 
-#: Handles that arrived in this process, by (runtime, group name): one watch per group.
-_arrived: dict[tuple[int, str], SharedGroup] = {}
-
-
 def _group_arriving(name: str, module: str, qualname: str, world_size: int,
                     ranks: tuple[int, ...] | None) -> WorkerGroup[Any]:
     """Rebuild a `WorkerGroup` handle sent from another process (its ``__reduce__``).
 
-    Unpickling may run on the event loop, so nothing here waits: the handle starts watching
-    the group through the registry, and calls made through it before the registry's answer
-    are queued, as calls to ranks not ready yet are."""
+    Unpickling may run on the event loop, so nothing here waits: the handle looks its group
+    up through the registry (`aiorl.group.arrivals`), and calls made through it before the
+    registry's answer are queued, as calls to ranks not ready yet are; a group the registry
+    does not know fails them with GroupNotFoundError."""
     from aiorl.runtime.session import WorkerSession
 
     try:
@@ -730,29 +728,13 @@ def _group_arriving(name: str, module: str, qualname: str, world_size: int,
             f"a handle on worker group {name!r} arrived in a process that is not an aiorl "
             f"worker: in a driver, attach by name with WorkerGroup.from_group_name(cluster, "
             f"Cls, {name!r})") from None
-    runtime = session.runtime
-    key = (id(runtime), name)
-    shared = _arrived.get(key)
-    if shared is None or shared.closed or shared.runtime is not runtime:
+    shared = arrivals.arrived(session.runtime, name)
+    if shared is None:
         cls: Any = sys.modules.get(module)
         for part in qualname.split("."):
             cls = getattr(cls, part, None)
         if not isinstance(cls, type):
             cls = WorkerClassNotHere
-        shared = _arrived[key] = SharedGroup(session, cls, name, world_size)
-        runtime.loop.call_soon_threadsafe(_start_watch, shared)
+        shared = arrivals.arrive(session, cls, name, world_size)
     group: WorkerGroup[Any] = WorkerGroup(shared)
     return group if ranks is None else group.on_ranks(ranks)
-
-
-def _start_watch(shared: SharedGroup) -> None:
-    task = shared.runtime.loop.create_task(shared.watch())
-    shared.tasks.add(task)
-    task.add_done_callback(functools.partial(_watch_started, shared))
-
-
-def _watch_started(shared: SharedGroup, task: asyncio.Task[None]) -> None:
-    shared.tasks.discard(task)
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("a handle on group %s received from another process cannot watch it: %s",
-                    shared.name, task.exception())

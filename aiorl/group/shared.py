@@ -12,6 +12,7 @@ the runtime loop.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,8 @@ from aiorl.group.launch import Launcher
 from aiorl.group.state import GroupState, RankSlot
 from aiorl.group.supervision import Restarts, Supervision
 from aiorl.names import WorkerAddress
-from aiorl.protocol.registry import DETAIL_FENCED_IN, DETAIL_GROUP_CLOSED
+from aiorl.protocol.registry import DETAIL_FENCED_IN, DETAIL_GROUP_CLOSED, WorkerRecord
+from aiorl.registry.client import WorkerEvent
 from aiorl.runtime import Session, describe_death
 
 if TYPE_CHECKING:
@@ -40,12 +42,16 @@ class SharedGroup(GroupState):
     """
 
     def __init__(self, session: Session, cls: type, name: str, world_size: int,
-                 supervision: Supervision | None = None) -> None:
-        super().__init__(session, cls, name, world_size)
+                 supervision: Supervision | None = None, *, held_weakly: bool = False) -> None:
+        super().__init__(session, cls, name, world_size, held_weakly=held_weakly)
         self.calls = CallDispatch(self)
         self.launcher = Launcher(self, self.calls.relay)
         self.restarts = Restarts(self, self.calls, self.launcher, supervision)
         self._watching = False
+        #: What the registry client calls with the group's news; ``held_weakly``: it does
+        #: not keep the group alive (a handle that arrived, `aiorl.group.arrivals`).
+        self.on_news: WorkerEvent = (_weak_news(self) if held_weakly
+                                     else self._on_worker_event)
 
     async def start(self, placements: list[Placement], payload: bytes,
                     extra_env: dict[str, str]) -> None:
@@ -63,11 +69,27 @@ class SharedGroup(GroupState):
         except Exception as exc:  # noqa: BLE001 - every rank learns why
             launcher.failed([p.rank for p in placements], exc)
 
-    async def watch(self) -> None:
-        """Subscribe to the registry's news of the group's workers (once)."""
-        if not self._watching:
-            self._watching = True
-            await self.runtime.registry.watch(self.name, self._on_worker_event)
+    async def watch(self) -> dict[str, WorkerRecord]:
+        """Subscribe to the registry's news of the group's workers (once); returns the
+        registry's snapshot of them (empty when already watching)."""
+        if self._watching:
+            return {}
+        self._watching = True
+        return await self.runtime.registry.watch(self.name, self.on_news)
+
+    def unwatch(self) -> None:
+        """Stop hearing the registry's news of the group (its registry watch goes with the
+        last callback on it); nothing to do once the runtime stopped."""
+        if self._watching:
+            self._watching = False
+            if self.runtime.closed_reason is None:
+                self.runtime.registry.drop_watch(self.name, self.on_news)
+
+    def mark_closed(self, reason: str, error: BaseException | None = None) -> None:
+        """`GroupState.mark_closed`, and the group's registry watch goes: its news can
+        change nothing any more."""
+        super().mark_closed(reason, error)
+        self.unwatch()
 
     # ------------------------------------------------------------------ registry news
     def _on_worker_event(self, name: str, state: str, info: dict[str, Any],
@@ -196,6 +218,18 @@ class SharedGroup(GroupState):
             self.calls.forget(r)
             self.emit(EventKind.REMOVED, r, reason)
         self.launcher.kill_ranks(list(ranks))
+
+
+def _weak_news(group: SharedGroup) -> WorkerEvent:
+    """``group._on_worker_event`` without a strong reference to ``group``."""
+    ref = weakref.WeakMethod(group._on_worker_event)
+
+    def on_news(name: str, state: str, info: dict[str, Any], detail: dict[str, Any]) -> None:
+        handler = ref()
+        if handler is not None:
+            handler(name, state, info, detail)
+
+    return on_news
 
 
 def _seconds(value: Any) -> float:

@@ -13,6 +13,7 @@ import asyncio
 import copy
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,7 +69,8 @@ class GroupState:
     the error that says it was removed, so a call of an older epoch that names it fails.
     """
 
-    def __init__(self, session: Session, cls: type, name: str, world_size: int) -> None:
+    def __init__(self, session: Session, cls: type, name: str, world_size: int, *,
+                 held_weakly: bool = False) -> None:
         self.session = session
         self.runtime: Runtime = session.runtime
         self.cls = cls
@@ -78,6 +80,11 @@ class GroupState:
         self.members: tuple[int, ...] = tuple(range(world_size))
         self.epoch = 0
         self.closed = False
+        #: What calls made after the end fail with, when not the usual ``PeerLostError`` (a
+        #: handle on a group the registry does not know: ``GroupNotFoundError``).
+        self.end_error: BaseException | None = None
+        #: Runs once the group is over (`mark_closed`): who keeps the group forgets it.
+        self.on_end: Callable[[], None] | None = None
         #: Views handed out by ``WorkerGroup.on_ranks``, by (epoch, rank tuple) (cached, bounded).
         self.views: dict[tuple[int, tuple[int, ...]], Any] = {}
         #: Builds a WorkerGroup view of some ranks (set by aiorl.group.group, above us).
@@ -93,8 +100,12 @@ class GroupState:
         self.tasks: set[asyncio.Task[None]] = set()
         self.events = EventLog()
         # The runtime stopping (its Cluster closed, or its embedded registry died) fails what
-        # is pending here, queued calls on ranks not ready yet included.
-        self.runtime.on_close(self._runtime_closed)
+        # is pending here, queued calls on ranks not ready yet included. ``held_weakly``: the
+        # runtime does not keep the group alive (a handle that arrived: its last view's
+        # collection ends it).
+        self.closer: Callable[[], None] = (_weakly(self._runtime_closed) if held_weakly
+                                           else self._runtime_closed)
+        self.runtime.on_close(self.closer)
 
     def nodes(self) -> dict[int, dict[str, Any]]:
         """The cluster's live nodes, by node rank (the driver's node list)."""
@@ -163,18 +174,37 @@ class GroupState:
         self.mark_closed(f"worker group {self.name} can no longer be reached: "
                          f"{self.runtime.closed_reason}")
 
-    def mark_closed(self, reason: str) -> None:
-        """The group is over: what is pending or queued on any rank fails, and subscribers
-        hear CLOSED (once)."""
+    def mark_closed(self, reason: str, error: BaseException | None = None) -> None:
+        """The group is over: what is pending or queued on any rank fails (with ``error``,
+        ``PeerLostError(reason)`` by default), as later calls do, and subscribers hear CLOSED
+        (once)."""
         self.closed = True
-        self.runtime.discard_closer(self._runtime_closed)
+        if error is not None:
+            self.end_error = error
+        self.runtime.discard_closer(self.closer)
         for st in self.ranks:
             if st.address is not None:
                 self.runtime.endpoint.mark_peer_lost(st.address, reason)
             st.restarting = False
-            st.fail(PeerLostError(reason))
+            st.fail(error if error is not None else PeerLostError(reason))
         if not self.events.ended:
             self.emit(EventKind.CLOSED, None, reason)
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end()
+
+
+def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` (a bound method) without a strong reference to its object: a no-op once
+    the object is collected."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
 
 
 def fresh(error: BaseException) -> BaseException:

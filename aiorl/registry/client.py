@@ -85,6 +85,11 @@ def own_incarnation() -> int:
 WorkerEvent = Callable[[str, str, dict[str, Any], dict[str, Any]], None]
 
 
+def _unwatched(name: str, error: BaseException | None, _reply: Any) -> None:
+    if error is not None:  # harmless: news of a name nobody here watches is ignored
+        log.debug("unwatching %s: %s", name, error)
+
+
 class RegistryClient:
     def __init__(self, endpoint: Endpoint, address: str) -> None:
         self.endpoint = endpoint
@@ -196,6 +201,24 @@ class RegistryClient:
         self._watch_callbacks.pop(name, None)
         await self._call(RegistryOp.UNWATCH, WatchRequest(name), timeout)
 
+    def drop_watch(self, name: str, callback: WorkerEvent) -> None:
+        """Remove ``callback`` from the watch on ``name`` (loop thread; one not registered is
+        ignored). Once no callback is left, the registry is told to stop sending its news:
+        sent now, not awaited, so a later `watch` of the name reaches the registry after it."""
+        callbacks = self._watch_callbacks.get(name)
+        if callbacks is None or callback not in callbacks:
+            return
+        callbacks.remove(callback)
+        if callbacks:
+            return
+        del self._watch_callbacks[name]
+        self.endpoint.request_then(self.address, RegistryOp.UNWATCH, WatchRequest(name).to_wire(),
+                                   (), functools.partial(_unwatched, name), DEFAULT_TIMEOUT)
+
+    def watches(self) -> dict[str, int]:
+        """How many callbacks watch each name (inspection: what this process subscribed to)."""
+        return {name: len(callbacks) for name, callbacks in self._watch_callbacks.items()}
+
     async def nodes(self, timeout: float = DEFAULT_TIMEOUT) -> tuple[NodeInfo, ...]:
         """The live nodes, by rank."""
         return NodeList.from_wire(await self._call(RegistryOp.NODES, NoArgs(), timeout)).nodes
@@ -262,7 +285,7 @@ class RegistryClient:
         for wname, record in snapshot.workers.items():
             wire = record.to_wire()
             self.known[wname] = record
-            for cb in callbacks:
+            for cb in tuple(callbacks):  # a callback may drop its watch (`drop_watch`)
                 cb(wname, record.state, wire["info"], record.detail)
 
     async def watch_nodes(self, callback: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
