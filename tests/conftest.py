@@ -60,6 +60,10 @@ def _ours(p: psutil.Process) -> bool:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if hasattr(session.config, "workerinput"):
+        # A pytest-xdist worker: the others, which share its tag, may still run clusters.
+        # The controller checks once every worker has finished.
+        return
     deadline = time.monotonic() + 10
     left = [p for p in aiorl_processes() if _ours(p)]
     while left and time.monotonic() < deadline:
