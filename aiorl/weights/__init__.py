@@ -28,9 +28,9 @@ __all__ = [
     "WeightSubscriber",
     "host_directory",
     "weight_publications",
-    "weight_waits",
     "weight_publisher",
     "weight_subscriber",
+    "weight_waits",
 ]
 
 
