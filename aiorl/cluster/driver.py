@@ -244,9 +244,15 @@ class DriverSession:
         """Close the groups this driver owns (when asked), unregister, stop the runtime.
 
         ``reason`` is what later operations raise ([`ClusterClosedError`][aiorl.ClusterClosedError])
-        and pending ones fail with; with ``registry_alive=False`` (it died) nothing is asked of
-        the registry, so closing takes no registry timeout."""
+        and pending ones fail with; with ``registry_alive=False`` (it died), or a registry that
+        answers no heartbeat (it is down or cut off: a lost head node), nothing is asked of
+        the registry, so closing takes no registry timeout: the registry's expiry tears this
+        driver's groups down, should it come back."""
         runtime = self.runtime
+        if registry_alive and not runtime.registry.answering():
+            log.info("closing without asking the registry at %s, which answers no heartbeat",
+                     self.registry_address)
+            registry_alive = False
         try:
             if registry_alive and close_owned_groups:
                 runtime.run_sync(self._close_owned_groups(), timeout=10)

@@ -94,6 +94,7 @@ class RegistryClient:
     def __init__(self, endpoint: Endpoint, address: str) -> None:
         self.endpoint = endpoint
         self.address = address
+        endpoint.verdicts_from = address  # the registry is never taken as gone with itself
         self._watch_callbacks: dict[str, list[WorkerEvent]] = {}
         self._node_callbacks: list[Callable[[list[dict[str, Any]]], None]] = []
         self.known: dict[str, WorkerRecord] = {}  # worker name -> the last record seen
@@ -376,26 +377,48 @@ class RegistryClient:
         self._expiry = expiry
         self._pulse = Pulse(self.endpoint.name, self.address, self.endpoint.keys,
                             RegistryOp.HEARTBEAT, Heartbeat(my_id).to_wire(), interval,
-                            self._beat_answered, self._beat_refused)
+                            self._beat_answered, self._beat_refused, self._beat_due)
         self._pulse.start()
 
     def verdicts_late(self) -> bool:
         """Whether the registry may be late to declare a dead peer: it has not answered a
         heartbeat for two intervals (a second at least: it is down, restarting or cut off),
         or it answered again less than two expiries ago (a restarted registry declares dead,
-        after two expiries, the workers nobody reports again)."""
+        after two expiries, the workers nobody reports again). A process without heartbeats
+        (a worker: its agent beats for it) judges by its connection to the registry
+        instead: down (the registry's process ended, or its machine went) is late; up (it
+        may be slow) is not."""
         if self._pulse is None:
-            return False
+            return self.endpoint.link_down_for(self.address) > 0.0
         now = time.monotonic()
         silence = max(2 * self._beat_interval, 1.0)
-        silent_for = now - self.last_answered
-        if silent_for > 2 * self._expiry > 0 and not self._silence_told:
+        return (now - self.last_answered > silence
+                or now - self._silence_ended < 2 * self._expiry + silence)
+
+    def answering(self) -> bool:
+        """Whether the registry seems to be there: our connection to it is not down (a
+        registry whose process ended drops it at once), and it answered a heartbeat within
+        the last two intervals (a second at least; not asked in a process without
+        heartbeats). A driver closing asks nothing of a registry that is not (its expiry
+        cleans up after the driver, should it come back)."""
+        if self.endpoint.link_down_for(self.address) > 0.0:
+            return False
+        if self._pulse is None:
+            return True
+        return time.monotonic() - self.last_answered <= max(2 * self._beat_interval, 1.0)
+
+    def _beat_due(self) -> None:
+        """A heartbeat is due (on the pulse thread): warn once per silence of two expiries
+        (two intervals' worth of beats, a second at least, without a lease's expiry)."""
+        silent_for = time.monotonic() - self.last_answered
+        limit = 2 * self._expiry if self._expiry > 0 else max(2 * self._beat_interval, 1.0)
+        if silent_for > limit and not self._silence_told:
             self._silence_told = True
             log.warning("the registry at %s has answered no heartbeat for %.0f s (two of its "
-                        "expiries): it is down or cut off; a peer whose connection broke and "
-                        "that accepts no new one is taken as gone with it", self.address,
+                        "expiries): it is down or cut off (a lost head node?); calls to a "
+                        "worker that accepts no connection fail with PeerLostError, and no "
+                        "new group can launch until it answers again", self.address,
                         silent_for)
-        return silent_for > silence or now - self._silence_ended < 2 * self._expiry + silence
 
     def _beat_answered(self, meta: Any) -> None:
         """A heartbeat's reply (on the pulse thread)."""

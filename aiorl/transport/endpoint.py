@@ -168,6 +168,10 @@ class Endpoint:
         #: Whether verdicts on peers may come late (the registry is unreachable): set by the
         #: runtime above; requests on a broken connection then wait for one longer.
         self.verdict_hold: Callable[[], bool] = _never
+        #: The address of whoever gives verdicts (the registry): while it is silent, a peer
+        #: that accepts no connection is taken as gone, but never that one itself (it may
+        #: come back, restarted, at the same address).
+        self.verdicts_from: str | None = None
         self.keys: ClusterKeys | None = (
             security.keys_from_environment() if keys is _FROM_ENVIRONMENT else keys  # type: ignore[assignment]
         )
@@ -445,6 +449,8 @@ class Endpoint:
             settle = functools.partial(_cancel_then, handle, settle)
         p.pending[rid] = settle
         p.send([encode_header(_REQUEST, rid, op, meta), *frames], False)
+        if p.down_since is not None:  # a ZMQ link not (yet) up: the peer may be dead already
+            p.watch_down()
         return rid
 
     def send_oneway(self, peer: str, op: str, meta: Any = None, frames: Sequence[Any] = ()) -> None:
@@ -468,7 +474,8 @@ class Endpoint:
                 _refuse_plain_over_tcp(self.keys, f"connect to {address}")
             p = Peer(self.name, address, self._identity, self.keys, self.loop,
                      self._on_dealer_message, self.verdict_wait, self._holding_verdicts,
-                     functools.partial(self.mark_peer_lost, address))
+                     None if address == self.verdicts_from
+                     else functools.partial(self.mark_peer_lost, address))
             p.open()
             lost = self._lost.get(address)
             if lost is not None:
@@ -529,6 +536,16 @@ class Endpoint:
 
     def _holding_verdicts(self) -> bool:
         return self.verdict_hold()
+
+    def link_down_for(self, address: str) -> float:
+        """For how long (seconds) the ZMQ link to ``address`` has been down: made or dropped,
+        and no handshake since; 0 while it is up, on a lane, or before this endpoint sent
+        ``address`` anything. A peer process that ended drops it at once (its kernel resets
+        the connection); a slow or stopped one keeps it."""
+        p = self._peers.get(address)
+        if p is None or p.down_since is None:
+            return 0.0
+        return self.loop.time() - p.down_since
 
     def pending_requests(self) -> list[tuple[str, Settle]]:
         """Every request waiting for an answer, as ``(peer address, settle)`` (what the

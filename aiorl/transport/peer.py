@@ -21,7 +21,12 @@ What happens to the requests pending on a connection that breaks while the peer 
   peer itself accepts a connection again (a ZMQ handshake: its process lives, and a verdict
   may still come, which says more); a peer that accepted none within `VERDICT_WAIT_S` of the
   break is taken as dead with its registry (a head node lost whole): what was pending fails
-  with `aiorl.PeerLostError` saying so, rather than wait for a verdict nobody can give;
+  with `aiorl.PeerLostError` saying so, rather than wait for a verdict nobody can give. A
+  request sent while the ZMQ link is down (the peer died before it was sent: no break to
+  wait on) is watched the same way (`watch_down`): while it waits, the registry silent and
+  the link down `VERDICT_WAIT_S` in all, the peer is taken as gone. The registry itself is
+  never taken as gone (it may come back, restarted, at its address): requests to it wait on
+  until their own timeouts;
 * a refused connection (the peer does not accept our key, or another connection already
   holds our routing id on its lane) fails what is pending with `aiorl.AuthenticationError`
   at once, and the ZMQ link is rebuilt after a backoff (0.1 s doubling to 2 s) until a
@@ -62,6 +67,10 @@ VERDICT_WAIT_S = 5.0
 #: Rebuilding a socket after a failed handshake waits this long, doubling up to the cap.
 _REBUILD_FIRST_S = 0.1
 _REBUILD_MAX_S = 2.0
+#: While requests wait on a link that is down and the registry answers, `Peer.watch_down`
+#: looks again this often (the registry may fall silent meanwhile).
+_DOWN_RECHECK_S = 1.0
+_EARLY_S = 0.05
 #: Handshakes that break off without detail, in a row, before a warning.
 _BROKEN_HANDSHAKES_WARN = 5
 
@@ -95,12 +104,14 @@ class Peer:
         hold: whether a verdict may still come later than usual (the registry is
             unreachable): requests on a broken connection then wait another `verdict_wait`.
         gone: ``gone(reason)`` declares the peer lost (the endpoint's `mark_peer_lost`: its
-            pending and later requests fail), when it accepts no connection while ``hold``.
+            pending and later requests fail), when it accepts no connection while ``hold``;
+            None for the registry itself, which is never taken as gone.
     """
 
     __slots__ = ("name", "address", "identity", "keys", "loop", "on_message", "verdict_wait", "hold",
                  "gone", "connection", "pending", "lost", "refused", "backoff", "rebuild",
-                 "broken_handshakes", "established", "retired", "_verdicts")
+                 "broken_handshakes", "established", "down_since", "retired", "_verdicts",
+                 "_down_watch")
 
     def __init__(self, name: str, address: str, identity: bytes, keys: ClusterKeys | None,
                  loop: asyncio.AbstractEventLoop, on_message: Callable[[Peer, list[Any]], None],
@@ -126,8 +137,12 @@ class Peer:
         self.rebuild: asyncio.TimerHandle | None = None
         self.broken_handshakes = 0  # in a row, of the kind libzmq retries by itself
         self.established = False  # the DEALER completed a handshake since it last dropped
+        #: Since when (``loop.time()``) the ZMQ link has been down: made or dropped, and no
+        #: handshake since. None while it is up, and on a lane.
+        self.down_since: float | None = None
         self.retired = False  # the endpoint let go of this peer: build nothing more
         self._verdicts: set[asyncio.TimerHandle] = set()
+        self._down_watch: asyncio.TimerHandle | None = None  # `watch_down`'s next look
 
     # ------------------------------------------------------------------ connecting
     def open(self) -> None:
@@ -147,6 +162,7 @@ class Peer:
         sock = make_socket(zmq.DEALER, identity=self.identity, keys=self.keys)
         self.refused = None
         self.established = False
+        self.down_since = self.loop.time()
         self.connection = ZmqLink(sock, functools.partial(self.on_message, self), self.loop,
                                   on_send_failed=self._send_failed,
                                   on_link_event=self._on_link_event)
@@ -218,20 +234,13 @@ class Peer:
             nonlocal handle
             self._verdicts.discard(handle)
             if self.hold() and any(rid in self.pending for rid in rids):
-                if self.established:  # the peer lives: its answer or a verdict may come
+                # The peer lives (its answer or a verdict may come), or it is the registry
+                # itself, which is never taken as gone: wait on.
+                if self.established or self.gone is None:
                     handle = self.loop.call_later(self.verdict_wait, give_up)
                     self._verdicts.add(handle)
                     return
-                why = (f"{self.name}: the connection to {self.address} broke ({reason}); the "
-                       f"registry does not answer, and the peer accepted no connection within "
-                       f"{self.verdict_wait:g} s: it is taken as gone with its registry (a "
-                       "lost head node)")
-                if self.gone is not None:
-                    self.gone(why)  # this request, the others and later ones fail with it
-                for rid in rids:
-                    settle = self.pending.pop(rid, None)
-                    if settle is not None:
-                        settle(PeerLostError(why), None)
+                self._take_as_gone(f"the connection to it broke ({reason})")
                 return
             for rid in rids:
                 settle = self.pending.pop(rid, None)
@@ -245,6 +254,42 @@ class Peer:
         handle = self.loop.call_later(self.verdict_wait, give_up)
         self._verdicts.add(handle)
 
+    def watch_down(self) -> None:
+        """A request was just sent while the ZMQ link is down (`down_since`): see that it
+        does not wait for ever on a peer that died before it was sent (nothing broke after
+        it, so `_wait_for_verdict` does not watch it). One look at a time per peer."""
+        if (self._down_watch is None and self.down_since is not None and not self.retired
+                and self.gone is not None):
+            delay = max(self.down_since + self.verdict_wait - self.loop.time(), 0.0)
+            self._down_watch = self.loop.call_later(delay, self._down_check)
+
+    def _down_check(self) -> None:
+        self._down_watch = None
+        if self.down_since is None or not self.pending or self.retired:
+            return  # up again (its answers come), or nothing waits
+        down_for = self.loop.time() - self.down_since
+        # (+ a margin: the loop runs a timer up to its clock's resolution early)
+        if down_for + _EARLY_S >= self.verdict_wait and self.hold():
+            self._take_as_gone("the connection to it is down")
+            return
+        # The registry answers (a verdict on a dead peer comes from it), or the link went down
+        # again lately: look again soon, while requests wait.
+        self._down_watch = self.loop.call_later(
+            max(self.down_since + self.verdict_wait - self.loop.time(), _DOWN_RECHECK_S),
+            self._down_check)
+
+    def _take_as_gone(self, what: str) -> None:
+        """The peer accepted no connection for `verdict_wait` while the registry, which gives
+        verdicts, does not answer: a head node lost whole. What waits here, and later
+        requests, fail with PeerLostError."""
+        why = (f"{self.name}: {self.address} is taken as gone with its registry (a lost head "
+               f"node?): {what}, it accepted no connection within {self.verdict_wait:g} s, "
+               "and the registry does not answer, so no verdict on it can come")
+        log.debug("%s", why)  # the registry's silence is warned of once (RegistryClient)
+        assert self.gone is not None  # never the registry itself
+        self.gone(why)  # what waits here and later requests fail with it
+        self.fail_pending(lambda: PeerLostError(why))
+
     def _on_link_event(self, frames: list[Any]) -> None:
         """A DEALER's handshake succeeded, failed, or its connection dropped."""
         event = parse_monitor_message(frames)["event"]
@@ -253,6 +298,7 @@ class Peer:
             # written may be lost with the connection, and its answers with it.
             if self.established:
                 self.established = False
+                self.down_since = self.loop.time()
                 self._wait_for_verdict("the ZMQ connection dropped")
             return
         if not event & HANDSHAKE_FAILED_EVENTS:  # succeeded
@@ -261,6 +307,7 @@ class Peer:
             self.backoff = 0.0
             self.broken_handshakes = 0
             self.established = True
+            self.down_since = None
             return
         reason = _HANDSHAKE_FAILURES.get(int(event), "the handshake failed")
         if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
@@ -324,3 +371,6 @@ class Peer:
         for handle in self._verdicts:
             handle.cancel()
         self._verdicts.clear()
+        if self._down_watch is not None:
+            self._down_watch.cancel()
+            self._down_watch = None

@@ -56,18 +56,21 @@ class Pulse(SocketThread):
     """Send ``op`` with ``meta`` to ``address`` every ``interval`` seconds from a thread.
 
     ``on_reply(meta)`` runs on the pulse thread for each reply, ``on_error(meta)`` for each
-    error reply; both must be quick and thread-safe (hand work to a loop with
-    ``call_soon_threadsafe``). `stop` ends the thread and closes its socket.
+    error reply, and ``on_beat()`` (when given) as each beat is due, answered or not (the
+    caller may judge a silence there); all must be quick and thread-safe (hand work to a
+    loop with ``call_soon_threadsafe``). `stop` ends the thread and closes its socket.
     """
 
     def __init__(self, name: str, address: str, keys: ClusterKeys | None, op: str, meta: Any,
                  interval: float, on_reply: Callable[[Any], None],
-                 on_error: Callable[[Any], None]) -> None:
+                 on_error: Callable[[Any], None],
+                 on_beat: Callable[[], None] | None = None) -> None:
         super().__init__("pulse", name, address, keys)
         self._request = (op, meta)
         self._interval = interval
         self._on_reply = on_reply
         self._on_error = on_error
+        self._on_beat = on_beat
 
     def _run(self) -> None:
         sock = self._connect()
@@ -106,6 +109,8 @@ class Pulse(SocketThread):
                     except zmq.Again:
                         pass  # not connected yet: the next beat tries again
                     next_beat = now + self._interval
+                    if self._on_beat is not None:
+                        self._on_beat()
                 if sock.poll(int(1000 * min(_STOP_CHECK_S, max(next_beat - now, 0.0))) + 1):
                     if self._answers(sock.recv_multipart(zmq.NOBLOCK)):
                         answered = time.monotonic()
