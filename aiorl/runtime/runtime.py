@@ -66,6 +66,9 @@ class Runtime:
         # Verdicts on dead peers come from the registry: while it does not answer, a call on
         # a broken connection waits for one instead of failing without saying how it died.
         endpoint.verdict_hold = registry.verdicts_late
+        # A peer is taken as gone only while the registry is silent now: one that answers
+        # again (restarted) gives its verdicts on the peers nobody reports.
+        endpoint.verdicts_silent = lambda: not registry.answering()
         self.name = name
         self._peer_watch: dict[str, asyncio.Future[dict[str, Any]]] = {}  # name -> info when ready
         self._peer_address: dict[str, str] = {}

@@ -172,6 +172,9 @@ class Endpoint:
         #: that accepts no connection is taken as gone, but never that one itself (it may
         #: come back, restarted, at the same address).
         self.verdicts_from: str | None = None
+        #: Whether whoever gives verdicts is silent now (not merely back a moment ago, when
+        #: its verdicts are still to come): only then is a peer taken as gone.
+        self.verdicts_silent: Callable[[], bool] = _never
         self.keys: ClusterKeys | None = (
             security.keys_from_environment() if keys is _FROM_ENVIRONMENT else keys  # type: ignore[assignment]
         )
@@ -475,7 +478,8 @@ class Endpoint:
             p = Peer(self.name, address, self._identity, self.keys, self.loop,
                      self._on_dealer_message, self.verdict_wait, self._holding_verdicts,
                      None if address == self.verdicts_from
-                     else functools.partial(self.mark_peer_lost, address))
+                     else functools.partial(self.mark_peer_lost, address),
+                     self._verdicts_silent)
             p.open()
             lost = self._lost.get(address)
             if lost is not None:
@@ -536,6 +540,9 @@ class Endpoint:
 
     def _holding_verdicts(self) -> bool:
         return self.verdict_hold()
+
+    def _verdicts_silent(self) -> bool:
+        return self.verdicts_silent()
 
     def link_down_for(self, address: str) -> float:
         """For how long (seconds) the ZMQ link to ``address`` has been down: made or dropped,

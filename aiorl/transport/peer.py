@@ -104,12 +104,14 @@ class Peer:
         hold: whether a verdict may still come later than usual (the registry is
             unreachable): requests on a broken connection then wait another `verdict_wait`.
         gone: ``gone(reason)`` declares the peer lost (the endpoint's `mark_peer_lost`: its
-            pending and later requests fail), when it accepts no connection while ``hold``;
+            pending and later requests fail), when it accepts no connection while ``silent``;
             None for the registry itself, which is never taken as gone.
+        silent: whether whoever gives verdicts is silent now (``hold`` also holds a while
+            after it answers again, when its verdicts are still to come).
     """
 
     __slots__ = ("name", "address", "identity", "keys", "loop", "on_message", "verdict_wait", "hold",
-                 "gone", "connection", "pending", "lost", "refused", "backoff", "rebuild",
+                 "gone", "silent", "connection", "pending", "lost", "refused", "backoff", "rebuild",
                  "broken_handshakes", "established", "down_since", "retired", "_verdicts",
                  "_down_watch")
 
@@ -117,7 +119,8 @@ class Peer:
                  loop: asyncio.AbstractEventLoop, on_message: Callable[[Peer, list[Any]], None],
                  verdict_wait: float = VERDICT_WAIT_S,
                  hold: Callable[[], bool] = lambda: False,
-                 gone: Callable[[str], None] | None = None) -> None:
+                 gone: Callable[[str], None] | None = None,
+                 silent: Callable[[], bool] | None = None) -> None:
         self.name = name
         self.address = address
         self.identity = identity
@@ -127,6 +130,7 @@ class Peer:
         self.verdict_wait = verdict_wait
         self.hold = hold
         self.gone = gone
+        self.silent = silent or hold
         #: The lane, or the DEALER; None only while a refused link waits to be rebuilt.
         self.connection: Connection | None = None
         self.pending: dict[int, Settle] = {}
@@ -234,9 +238,10 @@ class Peer:
             nonlocal handle
             self._verdicts.discard(handle)
             if self.hold() and any(rid in self.pending for rid in rids):
-                # The peer lives (its answer or a verdict may come), or it is the registry
-                # itself, which is never taken as gone: wait on.
-                if self.established or self.gone is None:
+                # The peer lives (its answer or a verdict may come), it is the registry
+                # itself (never taken as gone), or the registry answers again (its verdict
+                # on the peers nobody reports is to come): wait on.
+                if self.established or self.gone is None or not self.silent():
                     handle = self.loop.call_later(self.verdict_wait, give_up)
                     self._verdicts.add(handle)
                     return
@@ -269,7 +274,7 @@ class Peer:
             return  # up again (its answers come), or nothing waits
         down_for = self.loop.time() - self.down_since
         # (+ a margin: the loop runs a timer up to its clock's resolution early)
-        if down_for + _EARLY_S >= self.verdict_wait and self.hold():
+        if down_for + _EARLY_S >= self.verdict_wait and self.silent():
             self._take_as_gone("the connection to it is down")
             return
         # The registry answers (a verdict on a dead peer comes from it), or the link went down
