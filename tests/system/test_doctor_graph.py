@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import aiorl
+from tests.system.test_doctor import _until as until_true
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -113,20 +114,9 @@ class Member(aiorl.Worker):
                                     (self.worker_group_name, 0), async_op=True)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with aiorl.Cluster(num_nodes=1) as c:
-        yield c
-
-
-def _until(predicate, timeout: float = 30.0, step: float = 0.5):
-    """Poll ``predicate`` until it returns something truthy (the doctor, while a state forms)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(step)
+def _until(predicate, timeout: float = 30.0):
+    """`tests.system.test_doctor._until`, with this file's longer default bound."""
+    return until_true(predicate, timeout, 0.5)
 
 
 def test_trainer_and_rollouts_deadlock_through_a_channel_and_weights(cluster):
