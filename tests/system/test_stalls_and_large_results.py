@@ -40,7 +40,7 @@ from aiorl.protocol.ops import WorkerState
 from aiorl.transport import sockets, wire
 from aiorl.transport.endpoint import Endpoint
 from aiorl.transport.security import ClusterKeys
-from tests._processes import alive, gone_within
+from tests._processes import alive, gone_within, wait_listening
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -161,6 +161,7 @@ def test_a_registry_behind_a_partition_still_has_the_workers_fenced_in_two_expir
         procs.append(net.run_there([
             sys.executable, "-m", "aiorl.registry.service", "--host", net.THERE, "--port",
             "6380", "--log-level", "WARNING", "--key-file", key_file, "--expiry", "2"]))
+        wait_listening(address)  # imports take seconds under load; drivers wait 3 s
         monkeypatch.setenv("AIORL_NODE_IP", net.HERE)  # the agent, its workers, the driver
         procs.append(subprocess.Popen([
             sys.executable, "-m", "aiorl.node.agent", "--registry", address, "--node-rank",
