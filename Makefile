@@ -75,10 +75,12 @@ test-stress: setup
 lock:
 	PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) TORCH_INDEX=$(TORCH_INDEX) UV_VERSION=$(UV_VERSION) bash .ci/lock
 
-# The long chaos run (docs/failures.md, invariant 32): >= 200 SIGKILLs of workers, node agents
-# and the registry while a pipeline runs; the normal suite runs a short one.
+# The long chaos runs (docs/failures.md, invariant 32): >= 200 SIGKILLs of workers, node
+# agents and the registry while a pipeline runs, and 300 rounds of the GRPO-shaped pipeline with
+# one process of any kind SIGKILLed or SIGSTOPped each round (its summary table at the end);
+# the normal suite runs short ones. AIORL_CHAOS_SEED=N picks another sequence of victims.
 chaos:
-	AIORL_CHAOS_KILLS=200 AIORL_CHAOS_STEPS=50 $(PYTHON) -m pytest -q -s -m chaos tests/system/test_chaos.py
+	AIORL_CHAOS_KILLS=200 AIORL_CHAOS_STEPS=50 AIORL_CHAOS_ROUNDS=300 $(PYTHON) -m pytest -q -s -m chaos tests/system/test_chaos.py
 
 # Issue 26's GPU targets on one GPU, no network, about six minutes: the GPU tests, CUDA IPC,
 # small CUDA messages, weights on the GPU, idle CPU; one table, and
